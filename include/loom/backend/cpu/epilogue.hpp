@@ -1,0 +1,96 @@
+// What runs after a GEMM: bias + activation forward, and the fused backward
+// (activation derivative + bias gradient) in one pass over the gradient.
+// Both layouts are covered: "rows" (N x Out, Linear) and "cols" (Out x N*P,
+// the convolution GEMM's output, transposed to N x Out x P on the way).
+#pragma once
+
+#include <cstddef>
+
+#include "../../core/activation.hpp"
+
+namespace loom::cpu {
+
+template <Act A, class T>
+inline T activate(T v) {
+  // Written so that NaN passes through (as in PyTorch) and the NaN-loss check sees it.
+  if constexpr (A == Act::relu) return v < T(0) ? T(0) : v;
+  else return v;
+}
+
+// The derivative expressed through the activation's output y, so backward
+// needs only what forward stored: relu'(z) = [z > 0] = [y > 0].
+template <Act A, class T>
+inline T activate_grad(T dy, T y) {
+  if constexpr (A == Act::relu) return y > T(0) ? dy : T(0);
+  else return dy;
+}
+
+// y[n, o] = act(y[n, o] + bias[o]) in place, after y = x * W^T.
+template <Act A, class T>
+void bias_act_rows(T* y, const T* bias, std::size_t batch, std::size_t out) {
+  for (std::size_t n = 0; n < batch; ++n) {
+    T* row = y + n * out;
+    for (std::size_t o = 0; o < out; ++o) row[o] = activate<A>(row[o] + bias[o]);
+  }
+}
+
+// dz = act'(dy), db (+)= column sums of dz. Sums run over n in order for
+// every o: the result does not depend on how the batch is laid out in memory.
+template <Act A, class T>
+void bias_act_backward_rows(const T* dy, const T* y, T* dz, T* db, std::size_t batch,
+                            std::size_t out, bool accumulate) {
+  for (std::size_t o = 0; o < out; ++o) {
+    T sum = T(0);
+    for (std::size_t n = 0; n < batch; ++n) {
+      const std::size_t i = n * out + o;
+      dz[i] = activate_grad<A>(dy[i], y[i]);
+      sum += dz[i];
+    }
+    db[o] = accumulate ? db[o] + sum : sum;
+  }
+}
+
+// y[n, o, p] = act(cols[o, n * plane + p] + bias[o]).
+template <Act A, class T>
+void bias_act_cols(const T* cols, const T* bias, T* y, std::size_t batch, std::size_t out,
+                   std::size_t plane) {
+  for (std::size_t n = 0; n < batch; ++n) {
+    for (std::size_t o = 0; o < out; ++o) {
+      const T* in = cols + o * batch * plane + n * plane;
+      T* dst = y + (n * out + o) * plane;
+      for (std::size_t p = 0; p < plane; ++p) dst[p] = activate<A>(in[p] + bias[o]);
+    }
+  }
+}
+
+// dcols[o, n * plane + p] = act'(dy[n, o, p]); db[o] (+)= sum over n, p.
+template <Act A, class T>
+void bias_act_backward_cols(const T* dy, const T* y, T* dcols, T* db, std::size_t batch,
+                            std::size_t out, std::size_t plane, bool accumulate) {
+  for (std::size_t o = 0; o < out; ++o) {
+    T sum = T(0);
+    for (std::size_t n = 0; n < batch; ++n) {
+      const T* g = dy + (n * out + o) * plane;
+      const T* v = y + (n * out + o) * plane;
+      T* dst = dcols + o * batch * plane + n * plane;
+      for (std::size_t p = 0; p < plane; ++p) {
+        dst[p] = activate_grad<A>(g[p], v[p]);
+        sum += dst[p];
+      }
+    }
+    db[o] = accumulate ? db[o] + sum : sum;
+  }
+}
+
+// Standalone activation layers (unfused networks).
+template <Act A, class T>
+void activation_forward(const T* x, T* y, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) y[i] = activate<A>(x[i]);
+}
+
+template <Act A, class T>
+void activation_backward(const T* dy, const T* y, T* dx, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) dx[i] = activate_grad<A>(dy[i], y[i]);
+}
+
+}  // namespace loom::cpu

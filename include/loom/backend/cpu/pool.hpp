@@ -1,0 +1,87 @@
+// 2-D max and average pooling over N*C independent planes, no padding,
+// floor-mode output size (as cuDNN and PyTorch by default).
+#pragma once
+
+#include <cstddef>
+
+
+namespace loom::cpu {
+
+struct PoolGeometry {
+  std::size_t planes;  // batch * channels
+  std::size_t height, width, kernel, stride, out_height, out_width;
+};
+
+template <class T>
+void max_pool_forward(const PoolGeometry& g, const T* x, T* y) {
+  for (std::size_t pl = 0; pl < g.planes; ++pl) {
+    const T* in = x + pl * g.height * g.width;
+    T* out = y + pl * g.out_height * g.out_width;
+    for (std::size_t oh = 0; oh < g.out_height; ++oh)
+      for (std::size_t ow = 0; ow < g.out_width; ++ow) {
+        const T* window = in + oh * g.stride * g.width + ow * g.stride;
+        T best = window[0];
+        for (std::size_t i = 0; i < g.kernel; ++i)
+          for (std::size_t j = 0; j < g.kernel; ++j)
+            if (window[i * g.width + j] > best) best = window[i * g.width + j];
+        out[oh * g.out_width + ow] = best;
+      }
+  }
+}
+
+// The gradient goes to the first maximum of each window (row-major), found
+// again from x rather than stored: it costs K*K reads and saves a buffer.
+template <class T>
+void max_pool_backward(const PoolGeometry& g, const T* x, const T* dy, T* dx) {
+  for (std::size_t pl = 0; pl < g.planes; ++pl) {
+    const T* in = x + pl * g.height * g.width;
+    const T* grad = dy + pl * g.out_height * g.out_width;
+    T* out = dx + pl * g.height * g.width;
+    for (std::size_t i = 0; i < g.height * g.width; ++i) out[i] = T(0);
+    for (std::size_t oh = 0; oh < g.out_height; ++oh)
+      for (std::size_t ow = 0; ow < g.out_width; ++ow) {
+        const std::size_t base = oh * g.stride * g.width + ow * g.stride;
+        std::size_t best = base;
+        for (std::size_t i = 0; i < g.kernel; ++i)
+          for (std::size_t j = 0; j < g.kernel; ++j)
+            if (in[base + i * g.width + j] > in[best]) best = base + i * g.width + j;
+        out[best] += grad[oh * g.out_width + ow];
+      }
+  }
+}
+
+template <class T>
+void avg_pool_forward(const PoolGeometry& g, const T* x, T* y) {
+  const T scale = T(1) / static_cast<T>(g.kernel * g.kernel);
+  for (std::size_t pl = 0; pl < g.planes; ++pl) {
+    const T* in = x + pl * g.height * g.width;
+    T* out = y + pl * g.out_height * g.out_width;
+    for (std::size_t oh = 0; oh < g.out_height; ++oh)
+      for (std::size_t ow = 0; ow < g.out_width; ++ow) {
+        const T* window = in + oh * g.stride * g.width + ow * g.stride;
+        T sum = T(0);
+        for (std::size_t i = 0; i < g.kernel; ++i)
+          for (std::size_t j = 0; j < g.kernel; ++j) sum += window[i * g.width + j];
+        out[oh * g.out_width + ow] = sum * scale;
+      }
+  }
+}
+
+template <class T>
+void avg_pool_backward(const PoolGeometry& g, const T* dy, T* dx) {
+  const T scale = T(1) / static_cast<T>(g.kernel * g.kernel);
+  for (std::size_t pl = 0; pl < g.planes; ++pl) {
+    const T* grad = dy + pl * g.out_height * g.out_width;
+    T* out = dx + pl * g.height * g.width;
+    for (std::size_t i = 0; i < g.height * g.width; ++i) out[i] = T(0);
+    for (std::size_t oh = 0; oh < g.out_height; ++oh)
+      for (std::size_t ow = 0; ow < g.out_width; ++ow) {
+        T* window = out + oh * g.stride * g.width + ow * g.stride;
+        const T share = grad[oh * g.out_width + ow] * scale;
+        for (std::size_t i = 0; i < g.kernel; ++i)
+          for (std::size_t j = 0; j < g.kernel; ++j) window[i * g.width + j] += share;
+      }
+  }
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,47 @@
+// Devices a network runs on. A CPU device is a worker with its own thread
+// budget; GPUs join this list with the CUDA backend.
+#pragma once
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "error.hpp"
+
+namespace loom {
+
+struct Device {
+  enum class Kind { cpu, cuda };
+  Kind kind = Kind::cpu;
+  int index = 0;
+  // Threads this device may use for BLAS and elementwise loops. Worker
+  // devices split the machine's cores so that several do not oversubscribe it.
+  int threads = 1;
+
+  std::string name() const {
+    return (kind == Kind::cpu ? "cpu:" : "cuda:") + std::to_string(index);
+  }
+};
+
+namespace devices {
+
+inline int hardware_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+// n CPU worker devices sharing the machine's cores evenly (at least one each).
+inline std::vector<Device> cpu(int n = 1) {
+  LOOM_CHECK(n >= 1, "devices::cpu(", n, "): need at least one device");
+  const int threads = hardware_threads() / n > 0 ? hardware_threads() / n : 1;
+  std::vector<Device> list;
+  for (int i = 0; i < n; ++i) list.push_back(Device{Device::Kind::cpu, i, threads});
+  return list;
+}
+
+// Every device found: the GPUs once the CUDA backend is compiled in and one is
+// present, else one CPU device using all cores.
+inline std::vector<Device> all() { return cpu(1); }
+
+}  // namespace devices
+}  // namespace loom

@@ -1,0 +1,59 @@
+// Small type-level tools. Lists stay flat (one pack) and are indexed through
+// std::tuple_element, so long networks do not instantiate deep recursions.
+#pragma once
+
+#include <cstddef>
+#include <tuple>
+#include <type_traits>
+
+namespace loom {
+
+template <class... Ts>
+struct TypeList {
+  static constexpr std::size_t size = sizeof...(Ts);
+};
+
+template <class T>
+inline constexpr bool dependent_false = false;
+
+namespace detail {
+
+template <std::size_t I, class List>
+struct type_at;
+template <std::size_t I, class... Ts>
+struct type_at<I, TypeList<Ts...>> {
+  using type = std::tuple_element_t<I, std::tuple<Ts...>>;
+};
+
+template <class A, class B>
+struct concat;
+template <class... As, class... Bs>
+struct concat<TypeList<As...>, TypeList<Bs...>> {
+  using type = TypeList<As..., Bs...>;
+};
+
+}  // namespace detail
+
+template <std::size_t I, class List>
+using type_at_t = typename detail::type_at<I, List>::type;
+
+template <class A, class B>
+using concat_t = typename detail::concat<A, B>::type;
+
+// Calls f(std::integral_constant<std::size_t, I>{}) for I = 0 .. N-1 in order.
+template <std::size_t N, class F>
+constexpr void static_for(F&& f) {
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (f(std::integral_constant<std::size_t, I>{}), ...);
+  }(std::make_index_sequence<N>{});
+}
+
+// The same in reverse order, for backward passes.
+template <std::size_t N, class F>
+constexpr void static_for_reverse(F&& f) {
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (f(std::integral_constant<std::size_t, N - 1 - I>{}), ...);
+  }(std::make_index_sequence<N>{});
+}
+
+}  // namespace loom

@@ -1,0 +1,51 @@
+// Counter-based random numbers: a value is a pure function of (seed, stream,
+// counter), never of a thread, rank or call order, so weights, data order and
+// (later) dropout masks are the same on every backend, policy and device count.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace loom {
+
+// SplitMix64's finaliser: a bijective 64-bit mix with full avalanche.
+constexpr std::uint64_t mix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint64_t stream,
+                                 std::uint64_t counter) {
+  return mix64(mix64(mix64(seed) ^ stream) ^ counter);
+}
+
+// Uniform in [0, 1) with 53 random bits.
+constexpr double uniform01(std::uint64_t seed, std::uint64_t stream,
+                           std::uint64_t counter) {
+  return static_cast<double>(hash_key(seed, stream, counter) >> 11) * 0x1.0p-53;
+}
+
+// A sequential generator over the same counter space, for loops that draw
+// many numbers from one stream (shuffles).
+class CounterRng {
+ public:
+  constexpr CounterRng(std::uint64_t seed, std::uint64_t stream) : seed_(seed), stream_(stream) {}
+  constexpr std::uint64_t next() { return hash_key(seed_, stream_, counter_++); }
+  // Unbiased integer in [0, bound) by rejection (Lemire's multiply-shift
+  // would need 128-bit arithmetic; rejection keeps this constexpr and simple).
+  constexpr std::uint64_t below(std::uint64_t bound) {
+    const std::uint64_t limit = ~std::uint64_t{0} - (~std::uint64_t{0} % bound);
+    std::uint64_t value = next();
+    while (value >= limit) value = next();
+    return value % bound;
+  }
+
+ private:
+  std::uint64_t seed_;
+  std::uint64_t stream_;
+  std::uint64_t counter_ = 0;
+};
+
+}  // namespace loom

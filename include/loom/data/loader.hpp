@@ -1,0 +1,219 @@
+// Mini-batches over a Dataset. The order of an epoch is a pure function of
+// (seed, epoch), so a run is reproducible whatever the thread timing; a
+// background thread gathers batch k+1 into one of two owned buffers while the
+// caller trains on batch k in the other.
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <numeric>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <loom/core/error.hpp>
+#include <loom/core/rng.hpp>
+#include <loom/data/dataset.hpp>
+
+namespace loom::data {
+
+struct LoaderOptions {
+  std::size_t batch_size = 64;
+  bool shuffle = true;
+  std::uint64_t seed = 0;
+  bool drop_last = false;
+};
+
+// Valid until the next call to Loader::next() or Loader::start_epoch().
+struct Batch {
+  const float* images = nullptr;  // size * sample_size(), NCHW
+  const std::int32_t* labels = nullptr;
+  std::size_t size = 0;
+  std::size_t first = 0;  // position of its first sample in this epoch's order
+};
+
+// The sample order of one epoch: identity without shuffle, otherwise a
+// Fisher-Yates permutation drawn from CounterRng(seed, epoch).
+inline std::vector<std::size_t> epoch_order(std::size_t count, const LoaderOptions& options,
+                                            std::size_t epoch) {
+  std::vector<std::size_t> order(count);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  if (options.shuffle && count > 1) {
+    CounterRng rng(options.seed, epoch);
+    for (std::size_t i = count - 1; i > 0; --i) std::swap(order[i], order[rng.below(i + 1)]);
+  }
+  return order;
+}
+
+// Driven from one thread. The Loader keeps a reference to the Dataset, which
+// must outlive it.
+class Loader {
+ public:
+  Loader(const Dataset& dataset, LoaderOptions options)
+      : dataset_(dataset), options_(options), sample_size_(dataset.sample_size()) {
+    LOOM_CHECK(options_.batch_size > 0, "LoaderOptions::batch_size is 0; it must be at least 1");
+    LOOM_CHECK(dataset.images.size() == dataset.count * sample_size_ &&
+                   dataset.labels.size() == dataset.count,
+               "dataset '", dataset.name, "' declares ", dataset.count, " samples of ",
+               sample_size_, " values but holds ", dataset.images.size(), " image values and ",
+               dataset.labels.size(), " labels");
+    const std::size_t count = dataset.count;
+    batches_ = options_.drop_last ? count / options_.batch_size
+                                  : (count + options_.batch_size - 1) / options_.batch_size;
+    max_batch_ = batches_ == 0 ? 0 : std::min(options_.batch_size, count);
+    for (Slot& slot : slots_) {
+      slot.images.resize(max_batch_ * sample_size_);
+      slot.labels.resize(max_batch_);
+    }
+    worker_ = std::thread([this] { run(); });
+  }
+
+  // A temporary Dataset would die before the Loader that references it.
+  Loader(const Dataset&&, LoaderOptions) = delete;
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+
+  ~Loader() {
+    {
+      const std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    work_cv_.notify_one();
+    worker_.join();
+  }
+
+  std::size_t batches_per_epoch() const { return batches_; }
+  std::size_t max_batch() const { return max_batch_; }
+
+  // Abandons any epoch in progress (its batches become invalid) and starts
+  // prefetching the first batch of `epoch`.
+  void start_epoch(std::size_t epoch) {
+    std::vector<std::size_t> order = epoch_order(dataset_.count, options_, epoch);
+    {
+      std::unique_lock lock(mutex_);
+      // The worker reads order_ and writes a slot without the lock while it gathers.
+      ready_cv_.wait(lock, [&] { return !gathering_; });
+      order_ = std::move(order);
+      for (Slot& slot : slots_) {
+        slot.state = Slot::State::empty;
+        slot.error = nullptr;
+      }
+      held_ = nullptr;
+      fill_ = 0;
+      take_ = 0;
+      started_ = true;
+    }
+    work_cv_.notify_one();
+  }
+
+  // Fills `out` with the next batch of the epoch, or returns false at its end.
+  // Rethrows an exception raised while the batch was gathered; the epoch then
+  // ends.
+  bool next(Batch& out) {
+    std::unique_lock lock(mutex_);
+    LOOM_CHECK(started_, "Loader::next() called before start_epoch(); call start_epoch(epoch) first");
+    if (held_) {
+      held_->state = Slot::State::empty;
+      held_ = nullptr;
+      work_cv_.notify_one();
+    }
+    if (take_ == batches_) return false;
+    Slot& slot = slots_[take_ % 2];
+    ready_cv_.wait(lock, [&] {
+      return slot.state == Slot::State::ready || slot.state == Slot::State::failed;
+    });
+    if (slot.state == Slot::State::failed) {
+      const std::exception_ptr error = std::exchange(slot.error, nullptr);
+      slot.state = Slot::State::empty;
+      take_ = batches_;
+      std::rethrow_exception(error);
+    }
+    slot.state = Slot::State::held;
+    held_ = &slot;
+    ++take_;
+    out = Batch{slot.images.data(), slot.labels.data(), slot.size, slot.first};
+    return true;
+  }
+
+ private:
+  struct Slot {
+    enum class State { empty, ready, failed, held };
+    State state = State::empty;
+    std::vector<float> images;
+    std::vector<std::int32_t> labels;
+    std::size_t size = 0;
+    std::size_t first = 0;
+    std::exception_ptr error;
+  };
+
+  void run() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      work_cv_.wait(lock, [&] {
+        return stop_ || (started_ && fill_ < batches_ &&
+                         slots_[fill_ % 2].state == Slot::State::empty);
+      });
+      if (stop_) return;
+      const std::size_t batch = fill_;
+      Slot& slot = slots_[batch % 2];
+      gathering_ = true;
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        gather(batch, slot);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lock.lock();
+      gathering_ = false;
+      slot.state = error ? Slot::State::failed : Slot::State::ready;
+      slot.error = error;
+      fill_ = error ? batches_ : batch + 1;
+      ready_cv_.notify_all();
+    }
+  }
+
+  // Labels are checked here, where they are read, because a Dataset is a plain
+  // aggregate that its owner may build or edit after constructing the Loader.
+  void gather(std::size_t batch, Slot& slot) {
+    const std::size_t first = batch * options_.batch_size;
+    const std::size_t size = std::min(options_.batch_size, dataset_.count - first);
+    for (std::size_t j = 0; j < size; ++j) {
+      const std::size_t index = order_[first + j];
+      const std::int32_t label = dataset_.labels[index];
+      LOOM_CHECK(label >= 0 && static_cast<std::size_t>(label) < dataset_.classes, "dataset '",
+                 dataset_.name, "' has label ", label, " at sample ", index, "; expected 0..",
+                 dataset_.classes - 1, " for ", dataset_.classes, " classes");
+      std::copy_n(dataset_.images.begin() + static_cast<std::ptrdiff_t>(index * sample_size_),
+                  sample_size_, slot.images.begin() + static_cast<std::ptrdiff_t>(j * sample_size_));
+      slot.labels[j] = label;
+    }
+    slot.size = size;
+    slot.first = first;
+  }
+
+  const Dataset& dataset_;
+  const LoaderOptions options_;
+  const std::size_t sample_size_;
+  std::size_t batches_ = 0;
+  std::size_t max_batch_ = 0;
+
+  std::mutex mutex_;
+  std::condition_variable work_cv_;   // caller -> worker: a slot is free, or stop
+  std::condition_variable ready_cv_;  // worker -> caller: a slot is filled, or gathering ended
+  std::vector<std::size_t> order_;
+  Slot slots_[2];
+  Slot* held_ = nullptr;  // the slot behind the Batch the caller holds
+  std::size_t fill_ = 0;  // next batch the worker gathers
+  std::size_t take_ = 0;  // next batch next() returns
+  bool gathering_ = false;
+  bool started_ = false;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace loom::data

@@ -1,0 +1,27 @@
+// Flatten: C x H x W becomes one vector of C*H*W. NCHW rows are already
+// contiguous per sample, so the layer aliases its input: no copy, no buffer.
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+
+#include "layer.hpp"
+
+namespace loom {
+
+struct Flatten {};
+
+template <class In, std::size_t Index>
+struct Bind<Flatten, In, Index> : LayerBase<Flatten, In, Shape<In::size>, Index> {
+  static constexpr bool in_place = true;
+  static constexpr std::size_t forward_flops = 0;
+  static constexpr std::size_t backward_flops = 0;
+  static constexpr std::string_view kind = "flatten";
+
+  template <class T>
+  static void forward(const T*, const T*, T*, T*, std::size_t) {}
+  template <class T>
+  static void backward(const T*, const T*, const T*, const T*, T*, T*, T*, std::size_t, bool) {}
+};
+
+}  // namespace loom

@@ -1,0 +1,120 @@
+// What every layer shares: the Bind template that attaches a layer spec to
+// its input shape and position, the compile-time shape checks whose messages
+// name the layer, and seeded initialisation.
+//
+// Layer specs (Conv2d<20, 5>, ReLU, ...) are empty tags. Bind<Spec, In, Index>
+// is the layer placed in a network: it knows its input and output shapes,
+// parameter count, FLOPs and workspace, and runs forward and backward by
+// calling backend ops. Index counts from 1; index 0 is the Input.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "../core/meta.hpp"
+#include "../core/rng.hpp"
+#include "../core/shape.hpp"
+
+namespace loom {
+
+// Spec wrapper produced by the fusion pass: Layer followed by Activation, run as one.
+template <class Layer_, class Activation_>
+struct Fused {
+  using Layer = Layer_;
+  using Activation = Activation_;
+};
+
+namespace detail {
+
+// These structs carry the numbers of a shape error in their template
+// arguments, so the compiler prints layer index, layer, expected and actual
+// values next to the message.
+template <std::size_t Index, class Layer, std::size_t ExpectedRank, std::size_t ActualRank>
+struct layer_input_rank_mismatch {
+  static_assert(ExpectedRank == ActualRank,
+                "loom shape error: the layer's input has the wrong number of dimensions "
+                "(template arguments: layer index, layer, expected rank, actual rank). "
+                "Conv2d and pooling take C x H x W; Linear takes a flat vector: insert Flatten "
+                "before it");
+  static constexpr bool ok = ExpectedRank == ActualRank;
+};
+
+template <std::size_t Index, class Layer, std::size_t Window, std::size_t InputSize>
+struct layer_window_larger_than_input {
+  static_assert(Window <= InputSize,
+                "loom shape error: the layer's window is larger than its (padded) input "
+                "(template arguments: layer index, layer, window size, input size); check the "
+                "sizes of the Conv2d/MaxPool2d layers before it");
+  static constexpr bool ok = Window <= InputSize;
+};
+
+template <std::size_t Index, class Layer, std::size_t Value>
+struct layer_argument_must_be_positive {
+  static_assert(Value > 0,
+                "loom shape error: a layer size, kernel or stride is zero (template arguments: "
+                "layer index, layer, value)");
+  static constexpr bool ok = Value > 0;
+};
+
+// Dimension I of S, or 1 when S has fewer dimensions; keeps shape arithmetic
+// well-formed after a rank error so that only the named error is reported.
+template <class S, std::size_t I>
+inline constexpr std::size_t dim_or_one = I < S::rank ? S::dims[I < S::rank ? I : 0] : 1;
+
+// Output length of a window sliding over `input` (floor mode).
+constexpr std::size_t window_out(std::size_t input, std::size_t window, std::size_t stride,
+                                 std::size_t pad) {
+  return input + 2 * pad >= window && stride > 0 ? (input + 2 * pad - window) / stride + 1 : 1;
+}
+
+// Seeded uniform initialisation of `count` weights with bound `limit`: each
+// value is a function of (seed, layer index, element index) only, computed
+// in double and rounded once, so every backend, policy and element type that
+// rounds to the same precision gets the same weights.
+template <class T>
+void init_uniform(T* weights, std::size_t count, double limit, std::uint64_t seed,
+                  std::size_t layer_index) {
+  for (std::size_t i = 0; i < count; ++i)
+    weights[i] = static_cast<T>((2.0 * uniform01(seed, layer_index, i) - 1.0) * limit);
+}
+
+// He (Kaiming) uniform when a ReLU follows, which keeps activations' variance
+// through the rectifier; Glorot (Xavier) uniform otherwise.
+inline double init_limit(std::size_t fan_in, std::size_t fan_out, bool relu_follows) {
+  return relu_follows ? std::sqrt(6.0 / static_cast<double>(fan_in))
+                      : std::sqrt(6.0 / static_cast<double>(fan_in + fan_out));
+}
+
+}  // namespace detail
+
+// Defaults shared by every Bind specialisation; layers override what applies.
+template <class Spec_, class In_, class Out_, std::size_t Index_>
+struct LayerBase {
+  using spec = Spec_;
+  using input_shape = In_;
+  using output_shape = Out_;
+  static constexpr std::size_t index = Index_;
+  static constexpr std::size_t weight_count = 0;
+  static constexpr std::size_t bias_count = 0;
+  static constexpr std::size_t param_count = 0;
+  static constexpr std::size_t workspace = 0;  // elements per sample
+  static constexpr std::size_t forward_flops = 0;   // per sample
+  static constexpr std::size_t backward_flops = 0;  // per sample
+  static constexpr bool in_place = false;      // output aliases input (no copy, no buffer)
+  static constexpr bool is_relu = false;
+  static constexpr bool checked = true;  // shape checks passed (layers with rules override)
+
+  template <class T>
+  static void init(T*, std::uint64_t, bool) {}
+};
+
+template <class Spec_, class In_, std::size_t Index_>
+struct Bind : LayerBase<Spec_, In_, In_, Index_> {
+  static_assert(dependent_false<Spec_>,
+                "No loom layer implementation for this type; is it a layer from loom/layers "
+                "(Conv2d, MaxPool2d, AvgPool2d, Linear, ReLU, Flatten)?");
+};
+
+}  // namespace loom

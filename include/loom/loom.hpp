@@ -1,0 +1,22 @@
+// loom: include this one header. Compiled by a host compiler it gives the
+// CPU backend; the CUDA backend joins when compiled by nvcc.
+#pragma once
+
+#include "core/activation.hpp"
+#include "core/arena.hpp"
+#include "core/device.hpp"
+#include "core/error.hpp"
+#include "core/meta.hpp"
+#include "core/rng.hpp"
+#include "core/shape.hpp"
+#include "backend/cpu/cpu.hpp"
+#include "layers/layers.hpp"
+#include "net/fusion.hpp"
+#include "net/model.hpp"
+#include "net/sequential.hpp"
+#include "loss/softmax_cross_entropy.hpp"
+#include "optim/sgd.hpp"
+#include "parallel/single_device.hpp"
+#include "data/data.hpp"
+#include "train/callbacks.hpp"
+#include "train/trainer.hpp"

@@ -1,0 +1,68 @@
+// The fusion pass: a compile-time rewrite of a bound layer list. Each rule
+// says which adjacent pair becomes one layer; the fused layer keeps the first
+// layer's index and parameters, so fused and unfused networks share weights.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+
+#include "../core/meta.hpp"
+#include "../layers/layers.hpp"
+
+namespace loom {
+
+// Primary rule: A and B stay apart.
+template <class A, class B>
+struct FusionRule {
+  static constexpr bool fuses = false;
+  using type = A;
+};
+
+// Linear, ReLU -> one GEMM with a bias+ReLU epilogue.
+template <std::size_t Out, class In, std::size_t I, class In2, std::size_t J>
+struct FusionRule<Bind<Linear<Out>, In, I>, Bind<ReLU, In2, J>> {
+  static constexpr bool fuses = true;
+  using type = Bind<Fused<Linear<Out>, ReLU>, In, I>;
+};
+
+// Conv2d, ReLU -> convolution with a bias+ReLU epilogue.
+template <std::size_t Out, std::size_t K, std::size_t S, std::size_t P, class In, std::size_t I,
+          class In2, std::size_t J>
+struct FusionRule<Bind<Conv2d<Out, K, S, P>, In, I>, Bind<ReLU, In2, J>> {
+  static constexpr bool fuses = true;
+  using type = Bind<Fused<Conv2d<Out, K, S, P>, ReLU>, In, I>;
+};
+
+namespace detail {
+
+template <class Done, class... Rest>
+struct fuse_list {
+  using type = Done;
+};
+
+template <class... Done, class A>
+struct fuse_list<TypeList<Done...>, A> {
+  using type = TypeList<Done..., A>;
+};
+
+template <class... Done, class A, class B, class... Rest>
+struct fuse_list<TypeList<Done...>, A, B, Rest...> {
+  using rule = FusionRule<A, B>;
+  using type = typename std::conditional_t<
+      rule::fuses, fuse_list<TypeList<Done..., typename rule::type>, Rest...>,
+      fuse_list<TypeList<Done..., A>, B, Rest...>>::type;
+};
+
+template <class List>
+struct fuse;
+template <class... Ls>
+struct fuse<TypeList<Ls...>> {
+  using type = typename fuse_list<TypeList<>, Ls...>::type;
+};
+
+}  // namespace detail
+
+template <class List>
+using fuse_t = typename detail::fuse<List>::type;
+
+}  // namespace loom

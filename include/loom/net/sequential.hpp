@@ -1,0 +1,123 @@
+// Sequential<Input<...>, Layers...>: the network as a type. Shapes are
+// inferred left to right at compile time (a mismatch is a compile error that
+// names the layer), then the fusion pass rewrites the layer list that runs.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <type_traits>
+
+#include "../core/meta.hpp"
+#include "../core/shape.hpp"
+#include "../layers/layers.hpp"
+#include "fusion.hpp"
+
+namespace loom {
+
+namespace detail {
+
+template <class In, std::size_t I, class Done, class... Rest>
+struct bind_all {
+  using type = Done;
+};
+
+template <class In, std::size_t I, class... Done, class L, class... Rest>
+struct bind_all<In, I, TypeList<Done...>, L, Rest...> {
+  using bound = Bind<L, In, I>;
+  // Reading `checked` instantiates the layer's shape checks here, in order,
+  // so the first bad layer is the one reported.
+  static_assert(bound::checked || true);
+  using type = typename bind_all<typename bound::output_shape, I + 1, TypeList<Done..., bound>,
+                                 Rest...>::type;
+};
+
+template <class List>
+struct list_info;
+
+template <class... Ls>
+struct list_info<TypeList<Ls...>> {
+  static constexpr std::size_t count = sizeof...(Ls);
+  static constexpr std::size_t parameter_count = (std::size_t{0} + ... + Ls::param_count);
+  static constexpr std::array<std::size_t, count + 1> param_offsets = [] {
+    std::array<std::size_t, count + 1> offsets{};
+    const std::array<std::size_t, count> sizes{Ls::param_count...};
+    for (std::size_t i = 0; i < count; ++i) offsets[i + 1] = offsets[i] + sizes[i];
+    return offsets;
+  }();
+  // Per sample, in elements: every output that is not an alias of its input.
+  static constexpr std::size_t activations =
+      (std::size_t{0} + ... + (Ls::in_place ? 0 : Ls::output_shape::size));
+  static constexpr std::size_t largest_activation =
+      std::max({std::size_t{0}, Ls::input_shape::size..., Ls::output_shape::size...});
+  static constexpr std::size_t workspace = std::max({std::size_t{0}, Ls::workspace...});
+};
+
+}  // namespace detail
+
+// The activation memory plan of a layer list, per sample, in elements.
+// Training holds every layer output (backward needs them), two ping-pong
+// buffers for activation gradients, and one workspace shared by all layers.
+struct MemoryPlan {
+  std::size_t parameters = 0;          // elements, independent of the batch
+  std::size_t activations = 0;         // per sample
+  std::size_t activation_gradients = 0;  // per sample
+  std::size_t workspace = 0;           // per sample
+
+  constexpr std::size_t per_sample() const { return activations + activation_gradients + workspace; }
+  // Bytes to train with `batch` samples: parameters, gradients, optimizer
+  // state (one velocity per parameter for SGD with momentum) and activations.
+  constexpr std::size_t training_bytes(std::size_t batch, std::size_t element_size) const {
+    return (3 * parameters + batch * per_sample()) * element_size;
+  }
+};
+
+template <class Input_, class... Layers_>
+struct Sequential {
+  static_assert(dependent_false<Input_>,
+                "Sequential's first argument must be Input<C, H, W> (or Input<F>), "
+                "e.g. Sequential<Input<1, 28, 28>, Flatten, Linear<10>>");
+};
+
+template <std::size_t... Dims, class... Layers_>
+struct Sequential<Input<Dims...>, Layers_...> {
+  static_assert(sizeof...(Layers_) > 0, "Sequential needs at least one layer after Input");
+
+  using input_shape = Shape<Dims...>;
+  // The layers as written, each bound to its input shape and index (1-based).
+  using layers = typename detail::bind_all<input_shape, 1, TypeList<>, Layers_...>::type;
+  // The layers that run: the fusion pass's rewrite of `layers`.
+  using executed = fuse_t<layers>;
+  using output_shape = typename type_at_t<sizeof...(Layers_) - 1, layers>::output_shape;
+
+  static constexpr std::size_t layer_count = sizeof...(Layers_);
+  static constexpr std::size_t parameter_count = detail::list_info<layers>::parameter_count;
+
+  // Per-sample FLOPs of layer i (1-based, as in error messages) at index i - 1.
+  static constexpr auto forward_flops = []<class... Ls>(TypeList<Ls...>) {
+    return std::array<std::size_t, sizeof...(Ls)>{Ls::forward_flops...};
+  }(layers{});
+  static constexpr auto backward_flops = []<class... Ls>(TypeList<Ls...>) {
+    return std::array<std::size_t, sizeof...(Ls)>{Ls::backward_flops...};
+  }(layers{});
+
+  static constexpr MemoryPlan memory_plan = [] {
+    using info = detail::list_info<executed>;
+    return MemoryPlan{parameter_count, info::activations, 2 * info::largest_activation,
+                      info::workspace};
+  }();
+};
+
+// The same network with the fusion pass switched off: every layer runs on its
+// own. It computes the same function; tests compare the two.
+template <class Net_>
+struct Unfused : Net_ {
+  using executed = typename Net_::layers;
+  static constexpr MemoryPlan memory_plan = [] {
+    using info = detail::list_info<executed>;
+    return MemoryPlan{Net_::parameter_count, info::activations, 2 * info::largest_activation,
+                      info::workspace};
+  }();
+};
+
+}  // namespace loom

@@ -1,0 +1,54 @@
+// SGD with momentum, Nesterov and weight decay, over one flat buffer.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "../backend/cpu/sgd.hpp"
+#include "../core/error.hpp"
+
+namespace loom {
+
+struct SGD {
+  struct Options {
+    float lr = 0.01f;
+    float momentum = 0.0f;
+    float weight_decay = 0.0f;
+    bool nesterov = false;
+  };
+
+  // Per-model optimizer state: one velocity per parameter.
+  template <class T>
+  class State {
+   public:
+    State(Options options, std::size_t parameter_count)
+        : options_(options), velocity_(options.momentum != 0.0f ? parameter_count : 0) {
+      LOOM_CHECK(options.lr > 0.0f, "SGD: learning rate must be positive, got ", options.lr);
+      LOOM_CHECK(options.momentum >= 0.0f && options.momentum < 1.0f,
+                 "SGD: momentum must be in [0, 1), got ", options.momentum);
+      LOOM_CHECK(options.weight_decay >= 0.0f, "SGD: weight decay must be >= 0, got ",
+                 options.weight_decay);
+      LOOM_CHECK(!options.nesterov || options.momentum > 0.0f,
+                 "SGD: Nesterov momentum needs momentum > 0");
+    }
+
+    void step(std::span<T> weights, std::span<const T> grads) {
+      LOOM_CHECK(weights.size() == grads.size(), "SGD::step: ", weights.size(), " weights but ",
+                 grads.size(), " gradients");
+      cpu::sgd_update<T>(weights.data(), grads.data(),
+                         velocity_.empty() ? nullptr : velocity_.data(), weights.size(),
+                         T(options_.lr), T(options_.momentum), T(options_.weight_decay),
+                         options_.nesterov);
+    }
+
+    const Options& options() const { return options_; }
+    std::span<const T> velocity() const { return velocity_; }
+
+   private:
+    Options options_;
+    std::vector<T> velocity_;
+  };
+};
+
+}  // namespace loom

@@ -1,0 +1,138 @@
+// Callbacks for Trainer::fit. A callback implements any of on_fit_begin(FitInfo),
+// on_step(StepInfo), on_epoch_end(EpochInfo[, Trainer&]); the trainer calls
+// the ones that exist, in the order the callbacks were given.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../data/data.hpp"
+#include "trainer.hpp"
+
+namespace loom::callbacks {
+
+namespace detail {
+
+inline std::string clock(double seconds) {
+  const long s = seconds < 0 ? 0 : static_cast<long>(seconds + 0.5);
+  std::ostringstream out;
+  out << s / 60 << ':' << std::setw(2) << std::setfill('0') << s % 60;
+  return out.str();
+}
+
+}  // namespace detail
+
+// Progress: on a terminal, one bar per epoch redrawn in place; otherwise
+// (logs, CI) plain lines, about `lines_per_epoch` per epoch.
+class Progress {
+ public:
+  struct Options {
+    std::ostream* out = &std::cout;
+    int lines_per_epoch = 10;
+    int bar_width = 24;
+  };
+
+  Progress() : Progress(Options{}) {}
+  explicit Progress(Options options)
+      : options_(options),
+        terminal_(options.out == &std::cout && ::isatty(STDOUT_FILENO) == 1) {}
+
+  void on_fit_begin(const FitInfo& info) {
+    info_ = info;
+    *options_.out << "training: " << info.samples_per_epoch << " samples, " << info.epochs
+                  << " epoch(s) of " << info.steps_per_epoch << " steps, batch "
+                  << info.batch_size << '\n';
+    options_.out->flush();
+  }
+
+  void on_step(const StepInfo& step) {
+    const auto now = std::chrono::steady_clock::now();
+    const std::size_t every =
+        std::max<std::size_t>(1, step.steps / static_cast<std::size_t>(std::max(1, options_.lines_per_epoch)));
+    const bool last = step.step == step.steps;
+    if (terminal_) {
+      // Redraws cost a terminal write; ten a second reads as smooth.
+      if (!last && now - last_draw_ < std::chrono::milliseconds(100)) return;
+      last_draw_ = now;
+      *options_.out << '\r' << line(step, true) << "\x1b[K";
+      if (last) *options_.out << '\n';
+      options_.out->flush();
+    } else if (step.step % every == 0 || last) {
+      *options_.out << line(step, false) << '\n';
+      options_.out->flush();
+    }
+  }
+
+  void on_epoch_end(const EpochInfo& epoch) {
+    *options_.out << "epoch " << epoch.epoch << '/' << epoch.epochs << " done: loss "
+                  << std::fixed << std::setprecision(4) << epoch.loss << ", accuracy "
+                  << std::setprecision(2) << 100.0 * epoch.accuracy << "%, "
+                  << std::setprecision(0) << rate(epoch.samples, epoch.seconds) << " samples/s, "
+                  << std::setprecision(1) << epoch.seconds << " s" << std::defaultfloat << '\n';
+    options_.out->flush();
+  }
+
+ private:
+  static double rate(std::size_t samples, double seconds) {
+    return seconds > 0 ? static_cast<double>(samples) / seconds : 0.0;
+  }
+
+  std::string line(const StepInfo& step, bool bar) const {
+    std::ostringstream out;
+    out << "epoch " << step.epoch << '/' << step.epochs << ' ';
+    if (bar) {
+      const auto filled = static_cast<int>(options_.bar_width * step.step / std::max<std::size_t>(1, step.steps));
+      out << '[' << std::string(static_cast<std::size_t>(filled), '=')
+          << std::string(static_cast<std::size_t>(options_.bar_width - filled), ' ') << "] ";
+    }
+    const double per_step = step.step ? step.seconds / static_cast<double>(step.step) : 0.0;
+    const double eta = per_step * static_cast<double>(step.steps - step.step);
+    out << "step " << step.step << '/' << step.steps << " loss " << std::fixed
+        << std::setprecision(4) << step.loss << " acc " << std::setprecision(2)
+        << 100.0 * step.accuracy << "% " << std::setprecision(0)
+        << rate(step.samples, step.seconds) << " samples/s ETA " << detail::clock(eta);
+    return out.str();
+  }
+
+  Options options_;
+  bool terminal_ = false;
+  FitInfo info_{};
+  std::chrono::steady_clock::time_point last_draw_{};
+};
+
+// Evaluate: measures a held-out dataset at the end of every epoch and keeps
+// the results (`last`, `history`) for the caller.
+class Evaluate {
+ public:
+  explicit Evaluate(const data::Dataset& dataset, std::ostream* out = &std::cout)
+      : dataset_(&dataset), out_(out) {}
+
+  template <class TrainerT>
+  void on_epoch_end(const EpochInfo& epoch, TrainerT& trainer) {
+    last = trainer.evaluate(*dataset_);
+    history.push_back(last);
+    if (out_ != nullptr) {
+      *out_ << "epoch " << epoch.epoch << '/' << epoch.epochs << ' ' << dataset_->name
+            << ": loss " << std::fixed << std::setprecision(4) << last.loss << ", accuracy "
+            << std::setprecision(2) << 100.0 * last.accuracy << '%' << std::defaultfloat << '\n';
+      out_->flush();
+    }
+  }
+
+  EvalResult last{};
+  std::vector<EvalResult> history;
+
+ private:
+  const data::Dataset* dataset_;
+  std::ostream* out_;
+};
+
+}  // namespace loom::callbacks

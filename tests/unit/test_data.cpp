@@ -1,0 +1,609 @@
+// The data module: IDX reading (and every way a file can be broken), the
+// Fashion-MNIST loader against the installed files, and the batch Loader's
+// ordering, contents and thread lifetime.
+#include "loom_test.hpp"
+
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <loom/data/data.hpp>
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace loom::data;
+using Bytes = std::vector<std::uint8_t>;
+using Catch::Contains;
+
+// CMake passes the configured folder; a hand-built test uses the library default.
+#ifdef LOOM_TEST_DATA_DIR
+const std::string real_dir = LOOM_TEST_DATA_DIR;
+#else
+const std::string real_dir = default_fashion_mnist_dir;
+#endif
+
+// A fresh folder under the system temp folder, removed with its contents.
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<unsigned> counter{0};
+    do {
+      path_ = fs::temp_directory_path() /
+              ("loom-test-data-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    } while (!fs::create_directory(path_));
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+  std::string path() const { return path_.string(); }
+
+ private:
+  fs::path path_;
+};
+
+Bytes idx_bytes(const std::vector<std::uint32_t>& dims, const Bytes& data) {
+  Bytes bytes{0x00, 0x00, 0x08, static_cast<std::uint8_t>(dims.size())};
+  for (std::uint32_t d : dims)
+    for (int shift = 24; shift >= 0; shift -= 8) bytes.push_back(static_cast<std::uint8_t>(d >> shift));
+  bytes.insert(bytes.end(), data.begin(), data.end());
+  return bytes;
+}
+
+// Bytes that deflate poorly, so a cut .gz file is cut inside the deflate data.
+Bytes noise(std::size_t n, std::uint64_t seed) {
+  Bytes bytes(n);
+  loom::CounterRng rng(seed, 0);
+  for (auto& b : bytes) b = static_cast<std::uint8_t>(rng.next());
+  return bytes;
+}
+
+void write_plain(const std::string& path, const Bytes& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  REQUIRE(out.good());
+}
+
+void write_gz(const std::string& path, const Bytes& bytes) {
+  gzFile file = gzopen(path.c_str(), "wb");
+  REQUIRE(file != nullptr);
+  const int written = gzwrite(file, bytes.data(), static_cast<unsigned>(bytes.size()));
+  REQUIRE(gzclose(file) == Z_OK);
+  REQUIRE(written == static_cast<int>(bytes.size()));
+}
+
+Bytes read_raw(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in.good());
+  return Bytes(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+Bytes read_decompressed(const std::string& path) {
+  gzFile file = gzopen(path.c_str(), "rb");
+  REQUIRE(file != nullptr);
+  Bytes bytes;
+  std::array<std::uint8_t, 1 << 16> chunk;
+  int got = 0;
+  while ((got = gzread(file, chunk.data(), chunk.size())) > 0)
+    bytes.insert(bytes.end(), chunk.begin(), chunk.begin() + got);
+  REQUIRE(got == 0);
+  REQUIRE(gzclose(file) == Z_OK);
+  return bytes;
+}
+
+const Split& real_data() {
+  static const Split split = fashion_mnist(real_dir);
+  return split;
+}
+
+// A small Fashion-MNIST-shaped folder: 3 train and 2 test images of 2x2.
+void write_small_fashion_mnist(const TempDir& dir) {
+  write_gz(dir.file("train-images-idx3-ubyte.gz"), idx_bytes({3, 2, 2}, noise(12, 1)));
+  write_gz(dir.file("train-labels-idx1-ubyte.gz"), idx_bytes({3}, {4, 0, 9}));
+  write_gz(dir.file("t10k-images-idx3-ubyte.gz"), idx_bytes({2, 2, 2}, noise(8, 2)));
+  write_gz(dir.file("t10k-labels-idx1-ubyte.gz"), idx_bytes({2}, {1, 7}));
+}
+
+// Sample i holds the values 1000 i + k, so a batch row names its own index.
+Dataset toy_dataset(std::size_t count, std::size_t classes = 10) {
+  Dataset set;
+  set.name = "toy";
+  set.count = count;
+  set.channels = 2;
+  set.height = 1;
+  set.width = 3;
+  set.classes = classes;
+  for (std::size_t i = 0; i < count; ++i) {
+    for (std::size_t k = 0; k < set.sample_size(); ++k)
+      set.images.push_back(static_cast<float>(1000 * i + k));
+    set.labels.push_back(static_cast<std::int32_t>(i % classes));
+  }
+  return set;
+}
+
+// Runs one epoch, checks that each batch holds exactly the dataset rows of the
+// epoch's order at its positions, and returns the sample indices in the order
+// they came.
+std::vector<std::size_t> run_epoch(Loader& loader, const Dataset& set, const LoaderOptions& options,
+                                   std::size_t epoch) {
+  const std::vector<std::size_t> order = epoch_order(set.count, options, epoch);
+  loader.start_epoch(epoch);
+  std::vector<std::size_t> seen;
+  std::size_t batches = 0;
+  Batch batch;
+  while (loader.next(batch)) {
+    ++batches;
+    REQUIRE(batch.first == seen.size());
+    REQUIRE(batch.size > 0);
+    REQUIRE(batch.size <= loader.max_batch());
+    const std::size_t n = set.sample_size();
+    for (std::size_t j = 0; j < batch.size; ++j) {
+      const std::size_t index = order[batch.first + j];
+      REQUIRE(batch.labels[j] == set.labels[index]);
+      REQUIRE(std::equal(batch.images + j * n, batch.images + (j + 1) * n,
+                         set.images.begin() + static_cast<std::ptrdiff_t>(index * n)));
+      seen.push_back(index);
+    }
+  }
+  REQUIRE(batches == loader.batches_per_epoch());
+  REQUIRE_FALSE(loader.next(batch));
+  return seen;
+}
+
+std::vector<std::size_t> identity(std::size_t n) {
+  std::vector<std::size_t> v(n);
+  std::iota(v.begin(), v.end(), std::size_t{0});
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("data: Fashion-MNIST loads with the published counts and statistics") {
+  const Split& split = real_data();
+  for (const Dataset* set : {&split.train, &split.test}) {
+    REQUIRE(set->channels == 1);
+    REQUIRE(set->height == 28);
+    REQUIRE(set->width == 28);
+    REQUIRE(set->classes == 10);
+    REQUIRE(set->sample_size() == 784);
+    REQUIRE(set->images.size() == set->count * 784);
+    REQUIRE(set->labels.size() == set->count);
+  }
+  REQUIRE(split.train.count == 60000);
+  REQUIRE(split.test.count == 10000);
+  REQUIRE(split.train.name == "fashion-mnist-train");
+  REQUIRE(split.test.name == "fashion-mnist-test");
+  // Class 9 (ankle boot) opens the training file.
+  REQUIRE(split.train.labels[0] == 9);
+
+  std::array<std::size_t, 10> train_hist{}, test_hist{};
+  for (std::int32_t label : split.train.labels) ++train_hist.at(static_cast<std::size_t>(label));
+  for (std::int32_t label : split.test.labels) ++test_hist.at(static_cast<std::size_t>(label));
+  for (std::size_t c = 0; c < 10; ++c) {
+    INFO("class " << c);
+    REQUIRE(train_hist[c] == 6000);
+    REQUIRE(test_hist[c] == 1000);
+  }
+
+  double sum = 0.0, sum_sq = 0.0;
+  for (float v : split.train.images) {
+    sum += v;
+    sum_sq += static_cast<double>(v) * v;
+  }
+  const double n = static_cast<double>(split.train.images.size());
+  const double mean = sum / n;
+  const double std = std::sqrt(sum_sq / n - mean * mean);
+  REQUIRE(std::abs(mean) < 1e-3);
+  REQUIRE(std::abs(std - 1.0) < 1e-2);
+}
+
+TEST_CASE("data: read_idx reads the real files' headers") {
+  const IdxArray labels = read_idx(real_dir + "/train-labels-idx1-ubyte.gz");
+  REQUIRE(labels.dims == std::vector<std::size_t>{60000});
+  REQUIRE(labels.data.size() == 60000);
+  REQUIRE(labels.data[0] == 9);
+  REQUIRE(labels.path == real_dir + "/train-labels-idx1-ubyte.gz");
+  const IdxArray images = read_idx(real_dir + "/t10k-images-idx3-ubyte.gz");
+  REQUIRE(images.dims == std::vector<std::size_t>{10000, 28, 28});
+  REQUIRE(images.data.size() == 10000u * 28 * 28);
+}
+
+TEST_CASE("data: read_idx reads gzip and plain files alike") {
+  TempDir dir;
+  const Bytes data = noise(2 * 3 * 5, 3);
+  const Bytes bytes = idx_bytes({2, 3, 5}, data);
+  write_gz(dir.file("a.gz"), bytes);
+  write_plain(dir.file("a"), bytes);
+  for (const std::string& path : {dir.file("a.gz"), dir.file("a")}) {
+    const IdxArray array = read_idx(path);
+    REQUIRE(array.dims == std::vector<std::size_t>{2, 3, 5});
+    REQUIRE(array.data == data);
+    REQUIRE(array.path == path);
+  }
+}
+
+TEST_CASE("data: an uncompressed copy loads the same data as the .gz files") {
+  TempDir dir;
+  for (const char* stem : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                           "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"})
+    write_plain(dir.file(stem), read_decompressed(real_dir + "/" + stem + ".gz"));
+  const Split plain = fashion_mnist(dir.path());
+  const Split& gz = real_data();
+  REQUIRE(plain.train.count == 60000);
+  REQUIRE(plain.test.count == 10000);
+  REQUIRE(plain.train.images == gz.train.images);
+  REQUIRE(plain.train.labels == gz.train.labels);
+  REQUIRE(plain.test.images == gz.test.images);
+  REQUIRE(plain.test.labels == gz.test.labels);
+}
+
+TEST_CASE("data: fashion_mnist prefers the .gz file when both forms are present") {
+  TempDir dir;
+  write_small_fashion_mnist(dir);
+  for (const char* stem : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                           "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"})
+    write_plain(dir.file(stem), {'n', 'o', 't', ' ', 'i', 'd', 'x'});
+  const Split split = fashion_mnist(dir.path(), Normalize{0.0f, 1.0f});
+  REQUIRE(split.train.count == 3);
+  REQUIRE(split.train.height == 2);
+  REQUIRE(split.train.width == 2);
+  REQUIRE(split.train.labels == std::vector<std::int32_t>{4, 0, 9});
+  REQUIRE(split.test.labels == std::vector<std::int32_t>{1, 7});
+  const Bytes pixels = noise(12, 1);
+  for (std::size_t i = 0; i < pixels.size(); ++i)
+    REQUIRE(split.train.images[i] == static_cast<float>(pixels[i] / 255.0));
+}
+
+TEST_CASE("data: make_image_dataset normalises with the given mean and std") {
+  IdxArray images{{2, 1, 2}, {0, 255, 51, 102}, "imgs"};
+  IdxArray labels{{2}, {3, 1}, "labs"};
+  const Dataset set = make_image_dataset(images, labels, 4, Normalize{0.2f, 0.5f}, "tiny");
+  REQUIRE(set.name == "tiny");
+  REQUIRE(set.count == 2);
+  REQUIRE(set.classes == 4);
+  REQUIRE(set.labels == std::vector<std::int32_t>{3, 1});
+  loom::test::require_close(set.images, std::vector<double>{-0.4, 1.6, 0.0, 0.4},
+                            loom::test::Tolerance{1e-6, 1e-6}, "normalised pixels");
+}
+
+TEST_CASE("data: read_idx reports a missing or unreadable file") {
+  TempDir dir;
+  const std::string missing = dir.file("train-images-idx3-ubyte.gz");
+  REQUIRE_THROWS_AS(read_idx(missing), loom::Error);
+  REQUIRE_THROWS_WITH(read_idx(missing), Contains(missing) && Contains("cannot open") &&
+                                             Contains("No such file or directory") &&
+                                             Contains("dataset-fashion-mnist") &&
+                                             Contains("--data DIR"));
+  // A folder opens but cannot be read (tests may run as root, so permission
+  // bits cannot make a file unreadable here).
+  REQUIRE_THROWS_WITH(read_idx(dir.path()), Contains(dir.path()) && Contains("cannot read") &&
+                                                Contains("Is a directory") &&
+                                                Contains("--data DIR"));
+}
+
+TEST_CASE("data: read_idx reports a wrong magic number") {
+  TempDir dir;
+  const std::string path = dir.file("image.pgm");
+  write_plain(path, {'P', '5', '\n', '2', '8', ' ', '2', '8'});
+  REQUIRE_THROWS_AS(read_idx(path), loom::Error);
+  REQUIRE_THROWS_WITH(read_idx(path), Contains(path) && Contains("wrong magic") &&
+                                          Contains("found 0x50 0x35 0x0a 0x32") &&
+                                          Contains("expected 0x00 0x00 <type> <rank>"));
+}
+
+TEST_CASE("data: read_idx rejects element types other than unsigned byte") {
+  TempDir dir;
+  const std::string path = dir.file("floats.idx");
+  write_plain(path, {0x00, 0x00, 0x0D, 0x01, 0x00, 0x00, 0x00, 0x01, 0, 0, 0, 0});
+  REQUIRE_THROWS_WITH(read_idx(path), Contains(path) && Contains("type 0x0d (float)") &&
+                                          Contains("only unsigned byte (0x08)"));
+}
+
+TEST_CASE("data: read_idx reports a truncated header") {
+  TempDir dir;
+  const std::string short_magic = dir.file("short-magic");
+  write_plain(short_magic, {0x00, 0x00});
+  REQUIRE_THROWS_WITH(read_idx(short_magic), Contains(short_magic) &&
+                                                 Contains("truncated header") &&
+                                                 Contains("holds 2 bytes"));
+  const std::string short_dims = dir.file("short-dims.gz");
+  write_gz(short_dims, {0x00, 0x00, 0x08, 0x03, 0x00, 0x00, 0xea, 0x60, 0x00, 0x00});
+  REQUIRE_THROWS_WITH(read_idx(short_dims), Contains(short_dims) &&
+                                                Contains("truncated header") &&
+                                                Contains("rank 3 needs 12 bytes") &&
+                                                Contains("file holds 6"));
+}
+
+TEST_CASE("data: read_idx reports truncated data") {
+  TempDir dir;
+  const Bytes labels = read_decompressed(real_dir + "/train-labels-idx1-ubyte.gz");
+  const Bytes half(labels.begin(), labels.begin() + 8 + 30000);
+
+  const std::string plain = dir.file("train-labels-idx1-ubyte");
+  write_plain(plain, half);
+  REQUIRE_THROWS_WITH(read_idx(plain), Contains(plain) && Contains("truncated") &&
+                                           Contains("header says 60000 = 60000 bytes, file holds 30000"));
+
+  const std::string gz = dir.file("train-labels-idx1-ubyte.gz");
+  write_gz(gz, half);
+  REQUIRE_THROWS_WITH(read_idx(gz), Contains(gz) && Contains("header says 60000 = 60000 bytes, file holds 30000"));
+
+  const std::string images = dir.file("images");
+  write_plain(images, idx_bytes({3, 2, 2}, noise(10, 4)));
+  REQUIRE_THROWS_WITH(read_idx(images), Contains(images) &&
+                                            Contains("header says 3x2x2 = 12 bytes, file holds 10"));
+}
+
+TEST_CASE("data: read_idx reports a cut-short gzip file") {
+  TempDir dir;
+  const std::string whole = dir.file("whole.gz");
+  write_gz(whole, idx_bytes({4, 32, 32}, noise(4 * 32 * 32, 5)));
+  const Bytes gz = read_raw(whole);
+
+  const std::string half = dir.file("half.gz");
+  write_plain(half, Bytes(gz.begin(), gz.begin() + static_cast<std::ptrdiff_t>(gz.size() / 2)));
+  REQUIRE_THROWS_WITH(read_idx(half), Contains(half) && Contains("is truncated") &&
+                                          Contains("header says 4x32x32 = 4096 bytes") &&
+                                          Contains("unexpected end of file"));
+
+  // Only the gzip trailer (CRC and length) is missing: every data byte arrives.
+  const std::string no_trailer = dir.file("no-trailer.gz");
+  write_plain(no_trailer, Bytes(gz.begin(), gz.end() - 8));
+  REQUIRE_THROWS_WITH(read_idx(no_trailer), Contains(no_trailer) && Contains("is truncated") &&
+                                                Contains("unexpected end of file"));
+}
+
+TEST_CASE("data: read_idx reports a corrupt gzip stream") {
+  TempDir dir;
+  const std::string source = dir.file("source.gz");
+  write_gz(source, idx_bytes({4, 32, 32}, noise(4 * 32 * 32, 6)));
+  const Bytes gz = read_raw(source);
+
+  // gzopen("wb") writes a 10-byte gzip header; the next byte opens the first
+  // deflate block, and block type 3 is reserved.
+  Bytes bad_block = gz;
+  bad_block[10] |= 0x06;
+  const std::string block = dir.file("bad-block.gz");
+  write_plain(block, bad_block);
+  REQUIRE_THROWS_WITH(read_idx(block), Contains(block) && Contains("corrupt gzip stream") &&
+                                           Contains("invalid block type"));
+
+  Bytes bad_crc = gz;
+  bad_crc[gz.size() - 8] ^= 0xff;
+  const std::string crc = dir.file("bad-crc.gz");
+  write_plain(crc, bad_crc);
+  REQUIRE_THROWS_WITH(read_idx(crc), Contains(crc) && Contains("corrupt gzip stream") &&
+                                         Contains("incorrect data check"));
+}
+
+TEST_CASE("data: read_idx reports trailing garbage") {
+  TempDir dir;
+  Bytes bytes = idx_bytes({3}, {1, 2, 3});
+  bytes.insert(bytes.end(), {0xde, 0xad, 0xbe, 0xef, 0x00});
+  const std::string plain = dir.file("labels");
+  write_plain(plain, bytes);
+  REQUIRE_THROWS_WITH(read_idx(plain), Contains(plain) &&
+                                           Contains("5 bytes of trailing garbage after the 3 bytes") &&
+                                           Contains("(3)"));
+  const std::string gz = dir.file("labels.gz");
+  write_gz(gz, bytes);
+  REQUIRE_THROWS_WITH(read_idx(gz), Contains(gz) && Contains("5 bytes of trailing garbage"));
+}
+
+TEST_CASE("data: fashion_mnist reports a missing folder") {
+  TempDir dir;
+  const std::string missing = dir.file("nowhere");
+  REQUIRE_THROWS_AS(fashion_mnist(missing), loom::Error);
+  REQUIRE_THROWS_WITH(fashion_mnist(missing),
+                      Contains(missing + "/train-images-idx3-ubyte.gz") &&
+                          Contains(missing + "/train-images-idx3-ubyte'") && Contains("not found") &&
+                          Contains("dataset-fashion-mnist") && Contains("--data DIR"));
+}
+
+TEST_CASE("data: fashion_mnist reports image and label counts that differ") {
+  TempDir dir;
+  write_small_fashion_mnist(dir);
+  const std::string labels = dir.file("t10k-labels-idx1-ubyte.gz");
+  write_gz(labels, idx_bytes({3}, {1, 7, 2}));
+  REQUIRE_THROWS_WITH(fashion_mnist(dir.path()),
+                      Contains(dir.file("t10k-images-idx3-ubyte.gz") + "' holds 2 images") &&
+                          Contains(labels + "' holds 3 labels"));
+}
+
+TEST_CASE("data: fashion_mnist reports a label outside the classes") {
+  TempDir dir;
+  write_small_fashion_mnist(dir);
+  const std::string labels = dir.file("train-labels-idx1-ubyte.gz");
+  write_gz(labels, idx_bytes({3}, {4, 12, 9}));
+  REQUIRE_THROWS_WITH(fashion_mnist(dir.path()), Contains(labels) && Contains("label 12 at index 1") &&
+                                                     Contains("expected 0..9"));
+}
+
+TEST_CASE("data: make_image_dataset checks ranks and classes") {
+  const IdxArray images{{2, 1, 2}, {0, 1, 2, 3}, "imgs"};
+  const IdxArray labels{{2}, {0, 1}, "labs"};
+  const IdxArray flat{{4}, {0, 1, 2, 3}, "flat"};
+  const IdxArray grid{{2, 1}, {0, 1}, "grid"};
+  REQUIRE_THROWS_WITH(make_image_dataset(flat, labels, 10, {}, "x"),
+                      Contains("'flat' has rank 1 (4); expected rank 3"));
+  REQUIRE_THROWS_WITH(make_image_dataset(images, grid, 10, {}, "x"),
+                      Contains("'grid' has rank 2 (2x1); expected rank 1"));
+  REQUIRE_THROWS_WITH(make_image_dataset(images, labels, 1, {}, "x"),
+                      Contains("'labs' has label 1 at index 1; expected 0..0"));
+  const IdxArray short_images{{2, 1, 2}, {0, 1, 2}, "short"};
+  REQUIRE_THROWS_WITH(make_image_dataset(short_images, labels, 10, {}, "x"),
+                      Contains("'short' has dims 2x1x2 = 4 bytes but holds 3"));
+  REQUIRE_THROWS_WITH(make_image_dataset(images, labels, 10, Normalize{0.5f, 0.0f}, "x"),
+                      Contains("std must be positive"));
+}
+
+TEST_CASE("data: Loader visits every sample exactly once per epoch") {
+  for (std::size_t count : {1u, 10u, 37u}) {
+    const Dataset set = toy_dataset(count);
+    for (std::size_t batch_size : {1u, 3u, 5u, 10u, 64u}) {
+      for (bool drop_last : {false, true}) {
+        const LoaderOptions options{.batch_size = batch_size, .seed = 11, .drop_last = drop_last};
+        INFO("count " << count << ", batch " << batch_size << ", drop_last " << drop_last);
+        Loader loader(set, options);
+        const std::size_t full = count / batch_size;
+        const std::size_t expected_batches = drop_last ? full : (count + batch_size - 1) / batch_size;
+        REQUIRE(loader.batches_per_epoch() == expected_batches);
+        REQUIRE(loader.max_batch() == (expected_batches ? std::min(batch_size, count) : 0));
+        for (std::size_t epoch : {0u, 1u}) {
+          const std::vector<std::size_t> seen = run_epoch(loader, set, options, epoch);
+          REQUIRE(seen.size() == (drop_last ? full * batch_size : count));
+          std::vector<std::size_t> sorted = seen;
+          std::sort(sorted.begin(), sorted.end());
+          REQUIRE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
+          if (!drop_last) REQUIRE(sorted == identity(count));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("data: Loader batches hold the dataset rows at the permuted indices") {
+  const Dataset& train = real_data().train;
+  const LoaderOptions options{.batch_size = 256, .seed = 7};
+  Loader loader(train, options);
+  const std::vector<std::size_t> seen = run_epoch(loader, train, options, 1);
+  REQUIRE(seen == epoch_order(train.count, options, 1));
+  REQUIRE(seen != identity(train.count));
+
+  // Toy rows name their own index, so this check does not lean on epoch_order.
+  const Dataset toy = toy_dataset(23, 4);
+  const LoaderOptions toy_options{.batch_size = 4, .seed = 3};
+  Loader toy_loader(toy, toy_options);
+  toy_loader.start_epoch(2);
+  std::vector<std::size_t> from_rows;
+  Batch batch;
+  while (toy_loader.next(batch))
+    for (std::size_t j = 0; j < batch.size; ++j) {
+      const auto index = static_cast<std::size_t>(batch.images[j * toy.sample_size()]) / 1000;
+      REQUIRE(batch.labels[j] == static_cast<std::int32_t>(index % 4));
+      for (std::size_t k = 0; k < toy.sample_size(); ++k)
+        REQUIRE(batch.images[j * toy.sample_size() + k] == static_cast<float>(1000 * index + k));
+      from_rows.push_back(index);
+    }
+  REQUIRE(from_rows == epoch_order(23, toy_options, 2));
+}
+
+TEST_CASE("data: Loader order depends only on seed and epoch") {
+  const Dataset set = toy_dataset(100);
+  const LoaderOptions options{.batch_size = 7, .seed = 42};
+  Loader a(set, options);
+  Loader b(set, options);
+  const std::vector<std::size_t> a3 = run_epoch(a, set, options, 3);
+  run_epoch(b, set, options, 5);
+  REQUIRE(run_epoch(b, set, options, 3) == a3);
+  REQUIRE(run_epoch(a, set, options, 3) == a3);
+  REQUIRE(run_epoch(a, set, options, 4) != a3);
+  REQUIRE(a3 != identity(100));
+
+  LoaderOptions other_seed = options;
+  other_seed.seed = 43;
+  Loader c(set, other_seed);
+  REQUIRE(run_epoch(c, set, other_seed, 3) != a3);
+}
+
+TEST_CASE("data: Loader without shuffle keeps the dataset order") {
+  const Dataset set = toy_dataset(29);
+  const LoaderOptions options{.batch_size = 8, .shuffle = false, .seed = 9};
+  Loader loader(set, options);
+  REQUIRE(run_epoch(loader, set, options, 0) == identity(29));
+  REQUIRE(run_epoch(loader, set, options, 6) == identity(29));
+}
+
+TEST_CASE("data: Loader restarts mid-epoch") {
+  const Dataset set = toy_dataset(50);
+  const LoaderOptions options{.batch_size = 6, .seed = 5};
+  Loader loader(set, options);
+  loader.start_epoch(0);
+  Batch batch;
+  REQUIRE(loader.next(batch));
+  REQUIRE(loader.next(batch));
+  REQUIRE(batch.first == 6);
+  const std::vector<std::size_t> epoch1 = run_epoch(loader, set, options, 1);
+  REQUIRE(epoch1 == epoch_order(50, options, 1));
+
+  // Restarting before taking any batch, and restarting the same epoch.
+  loader.start_epoch(2);
+  REQUIRE(run_epoch(loader, set, options, 2) == epoch_order(50, options, 2));
+}
+
+TEST_CASE("data: destroying a Loader mid-epoch returns") {
+  const Dataset set = toy_dataset(40);
+  const LoaderOptions options{.batch_size = 3, .seed = 1};
+  std::size_t destroyed = 0;
+  for (int round = 0; round < 50; ++round) {
+    {
+      Loader loader(set, options);
+      loader.start_epoch(static_cast<std::size_t>(round));
+      Batch batch;
+      for (int i = 0; i < round % 4; ++i) REQUIRE(loader.next(batch));
+    }
+    ++destroyed;
+  }
+  { Loader never_started(set, options); }
+  ++destroyed;
+  REQUIRE(destroyed == 51);
+}
+
+TEST_CASE("data: Loader carries an exception from the prefetch thread to next()") {
+  Dataset set = toy_dataset(12);
+  set.labels[5] = 10;
+  const LoaderOptions options{.batch_size = 4, .shuffle = false};
+  Loader loader(set, options);
+  loader.start_epoch(0);
+  Batch batch;
+  REQUIRE(loader.next(batch));
+  REQUIRE(batch.first == 0);
+  REQUIRE_THROWS_AS(loader.next(batch), loom::Error);
+  REQUIRE_FALSE(loader.next(batch));
+
+  loader.start_epoch(0);
+  REQUIRE(loader.next(batch));
+  REQUIRE_THROWS_WITH(loader.next(batch), Contains("dataset 'toy' has label 10 at sample 5") &&
+                                              Contains("expected 0..9"));
+
+  set.labels[5] = 5;
+  REQUIRE(run_epoch(loader, set, options, 0) == identity(12));
+}
+
+TEST_CASE("data: Loader rejects bad options and misuse") {
+  const Dataset set = toy_dataset(5);
+  REQUIRE_THROWS_WITH(Loader(set, LoaderOptions{.batch_size = 0}), Contains("batch_size is 0"));
+
+  Loader loader(set, {});
+  Batch batch;
+  REQUIRE_THROWS_WITH(loader.next(batch), Contains("before start_epoch()"));
+
+  Dataset broken = toy_dataset(5);
+  broken.labels.pop_back();
+  REQUIRE_THROWS_WITH(Loader(broken, {}), Contains("dataset 'toy' declares 5 samples of 6 values") &&
+                                             Contains("30 image values and 4 labels"));
+}
+
+TEST_CASE("data: Loader with drop_last over fewer samples than a batch yields none") {
+  const Dataset set = toy_dataset(5);
+  Loader loader(set, LoaderOptions{.batch_size = 8, .drop_last = true});
+  REQUIRE(loader.batches_per_epoch() == 0);
+  REQUIRE(loader.max_batch() == 0);
+  loader.start_epoch(0);
+  Batch batch;
+  REQUIRE_FALSE(loader.next(batch));
+}

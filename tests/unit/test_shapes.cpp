@@ -1,0 +1,91 @@
+// The network as a type: shapes, parameter counts, FLOPs, the fusion rewrite
+// and the memory plan, all checked at compile time (STATIC_REQUIRE).
+#include <loom/loom.hpp>
+
+#include "loom_test.hpp"
+
+using namespace loom;
+
+namespace {
+
+using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
+                         MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
+
+template <std::size_t I>
+using lenet_layer = type_at_t<I, LeNet::layers>;
+
+}  // namespace
+
+TEST_CASE("shapes: LeNet's shapes are inferred left to right") {
+  STATIC_REQUIRE(std::is_same_v<LeNet::input_shape, Shape<1, 28, 28>>);
+  STATIC_REQUIRE(std::is_same_v<lenet_layer<0>::output_shape, Shape<20, 24, 24>>);
+  STATIC_REQUIRE(std::is_same_v<lenet_layer<2>::output_shape, Shape<20, 12, 12>>);
+  STATIC_REQUIRE(std::is_same_v<lenet_layer<3>::output_shape, Shape<50, 8, 8>>);
+  STATIC_REQUIRE(std::is_same_v<lenet_layer<5>::output_shape, Shape<50, 4, 4>>);
+  STATIC_REQUIRE(std::is_same_v<lenet_layer<6>::output_shape, Shape<800>>);
+  STATIC_REQUIRE(std::is_same_v<LeNet::output_shape, Shape<10>>);
+  STATIC_REQUIRE(LeNet::layer_count == 10);
+  // Indices count from 1 (the Input is 0), as error messages and cuts use them.
+  STATIC_REQUIRE(lenet_layer<0>::index == 1);
+  STATIC_REQUIRE(lenet_layer<7>::index == 8);
+}
+
+TEST_CASE("shapes: parameter counts") {
+  STATIC_REQUIRE(LeNet::parameter_count == 431080);
+  STATIC_REQUIRE(lenet_layer<0>::param_count == 20 * 25 + 20);
+  STATIC_REQUIRE(lenet_layer<3>::param_count == 50 * 500 + 50);
+  STATIC_REQUIRE(lenet_layer<7>::param_count == 800 * 500 + 500);
+  STATIC_REQUIRE(lenet_layer<9>::param_count == 5010);
+}
+
+TEST_CASE("shapes: stride, padding and floor-mode pooling") {
+  using Net = Sequential<Input<3, 32, 30>, Conv2d<8, 3, 2, 1>, AvgPool2d<3, 2>, Conv2d<4, 1>,
+                         MaxPool2d<2>, Flatten, Linear<6>>;
+  STATIC_REQUIRE(std::is_same_v<type_at_t<0, Net::layers>::output_shape, Shape<8, 16, 15>>);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<1, Net::layers>::output_shape, Shape<8, 7, 7>>);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<3, Net::layers>::output_shape, Shape<4, 3, 3>>);
+  STATIC_REQUIRE(std::is_same_v<Net::output_shape, Shape<6>>);
+  STATIC_REQUIRE(Net::parameter_count == (8 * 27 + 8) + (4 * 8 + 4) + (36 * 6 + 6));
+}
+
+TEST_CASE("shapes: per-layer FLOPs per sample") {
+  // conv1: 2 * 20 filters * 576 positions * 25 taps + bias; conv2 likewise.
+  STATIC_REQUIRE(LeNet::forward_flops[0] == 2 * 20 * 576 * 25 + 20 * 576);
+  STATIC_REQUIRE(LeNet::backward_flops[0] == 4 * 20 * 576 * 25 + 20 * 576);
+  STATIC_REQUIRE(LeNet::forward_flops[3] == 2 * 50 * 64 * 500 + 50 * 64);
+  STATIC_REQUIRE(LeNet::forward_flops[7] == 2 * 800 * 500 + 500);
+  STATIC_REQUIRE(LeNet::backward_flops[7] == 4 * 800 * 500 + 500);
+  STATIC_REQUIRE(LeNet::forward_flops[2] == 2880 * 4);
+  STATIC_REQUIRE(LeNet::forward_flops[6] == 0);
+}
+
+TEST_CASE("shapes: the fusion pass folds each ReLU into the layer before it") {
+  using E = LeNet::executed;
+  STATIC_REQUIRE(E::size == 7);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<0, E>, Bind<Fused<Conv2d<20, 5>, ReLU>, Shape<1, 28, 28>, 1>>);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<1, E>, Bind<MaxPool2d<2>, Shape<20, 24, 24>, 3>>);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<2, E>, Bind<Fused<Conv2d<50, 5>, ReLU>, Shape<20, 12, 12>, 4>>);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<5, E>, Bind<Fused<Linear<500>, ReLU>, Shape<800>, 8>>);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<6, E>, Bind<Linear<10>, Shape<500>, 10>>);
+  // A ReLU with nothing to fuse into stays a layer of its own.
+  using Odd = Sequential<Input<4>, ReLU, Linear<3>, ReLU, ReLU>;
+  STATIC_REQUIRE(std::is_same_v<Odd::executed,
+                                TypeList<Bind<ReLU, Shape<4>, 1>, Bind<Fused<Linear<3>, ReLU>, Shape<4>, 2>,
+                                         Bind<ReLU, Shape<3>, 4>>>);
+  STATIC_REQUIRE(Unfused<LeNet>::executed::size == 10);
+}
+
+TEST_CASE("shapes: the activation memory plan") {
+  constexpr MemoryPlan plan = LeNet::memory_plan;
+  // Outputs kept for backward: conv1 (fused) 11520, pool 2880, conv2 3200,
+  // pool 800, Flatten aliases, fc1 500, fc2 10.
+  STATIC_REQUIRE(plan.activations == 11520 + 2880 + 3200 + 800 + 500 + 10);
+  // Two ping-pong gradient buffers of the largest activation (conv1's output).
+  STATIC_REQUIRE(plan.activation_gradients == 2 * 11520);
+  // conv2's im2col matrix (500 x 64) and GEMM output (50 x 64) are the largest.
+  STATIC_REQUIRE(plan.workspace == 500 * 64 + 50 * 64);
+  STATIC_REQUIRE(plan.parameters == 431080);
+  STATIC_REQUIRE(plan.training_bytes(256, 4) == (3 * 431080 + 256 * (18910 + 23040 + 35200)) * 4);
+  // Unfused, every ReLU output is kept as well.
+  STATIC_REQUIRE(Unfused<LeNet>::memory_plan.activations == plan.activations + 11520 + 3200 + 500);
+}
