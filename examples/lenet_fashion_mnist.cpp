@@ -19,7 +19,7 @@ static_assert(LeNet::parameter_count == 431080);
 
 int main(int argc, char** argv) {
   CLI::App app{"Train LeNet on Fashion-MNIST with loom"};
-  int epochs = 5;
+  int epochs = 10;
   std::size_t batch_size = 64;
   float lr = 0.01f;
   float momentum = 0.9f;

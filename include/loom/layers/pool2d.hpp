@@ -49,8 +49,7 @@ struct PoolLayer
 
   template <class T>
   static void forward(const T*, const T* x, T* y, T*, std::size_t n) {
-    if constexpr (Max) cpu::max_pool_forward(geometry(n), x, y);
-    else cpu::avg_pool_forward(geometry(n), x, y);
+    cpu::pool_forward<Max>(geometry(n), x, y);
   }
 
   template <class T>

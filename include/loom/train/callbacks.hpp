@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iomanip>
@@ -46,7 +47,6 @@ class Progress {
         terminal_(options.out == &std::cout && ::isatty(STDOUT_FILENO) == 1) {}
 
   void on_fit_begin(const FitInfo& info) {
-    info_ = info;
     *options_.out << "training: " << info.samples_per_epoch << " samples, " << info.epochs
                   << " epoch(s) of " << info.steps_per_epoch << " steps, batch "
                   << info.batch_size << '\n';
@@ -104,7 +104,6 @@ class Progress {
 
   Options options_;
   bool terminal_ = false;
-  FitInfo info_{};
   std::chrono::steady_clock::time_point last_draw_{};
 };
 

@@ -12,19 +12,24 @@ struct PoolGeometry {
   std::size_t height, width, kernel, stride, out_height, out_width;
 };
 
-template <class T>
-void max_pool_forward(const PoolGeometry& g, const T* x, T* y) {
+// Max or average over each window (Max chosen at compile time).
+template <bool Max, class T>
+void pool_forward(const PoolGeometry& g, const T* x, T* y) {
+  const T scale = T(1) / static_cast<T>(g.kernel * g.kernel);
   for (std::size_t pl = 0; pl < g.planes; ++pl) {
     const T* in = x + pl * g.height * g.width;
     T* out = y + pl * g.out_height * g.out_width;
     for (std::size_t oh = 0; oh < g.out_height; ++oh)
       for (std::size_t ow = 0; ow < g.out_width; ++ow) {
         const T* window = in + oh * g.stride * g.width + ow * g.stride;
-        T best = window[0];
+        T acc = Max ? window[0] : T(0);
         for (std::size_t i = 0; i < g.kernel; ++i)
-          for (std::size_t j = 0; j < g.kernel; ++j)
-            if (window[i * g.width + j] > best) best = window[i * g.width + j];
-        out[oh * g.out_width + ow] = best;
+          for (std::size_t j = 0; j < g.kernel; ++j) {
+            const T v = window[i * g.width + j];
+            if constexpr (Max) acc = v > acc ? v : acc;
+            else acc += v;
+          }
+        out[oh * g.out_width + ow] = Max ? acc : acc * scale;
       }
   }
 }
@@ -46,23 +51,6 @@ void max_pool_backward(const PoolGeometry& g, const T* x, const T* dy, T* dx) {
           for (std::size_t j = 0; j < g.kernel; ++j)
             if (in[base + i * g.width + j] > in[best]) best = base + i * g.width + j;
         out[best] += grad[oh * g.out_width + ow];
-      }
-  }
-}
-
-template <class T>
-void avg_pool_forward(const PoolGeometry& g, const T* x, T* y) {
-  const T scale = T(1) / static_cast<T>(g.kernel * g.kernel);
-  for (std::size_t pl = 0; pl < g.planes; ++pl) {
-    const T* in = x + pl * g.height * g.width;
-    T* out = y + pl * g.out_height * g.out_width;
-    for (std::size_t oh = 0; oh < g.out_height; ++oh)
-      for (std::size_t ow = 0; ow < g.out_width; ++ow) {
-        const T* window = in + oh * g.stride * g.width + ow * g.stride;
-        T sum = T(0);
-        for (std::size_t i = 0; i < g.kernel; ++i)
-          for (std::size_t j = 0; j < g.kernel; ++j) sum += window[i * g.width + j];
-        out[oh * g.out_width + ow] = sum * scale;
       }
   }
 }
