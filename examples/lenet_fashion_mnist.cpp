@@ -25,11 +25,18 @@ int main(int argc, char** argv) {
   float momentum = 0.9f;
   std::string data_dir = data::default_fashion_mnist_dir;
   std::uint64_t seed = 0;
-  app.add_option("--epochs", epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--batch-size", batch_size, "samples per step")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--lr", lr, "SGD learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--momentum", momentum, "SGD momentum")->check(CLI::Range(0.0f, 0.999f))->capture_default_str();
-  app.add_option("--data", data_dir, "folder with the Fashion-MNIST IDX files (.gz or plain)")->capture_default_str();
+  app.add_option("--epochs", epochs, "passes over the training set")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--batch-size", batch_size, "samples per step")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--lr", lr, "SGD learning rate")->check(CLI::Range(1e-8f, 100.0f))->capture_default_str();
+  app.add_option("--momentum", momentum, "SGD momentum")
+      ->check(CLI::Range(0.0f, 0.999f))
+      ->capture_default_str();
+  app.add_option("--data", data_dir, "folder with the Fashion-MNIST IDX files (.gz or plain)")
+      ->capture_default_str();
   app.add_option("--seed", seed, "seed for weights and data order")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 

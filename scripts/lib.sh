@@ -13,11 +13,11 @@ LOOM_DEBIAN_PACKAGES=(
   dataset-fashion-mnist
 )
 
-# Installs whichever of LOOM_DEBIAN_PACKAGES is missing; when none is, it
-# touches neither the network nor apt's lists.
-loom_install_deps() {
+# loom_install_packages PACKAGE...: installs whichever of the Debian packages
+# is missing; when none is, it touches neither the network nor apt's lists.
+loom_install_packages() {
   local missing=() package
-  for package in "${LOOM_DEBIAN_PACKAGES[@]}"; do
+  for package in "$@"; do
     if [[ "$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null || true)" != "install ok installed" ]]; then
       missing+=("$package")
     fi
@@ -33,6 +33,11 @@ loom_install_deps() {
   "${as_root[@]}" apt-get update -q
   "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
     apt-get install -y -q --no-install-recommends "${missing[@]}"
+}
+
+# Installs whichever of LOOM_DEBIAN_PACKAGES is missing.
+loom_install_deps() {
+  loom_install_packages "${LOOM_DEBIAN_PACKAGES[@]}"
 }
 
 # The build folder: LOOM_BUILD_DIR (relative to the repository root) or build/.

@@ -186,3 +186,32 @@ TEST_CASE("layers: the first layer's backward skips the input gradient") {
                       without_dx.data(), run.work.data(), batch, false);
   test::require_equal(without_dx, with_dx, "parameter gradients");
 }
+
+TEST_CASE("layers: Conv2d over more samples than one chunk equals sample-by-sample runs") {
+  // 150 samples: two full chunks of 64 and a partial one.
+  constexpr std::size_t n = 2 * cpu::conv_chunk + 22;
+  using L = Bind<Fused<Conv2d<4, 3, 1, 1>, ReLU>, Shape<2, 6, 5>, 1>;
+  constexpr std::size_t in = L::input_shape::size, out = L::output_shape::size;
+  const auto params = random_vector<double>(L::param_count, 100, -0.5, 0.5);
+  const auto x = random_vector<double>(n * in, 101);
+  const auto dy = random_vector<double>(n * out, 102);
+  std::vector<double> y(n * out), dx(n * in), dparams(L::param_count), work(n * L::workspace);
+  L::forward<double>(params.data(), x.data(), y.data(), work.data(), n);
+  L::backward<double>(params.data(), x.data(), y.data(), dy.data(), dx.data(), dparams.data(),
+                      work.data(), n, false);
+
+  std::vector<double> y1(out), dx1(in), dp1(L::param_count), dparams_sum(L::param_count, 0.0);
+  for (std::size_t s = 0; s < n; ++s) {
+    L::forward<double>(params.data(), x.data() + s * in, y1.data(), work.data(), 1);
+    L::backward<double>(params.data(), x.data() + s * in, y1.data(), dy.data() + s * out,
+                        dx1.data(), dp1.data(), work.data(), 1, false);
+    test::require_close(std::vector<double>(y.begin() + static_cast<long>(s * out),
+                                            y.begin() + static_cast<long>((s + 1) * out)),
+                        y1, {1e-13, 1e-12}, "output of sample " + std::to_string(s));
+    test::require_close(std::vector<double>(dx.begin() + static_cast<long>(s * in),
+                                            dx.begin() + static_cast<long>((s + 1) * in)),
+                        dx1, {1e-13, 1e-12}, "input gradient of sample " + std::to_string(s));
+    for (std::size_t i = 0; i < dp1.size(); ++i) dparams_sum[i] += dp1[i];
+  }
+  test::require_close(dparams, dparams_sum, {1e-12, 1e-12}, "parameter gradient summed over chunks");
+}

@@ -82,10 +82,17 @@ TEST_CASE("shapes: the activation memory plan") {
   STATIC_REQUIRE(plan.activations == 11520 + 2880 + 3200 + 800 + 500 + 10);
   // Two ping-pong gradient buffers of the largest activation (conv1's output).
   STATIC_REQUIRE(plan.activation_gradients == 2 * 11520);
-  // conv2's im2col matrix (500 x 64) and GEMM output (50 x 64) are the largest.
-  STATIC_REQUIRE(plan.workspace == 500 * 64 + 50 * 64);
+  // Whole-batch workspace: fc1's dZ (500 per sample). Convolutions work in
+  // chunks of 64 samples; conv2's im2col matrix (500 x 64) and GEMM output
+  // (50 x 64) per sample are the largest.
+  STATIC_REQUIRE(plan.workspace == 500);
+  STATIC_REQUIRE(plan.chunked_workspace == 500 * 64 + 50 * 64);
+  STATIC_REQUIRE(plan.chunk == 64);
+  STATIC_REQUIRE(plan.workspace_elements(16) == 16 * 35200);
+  STATIC_REQUIRE(plan.workspace_elements(256) == 64 * 35200);
   STATIC_REQUIRE(plan.parameters == 431080);
-  STATIC_REQUIRE(plan.training_bytes(256, 4) == (3 * 431080 + 256 * (18910 + 23040 + 35200)) * 4);
+  STATIC_REQUIRE(plan.training_bytes(256, 4) ==
+                 (3 * 431080 + 256 * (18910 + 23040) + 64 * 35200) * 4);
   // Unfused, every ReLU output is kept as well.
   STATIC_REQUIRE(Unfused<LeNet>::memory_plan.activations == plan.activations + 11520 + 3200 + 500);
 }

@@ -5,6 +5,7 @@
 // output out as N x Out x H x W.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <string_view>
 
@@ -55,8 +56,10 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
   static constexpr std::size_t weight_count = Out * patch;
   static constexpr std::size_t bias_count = Out;
   static constexpr std::size_t param_count = weight_count + bias_count;
-  // Column matrix (reused for its gradient) + the GEMM output / its gradient.
+  // Column matrix (reused for its gradient) + the GEMM output / its gradient,
+  // for one chunk of samples at a time.
   static constexpr std::size_t workspace = patch * plane + Out * plane;
+  static constexpr bool chunked = true;
   static constexpr std::size_t forward_flops = 2 * Out * plane * patch + Out * plane;
   static constexpr std::size_t backward_flops = 4 * Out * plane * patch + Out * plane;
   static constexpr std::string_view kind = "conv";
@@ -73,32 +76,41 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
 
   template <class T>
   static void forward(const T* params, const T* x, T* y, T* work, std::size_t n) {
-    const auto g = geometry(n);
-    T* col = work;
-    T* cols_out = work + patch * plane * n;
-    cpu::im2col(g, x, col);
-    cpu::gemm<T>(false, false, Out, g.cols(), patch, T(1), params, patch, col, g.cols(), T(0),
-                 cols_out, g.cols());
-    cpu::bias_act_cols<A>(cols_out, params + weight_count, y, n, Out, plane);
+    for (std::size_t first = 0; first < n; first += cpu::conv_chunk) {
+      const auto g = geometry(std::min(cpu::conv_chunk, n - first));
+      T* col = work;
+      T* cols_out = work + patch * g.cols();
+      cpu::im2col(g, x + first * In::size, col);
+      cpu::gemm<T>(false, false, Out, g.cols(), patch, T(1), params, patch, col, g.cols(), T(0),
+                   cols_out, g.cols());
+      cpu::bias_act_cols<A>(cols_out, params + weight_count, y + first * Out * plane, g.batch, Out,
+                            plane);
+    }
   }
 
-  // dW (+)= dZ * col^T; dcol = W^T * dZ; dx = col2im(dcol), skipped for the
-  // first layer (dx == nullptr). col is rebuilt from x rather than kept from
-  // forward: it is the largest buffer and im2col is cheap next to the GEMMs.
+  // Per chunk: dW (+)= dZ * col^T; dcol = W^T * dZ; dx = col2im(dcol), skipped
+  // for the first layer (dx == nullptr). col is rebuilt from x rather than
+  // kept from forward: it is the largest buffer and im2col is cheap next to
+  // the GEMMs. Chunks after the first add to the gradients.
   template <class T>
   static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
                        T* work, std::size_t n, bool accumulate) {
-    const auto g = geometry(n);
-    T* col = work;
-    T* dz = work + patch * plane * n;
-    cpu::bias_act_backward_cols<A>(dy, y, dz, dparams + weight_count, n, Out, plane, accumulate);
-    cpu::im2col(g, x, col);
-    cpu::gemm<T>(false, true, Out, patch, g.cols(), T(1), dz, g.cols(), col, g.cols(),
-                 accumulate ? T(1) : T(0), dparams, patch);
-    if (dx == nullptr) return;
-    cpu::gemm<T>(true, false, patch, g.cols(), Out, T(1), params, patch, dz, g.cols(), T(0), col,
-                 g.cols());
-    cpu::col2im(g, col, dx);
+    for (std::size_t first = 0; first < n; first += cpu::conv_chunk) {
+      const auto g = geometry(std::min(cpu::conv_chunk, n - first));
+      const bool add = accumulate || first > 0;
+      const std::size_t out_offset = first * Out * plane;
+      T* col = work;
+      T* dz = work + patch * g.cols();
+      cpu::bias_act_backward_cols<A>(dy + out_offset, y + out_offset, dz, dparams + weight_count,
+                                     g.batch, Out, plane, add);
+      cpu::im2col(g, x + first * In::size, col);
+      cpu::gemm<T>(false, true, Out, patch, g.cols(), T(1), dz, g.cols(), col, g.cols(),
+                   add ? T(1) : T(0), dparams, patch);
+      if (dx == nullptr) continue;
+      cpu::gemm<T>(true, false, patch, g.cols(), Out, T(1), params, patch, dz, g.cols(), T(0), col,
+                   g.cols());
+      cpu::col2im(g, col, dx + first * In::size);
+    }
   }
 };
 

@@ -100,6 +100,9 @@ struct LayerBase {
   static constexpr std::size_t bias_count = 0;
   static constexpr std::size_t param_count = 0;
   static constexpr std::size_t workspace = 0;  // elements per sample
+  // Whether the layer works through the batch in chunks of at most
+  // cpu::conv_chunk samples, needing workspace for one chunk only.
+  static constexpr bool chunked = false;
   static constexpr std::size_t forward_flops = 0;   // per sample
   static constexpr std::size_t backward_flops = 0;  // per sample
   static constexpr bool in_place = false;      // output aliases input (no copy, no buffer)

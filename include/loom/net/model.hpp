@@ -52,14 +52,14 @@ class Model {
     if (max_batch <= capacity_) return;
     constexpr auto plan = Net::memory_plan;
     using Pad = Arena<T>;
-    std::size_t total = Pad::padded_size(plan.workspace * max_batch) +
+    std::size_t total = Pad::padded_size(plan.workspace_elements(max_batch)) +
                         2 * Pad::padded_size(plan.activation_gradients / 2 * max_batch);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (!L::in_place) total += Pad::padded_size(L::output_shape::size * max_batch);
     });
     arena_.reserve(total);
-    workspace_ = arena_.take(plan.workspace * max_batch);
+    workspace_ = arena_.take(plan.workspace_elements(max_batch));
     grad_buffers_[0] = arena_.take(plan.activation_gradients / 2 * max_batch);
     grad_buffers_[1] = arena_.take(plan.activation_gradients / 2 * max_batch);
     static_for<layer_count>([&](auto i) {

@@ -50,27 +50,50 @@ struct list_info<TypeList<Ls...>> {
       (std::size_t{0} + ... + (Ls::in_place ? 0 : Ls::output_shape::size));
   static constexpr std::size_t largest_activation =
       std::max({std::size_t{0}, Ls::input_shape::size..., Ls::output_shape::size...});
-  static constexpr std::size_t workspace = std::max({std::size_t{0}, Ls::workspace...});
+  static constexpr std::size_t workspace =
+      std::max({std::size_t{0}, (Ls::chunked ? 0 : Ls::workspace)...});
+  static constexpr std::size_t chunked_workspace =
+      std::max({std::size_t{0}, (Ls::chunked ? Ls::workspace : 0)...});
 };
 
 }  // namespace detail
 
-// The activation memory plan of a layer list, per sample, in elements.
-// Training holds every layer output (backward needs them), two ping-pong
-// buffers for activation gradients, and one workspace shared by all layers.
+// The activation memory plan of a layer list, in elements. Training holds
+// every layer output (backward needs them), two ping-pong buffers for
+// activation gradients, and one workspace shared by all layers; layers that
+// work in chunks (convolutions) need workspace for one chunk only.
 struct MemoryPlan {
-  std::size_t parameters = 0;          // elements, independent of the batch
-  std::size_t activations = 0;         // per sample
+  std::size_t parameters = 0;            // independent of the batch
+  std::size_t activations = 0;           // per sample
   std::size_t activation_gradients = 0;  // per sample
-  std::size_t workspace = 0;           // per sample
+  std::size_t workspace = 0;             // per sample, for layers that take the whole batch
+  std::size_t chunked_workspace = 0;     // per sample, up to `chunk` samples
+  std::size_t chunk = 1;
 
-  constexpr std::size_t per_sample() const { return activations + activation_gradients + workspace; }
+  constexpr std::size_t workspace_elements(std::size_t batch) const {
+    return std::max(workspace * batch, chunked_workspace * std::min(batch, chunk));
+  }
+  // Activations, their gradients and workspace for `batch` samples.
+  constexpr std::size_t activation_elements(std::size_t batch) const {
+    return batch * (activations + activation_gradients) + workspace_elements(batch);
+  }
   // Bytes to train with `batch` samples: parameters, gradients, optimizer
   // state (one velocity per parameter for SGD with momentum) and activations.
   constexpr std::size_t training_bytes(std::size_t batch, std::size_t element_size) const {
-    return (3 * parameters + batch * per_sample()) * element_size;
+    return (3 * parameters + activation_elements(batch)) * element_size;
   }
 };
+
+namespace detail {
+
+template <class List>
+constexpr MemoryPlan plan_of(std::size_t parameters) {
+  using info = list_info<List>;
+  return MemoryPlan{parameters,      info::activations,       2 * info::largest_activation,
+                    info::workspace, info::chunked_workspace, cpu::conv_chunk};
+}
+
+}  // namespace detail
 
 template <class Input_, class... Layers_>
 struct Sequential {
@@ -101,11 +124,7 @@ struct Sequential<Input<Dims...>, Layers_...> {
     return std::array<std::size_t, sizeof...(Ls)>{Ls::backward_flops...};
   }(layers{});
 
-  static constexpr MemoryPlan memory_plan = [] {
-    using info = detail::list_info<executed>;
-    return MemoryPlan{parameter_count, info::activations, 2 * info::largest_activation,
-                      info::workspace};
-  }();
+  static constexpr MemoryPlan memory_plan = detail::plan_of<executed>(parameter_count);
 };
 
 // The same network with the fusion pass switched off: every layer runs on its
@@ -113,11 +132,7 @@ struct Sequential<Input<Dims...>, Layers_...> {
 template <class Net_>
 struct Unfused : Net_ {
   using executed = typename Net_::layers;
-  static constexpr MemoryPlan memory_plan = [] {
-    using info = detail::list_info<executed>;
-    return MemoryPlan{Net_::parameter_count, info::activations, 2 * info::largest_activation,
-                      info::workspace};
-  }();
+  static constexpr MemoryPlan memory_plan = detail::plan_of<executed>(Net_::parameter_count);
 };
 
 }  // namespace loom

@@ -6,10 +6,17 @@
 // column (n, oh, ow). Zero padding reads as 0 and receives no gradient.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
-
+#include <utility>
 
 namespace loom::cpu {
+
+// Convolutions run over chunks of at most this many samples, so a chunk's
+// column matrix stays in cache: LeNet's conv2 needs 8 MB at 64 samples but
+// 32 MB at 256, and batch 256 trained ~15% slower per image unchunked
+// (2 cores, OpenBLAS 0.3.21).
+inline constexpr std::size_t conv_chunk = 64;
 
 struct ConvGeometry {
   std::size_t batch, channels, height, width;
@@ -21,54 +28,66 @@ struct ConvGeometry {
   std::size_t cols() const { return batch * plane(); }
 };
 
+// The output columns [lo, hi) whose window column kj lands inside the image
+// (the rest read padding). Computed once per row so the copies below are
+// straight runs: contiguous when the stride is 1.
+inline std::pair<std::size_t, std::size_t> inside_columns(const ConvGeometry& g, std::size_t kj) {
+  const long offset = static_cast<long>(kj) - static_cast<long>(g.pad);  // w = ow * stride + offset
+  const long stride = static_cast<long>(g.stride);
+  long lo = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+  long hi = static_cast<long>(g.width) - 1 - offset < 0
+                ? 0
+                : (static_cast<long>(g.width) - 1 - offset) / stride + 1;
+  hi = std::min(hi, static_cast<long>(g.out_width));
+  lo = std::min(lo, hi);
+  return {static_cast<std::size_t>(lo), static_cast<std::size_t>(hi)};
+}
+
 template <class T>
 void im2col(const ConvGeometry& g, const T* x, T* col) {
   for (std::size_t r = 0; r < g.rows(); ++r) {
     const std::size_t c = r / (g.kernel * g.kernel);
     const std::size_t ki = r / g.kernel % g.kernel;
     const std::size_t kj = r % g.kernel;
+    const auto [lo, hi] = inside_columns(g, kj);
     T* out = col + r * g.cols();
     for (std::size_t n = 0; n < g.batch; ++n) {
       const T* image = x + (n * g.channels + c) * g.height * g.width;
-      for (std::size_t oh = 0; oh < g.out_height; ++oh) {
+      for (std::size_t oh = 0; oh < g.out_height; ++oh, out += g.out_width) {
         // Signed arithmetic: with padding the window may start above row 0.
         const long h = static_cast<long>(oh * g.stride + ki) - static_cast<long>(g.pad);
-        const bool row_inside = h >= 0 && h < static_cast<long>(g.height);
-        for (std::size_t ow = 0; ow < g.out_width; ++ow) {
-          const long w = static_cast<long>(ow * g.stride + kj) - static_cast<long>(g.pad);
-          const bool inside = row_inside && w >= 0 && w < static_cast<long>(g.width);
-          *out++ = inside ? image[static_cast<std::size_t>(h) * g.width + static_cast<std::size_t>(w)]
-                          : T(0);
+        if (h < 0 || h >= static_cast<long>(g.height)) {
+          std::fill(out, out + g.out_width, T(0));
+          continue;
         }
+        // Pixel of output column lo; w >= 0 there by the choice of lo.
+        const T* src = image + static_cast<std::size_t>(h) * g.width + lo * g.stride + kj - g.pad;
+        std::fill(out, out + lo, T(0));
+        for (std::size_t ow = lo; ow < hi; ++ow) out[ow] = src[(ow - lo) * g.stride];
+        std::fill(out + hi, out + g.out_width, T(0));
       }
     }
   }
 }
 
 // dx = col2im(dcol): every column entry is added back to the pixel it came
-// from.
+// from; padding positions are dropped.
 template <class T>
 void col2im(const ConvGeometry& g, const T* col, T* dx) {
-  for (std::size_t c = 0; c < g.channels; ++c) {
+  std::fill(dx, dx + g.batch * g.channels * g.height * g.width, T(0));
+  for (std::size_t r = 0; r < g.rows(); ++r) {
+    const std::size_t c = r / (g.kernel * g.kernel);
+    const std::size_t ki = r / g.kernel % g.kernel;
+    const std::size_t kj = r % g.kernel;
+    const auto [lo, hi] = inside_columns(g, kj);
+    const T* in = col + r * g.cols();
     for (std::size_t n = 0; n < g.batch; ++n) {
       T* image = dx + (n * g.channels + c) * g.height * g.width;
-      for (std::size_t i = 0; i < g.height * g.width; ++i) image[i] = T(0);
-    }
-    for (std::size_t ki = 0; ki < g.kernel; ++ki) {
-      for (std::size_t kj = 0; kj < g.kernel; ++kj) {
-        const T* in = col + ((c * g.kernel + ki) * g.kernel + kj) * g.cols();
-        for (std::size_t n = 0; n < g.batch; ++n) {
-          T* image = dx + (n * g.channels + c) * g.height * g.width;
-          for (std::size_t oh = 0; oh < g.out_height; ++oh) {
-            const long h = static_cast<long>(oh * g.stride + ki) - static_cast<long>(g.pad);
-            const bool row_inside = h >= 0 && h < static_cast<long>(g.height);
-            for (std::size_t ow = 0; ow < g.out_width; ++ow, ++in) {
-              const long w = static_cast<long>(ow * g.stride + kj) - static_cast<long>(g.pad);
-              if (row_inside && w >= 0 && w < static_cast<long>(g.width))
-                image[static_cast<std::size_t>(h) * g.width + static_cast<std::size_t>(w)] += *in;
-            }
-          }
-        }
+      for (std::size_t oh = 0; oh < g.out_height; ++oh, in += g.out_width) {
+        const long h = static_cast<long>(oh * g.stride + ki) - static_cast<long>(g.pad);
+        if (h < 0 || h >= static_cast<long>(g.height)) continue;
+        T* dst = image + static_cast<std::size_t>(h) * g.width + lo * g.stride + kj - g.pad;
+        for (std::size_t ow = lo; ow < hi; ++ow) dst[(ow - lo) * g.stride] += in[ow];
       }
     }
   }
