@@ -41,6 +41,11 @@ inline void add_options(CLI::App& app, Options& options) {
   app.add_option("--data", options.data_dir, "Fashion-MNIST folder")->capture_default_str();
 }
 
+inline void check_batch(std::size_t batch, std::size_t samples) {
+  LOOM_CHECK(batch >= 1 && batch <= samples, "--batch ", batch, " must be between 1 and the ",
+             samples, " training samples");
+}
+
 // Forward + backward FLOPs of one sample, from loom's compile-time counts:
 // the same measure of work for every library.
 inline double flops_per_sample() {

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
     const auto train = data::fashion_mnist(options.data_dir).train;
     cpu::set_threads(options.threads);
     for (const std::size_t batch : options.batches) {
+      bench::check_batch(batch, train.count);
       Model<LeNet, float> model(0, batch);
       SGD::State<float> sgd({.lr = 0.01f, .momentum = 0.9f}, LeNet::parameter_count);
       const std::size_t batches = train.count / batch;

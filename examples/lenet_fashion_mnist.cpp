@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <vector>
 
 using namespace loom;
 
@@ -25,6 +26,8 @@ int main(int argc, char** argv) {
   float momentum = 0.9f;
   std::string data_dir = data::default_fashion_mnist_dir;
   std::uint64_t seed = 0;
+  std::vector<int> lr_milestones{7};
+  float lr_factor = 0.1f;
   app.add_option("--epochs", epochs, "passes over the training set")
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
@@ -32,6 +35,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
       ->capture_default_str();
   app.add_option("--lr", lr, "SGD learning rate")->check(CLI::Range(1e-8f, 100.0f))->capture_default_str();
+  app.add_option("--lr-milestones", lr_milestones, "epochs after which the learning rate drops")
+      ->capture_default_str();
+  app.add_option("--lr-factor", lr_factor, "learning-rate multiplier at each milestone")
+      ->check(CLI::Range(1e-6f, 1.0f))
+      ->capture_default_str();
   app.add_option("--momentum", momentum, "SGD momentum")
       ->check(CLI::Range(0.0f, 0.999f))
       ->capture_default_str();
@@ -53,7 +61,8 @@ int main(int argc, char** argv) {
     Trainer<LeNet, SingleDevice, SGD> trainer(devices, {.lr = lr, .momentum = momentum}, {.seed = seed});
     callbacks::Evaluate evaluate(data.test);
     trainer.fit(data.train, {.epochs = epochs, .batch_size = batch_size, .seed = seed},
-                callbacks::Progress{}, evaluate);
+                callbacks::Progress{}, evaluate,
+                callbacks::MultiStepLR{.milestones = lr_milestones, .factor = lr_factor});
 
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();

@@ -27,6 +27,10 @@ loom_install_packages() {
   fi
   local as_root=()
   if (( EUID != 0 )); then
+    if ! command -v sudo > /dev/null; then
+      echo "loom: missing packages ${missing[*]}; run this script as root or install them with apt-get" >&2
+      return 1
+    fi
     as_root=(sudo)
   fi
   echo "loom: installing ${missing[*]}" >&2

@@ -102,8 +102,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const Samples train = to_dlib(loom::data::fashion_mnist(options.data_dir).train);
-    for (const std::size_t batch : options.batches)
+    for (const std::size_t batch : options.batches) {
+      loom::bench::check_batch(batch, train.labels.size());
       std::cout << measure(train, batch, options).dump() << std::endl;
+    }
   } catch (const std::exception& error) {
     std::cerr << "dlib_lenet: " << error.what() << '\n';
     return 1;

@@ -3,6 +3,8 @@
 // accumulate flag of backward.
 #include <loom/loom.hpp>
 
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "layer_reference.hpp"
@@ -214,4 +216,20 @@ TEST_CASE("layers: Conv2d over more samples than one chunk equals sample-by-samp
     for (std::size_t i = 0; i < dp1.size(); ++i) dparams_sum[i] += dp1[i];
   }
   test::require_close(dparams, dparams_sum, {1e-12, 1e-12}, "parameter gradient summed over chunks");
+}
+
+TEST_CASE("layers: a NaN input reaches the output of MaxPool2d and ReLU") {
+  // NaN in the last position of its window: a plain `v > max` would drop it.
+  using Pool = Bind<MaxPool2d<2>, Shape<1, 2, 2>, 1>;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> x{1.0f, 2.0f, 3.0f, nan};
+  float y = 0.0f;
+  Pool::forward<float>(nullptr, x.data(), &y, nullptr, 1);
+  REQUIRE(std::isnan(y));
+  using Relu = Bind<ReLU, Shape<2>, 1>;
+  const std::vector<float> r{nan, -1.0f};
+  std::vector<float> out(2);
+  Relu::forward<float>(nullptr, r.data(), out.data(), nullptr, 1);
+  REQUIRE(std::isnan(out[0]));
+  REQUIRE(out[1] == 0.0f);
 }

@@ -107,6 +107,35 @@ TEST_CASE("model: forward grows the arena on demand and smaller batches reuse it
   REQUIRE_THROWS_WITH(model.forward(x.data(), 0), Catch::Contains("empty batch"));
 }
 
+TEST_CASE("model: a batch of 150 (three convolution chunks) equals three accumulated micro-batches") {
+  // The arena is sized from the plan for 150 samples; the gradient of the
+  // mean loss over 150 must equal the sum over micro-batches of 50, each
+  // scaled by 1/150 and accumulated (as pipeline micro-batches will be).
+  constexpr std::size_t n = 150, micro = 50;
+  const auto x = random_vector<float>(n * Small::input_shape::size, 12);
+  std::vector<std::int32_t> labels(n);
+  for (std::size_t i = 0; i < n; ++i) labels[i] = static_cast<std::int32_t>(i * 7 % 5);
+
+  Model<Small, float> whole(5);
+  const float* logits = whole.forward(x.data(), n);
+  const std::vector<float> outputs(logits, logits + n * 5);
+  SoftmaxCrossEntropy::evaluate<float>(logits, labels.data(), n, 5, n, whole.output_gradient());
+  whole.backward();
+
+  Model<Small, float> parts(5);
+  for (std::size_t first = 0; first < n; first += micro) {
+    const float* part = parts.forward(x.data() + first * Small::input_shape::size, micro);
+    test::require_close(std::vector<float>(part, part + micro * 5),
+                        std::vector<float>(outputs.begin() + static_cast<long>(first * 5),
+                                           outputs.begin() + static_cast<long>((first + micro) * 5)),
+                        {1e-6, 1e-5}, "outputs of samples from " + std::to_string(first));
+    SoftmaxCrossEntropy::evaluate<float>(part, labels.data() + first, micro, 5, n,
+                                         parts.output_gradient());
+    parts.backward(first > 0);
+  }
+  test::require_close(parts.gradients(), whole.gradients(), {1e-7, 1e-4}, "gradients");
+}
+
 TEST_CASE("model: backward before forward is an error") {
   Model<Small, float> model(3, 4);
   REQUIRE_THROWS_WITH(model.backward(), Catch::Contains("before forward"));

@@ -51,7 +51,9 @@ TEST_CASE("shapes: stride, padding and floor-mode pooling") {
 TEST_CASE("shapes: per-layer FLOPs per sample") {
   // conv1: 2 * 20 filters * 576 positions * 25 taps + bias; conv2 likewise.
   STATIC_REQUIRE(LeNet::forward_flops[0] == 2 * 20 * 576 * 25 + 20 * 576);
-  STATIC_REQUIRE(LeNet::backward_flops[0] == 4 * 20 * 576 * 25 + 20 * 576);
+  // The first layer needs no input gradient: one GEMM less.
+  STATIC_REQUIRE(LeNet::backward_flops[0] == 2 * 20 * 576 * 25 + 20 * 576);
+  STATIC_REQUIRE(LeNet::backward_flops[3] == 4 * 50 * 64 * 500 + 50 * 64);
   STATIC_REQUIRE(LeNet::forward_flops[3] == 2 * 50 * 64 * 500 + 50 * 64);
   STATIC_REQUIRE(LeNet::forward_flops[7] == 2 * 800 * 500 + 500);
   STATIC_REQUIRE(LeNet::backward_flops[7] == 4 * 800 * 500 + 500);

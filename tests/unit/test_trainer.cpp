@@ -63,6 +63,17 @@ TEST_CASE("trainer: the same seeds give the same weights; another data seed does
   REQUIRE(run(2) != a);
 }
 
+TEST_CASE("trainer: MultiStepLR lowers the learning rate after its milestone epochs") {
+  const auto train = head(fashion().train, 128);
+  std::ostringstream out;
+  Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.08f});
+  trainer.fit(train, {.epochs = 4, .batch_size = 64},
+              callbacks::MultiStepLR{.milestones = {1, 3}, .factor = 0.5f, .out = &out});
+  REQUIRE(trainer.optimizer().options().lr == 0.02f);
+  REQUIRE(out.str() == "learning rate 0.04 from epoch 2\nlearning rate 0.02 from epoch 4\n");
+  REQUIRE_THROWS_WITH(trainer.optimizer().set_lr(0.0f), Catch::Contains("learning rate must be positive"));
+}
+
 TEST_CASE("trainer: the progress callback prints plain lines off a terminal") {
   const auto train = head(fashion().train, 640);
   std::ostringstream out;
@@ -101,8 +112,16 @@ TEST_CASE("trainer: misuse is a clear loom::Error") {
     auto bad = head(fashion().train, 256);
     bad.images[3 * bad.sample_size() + 100] = std::numeric_limits<float>::quiet_NaN();
     Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.01f});
+    const auto p = trainer.model().parameters();
+    const std::vector<float> initial(p.begin(), p.end());
     REQUIRE_THROWS_WITH(trainer.fit(bad, {.epochs = 1, .batch_size = 64, .shuffle = false}),
                         Catch::Contains("the training loss became nan at epoch 1, step 1"));
+    // The failed step did not touch the weights.
+    test::require_equal(trainer.model().parameters(), initial, "weights after the NaN step");
+  }
+  SECTION("an empty dataset") {
+    Trainer<Mlp> trainer(devices::cpu(1), {});
+    REQUIRE_THROWS_WITH(trainer.evaluate(head(fashion().test, 0)), Catch::Contains("is empty"));
   }
   SECTION("bad fit options") {
     Trainer<Mlp> trainer(devices::cpu(1), {});

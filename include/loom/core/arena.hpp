@@ -46,8 +46,6 @@ class Arena {
   }
 
   std::size_t capacity() const { return capacity_; }
-  std::size_t used() const { return used_; }
-  void release_all() { used_ = 0; }
 
   // Room needed to carve buffers of the given sizes with take().
   static constexpr std::size_t padded_size(std::size_t n) {

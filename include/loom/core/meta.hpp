@@ -25,20 +25,10 @@ struct type_at<I, TypeList<Ts...>> {
   using type = std::tuple_element_t<I, std::tuple<Ts...>>;
 };
 
-template <class A, class B>
-struct concat;
-template <class... As, class... Bs>
-struct concat<TypeList<As...>, TypeList<Bs...>> {
-  using type = TypeList<As..., Bs...>;
-};
-
 }  // namespace detail
 
 template <std::size_t I, class List>
 using type_at_t = typename detail::type_at<I, List>::type;
-
-template <class A, class B>
-using concat_t = typename detail::concat<A, B>::type;
 
 // Calls f(std::integral_constant<std::size_t, I>{}) for I = 0 .. N-1 in order.
 template <std::size_t N, class F>

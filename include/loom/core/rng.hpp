@@ -21,6 +21,14 @@ constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint64_t stream,
   return mix64(mix64(mix64(seed) ^ stream) ^ counter);
 }
 
+// What a random stream is for. Each purpose keys its streams apart, so that
+// (seed, epoch k)'s shuffle never repeats (seed, layer k)'s weights.
+enum class RngPurpose : std::uint64_t { init = 1, shuffle = 2 };
+
+constexpr std::uint64_t stream_key(RngPurpose purpose, std::uint64_t index) {
+  return mix64((static_cast<std::uint64_t>(purpose) << 56) ^ index);
+}
+
 // Uniform in [0, 1) with 53 random bits.
 constexpr double uniform01(std::uint64_t seed, std::uint64_t stream,
                            std::uint64_t counter) {

@@ -14,11 +14,6 @@ struct Shape {
   static constexpr std::array<std::size_t, rank> dims{Dims_...};
 };
 
-template <class S>
-inline constexpr bool is_shape_v = false;
-template <std::size_t... D>
-inline constexpr bool is_shape_v<Shape<D...>> = true;
-
 // The first element of a sample: Input<C, H, W> for images, Input<F> for vectors.
 template <std::size_t... Dims_>
 struct Input {

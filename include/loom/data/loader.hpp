@@ -37,13 +37,13 @@ struct Batch {
 };
 
 // The sample order of one epoch: identity without shuffle, otherwise a
-// Fisher-Yates permutation drawn from CounterRng(seed, epoch).
+// Fisher-Yates permutation drawn from the seed's shuffle stream for `epoch`.
 inline std::vector<std::size_t> epoch_order(std::size_t count, const LoaderOptions& options,
                                             std::size_t epoch) {
   std::vector<std::size_t> order(count);
   std::iota(order.begin(), order.end(), std::size_t{0});
   if (options.shuffle && count > 1) {
-    CounterRng rng(options.seed, epoch);
+    CounterRng rng(options.seed, stream_key(RngPurpose::shuffle, epoch));
     for (std::size_t i = count - 1; i > 0; --i) std::swap(order[i], order[rng.below(i + 1)]);
   }
   return order;

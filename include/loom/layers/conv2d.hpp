@@ -1,8 +1,8 @@
 // Conv2d<Out, K, Stride, Pad>: Out filters of K x K over all input channels
 // (inferred), zero padding Pad. Parameters: weight [Out, C, K, K], bias [Out].
-// Forward and backward lower to one GEMM each over the whole batch (im2col);
-// the bias and, when fused, the ReLU run in the pass that lays the GEMM
-// output out as N x Out x H x W.
+// Forward and backward lower to GEMMs over chunks of samples (im2col); the
+// bias and, when fused, the ReLU run in the pass that lays the GEMM output
+// out as N x Out x H x W.
 #pragma once
 
 #include <algorithm>
@@ -59,9 +59,10 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
   // Column matrix (reused for its gradient) + the GEMM output / its gradient,
   // for one chunk of samples at a time.
   static constexpr std::size_t workspace = patch * plane + Out * plane;
-  static constexpr bool chunked = true;
+  static constexpr std::size_t chunk = cpu::conv_chunk;
   static constexpr std::size_t forward_flops = 2 * Out * plane * patch + Out * plane;
-  static constexpr std::size_t backward_flops = 4 * Out * plane * patch + Out * plane;
+  // The input-gradient GEMM is skipped for the network's first layer.
+  static constexpr std::size_t backward_flops = (Index == 1 ? 2 : 4) * Out * plane * patch + Out * plane;
   static constexpr std::string_view kind = "conv";
 
   static cpu::ConvGeometry geometry(std::size_t n) {
@@ -76,8 +77,8 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
 
   template <class T>
   static void forward(const T* params, const T* x, T* y, T* work, std::size_t n) {
-    for (std::size_t first = 0; first < n; first += cpu::conv_chunk) {
-      const auto g = geometry(std::min(cpu::conv_chunk, n - first));
+    for (std::size_t first = 0; first < n; first += chunk) {
+      const auto g = geometry(std::min(chunk, n - first));
       T* col = work;
       T* cols_out = work + patch * g.cols();
       cpu::im2col(g, x + first * In::size, col);
@@ -95,8 +96,8 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
   template <class T>
   static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
                        T* work, std::size_t n, bool accumulate) {
-    for (std::size_t first = 0; first < n; first += cpu::conv_chunk) {
-      const auto g = geometry(std::min(cpu::conv_chunk, n - first));
+    for (std::size_t first = 0; first < n; first += chunk) {
+      const auto g = geometry(std::min(chunk, n - first));
       const bool add = accumulate || first > 0;
       const std::size_t out_offset = first * Out * plane;
       T* col = work;

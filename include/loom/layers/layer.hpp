@@ -77,7 +77,8 @@ template <class T>
 void init_uniform(T* weights, std::size_t count, double limit, std::uint64_t seed,
                   std::size_t layer_index) {
   for (std::size_t i = 0; i < count; ++i)
-    weights[i] = static_cast<T>((2.0 * uniform01(seed, layer_index, i) - 1.0) * limit);
+    weights[i] = static_cast<T>(
+        (2.0 * uniform01(seed, stream_key(RngPurpose::init, layer_index), i) - 1.0) * limit);
 }
 
 // He (Kaiming) uniform when a ReLU follows, which keeps activations' variance
@@ -100,9 +101,9 @@ struct LayerBase {
   static constexpr std::size_t bias_count = 0;
   static constexpr std::size_t param_count = 0;
   static constexpr std::size_t workspace = 0;  // elements per sample
-  // Whether the layer works through the batch in chunks of at most
-  // cpu::conv_chunk samples, needing workspace for one chunk only.
-  static constexpr bool chunked = false;
+  // Samples per chunk when the layer works through the batch in chunks (its
+  // workspace then holds one chunk); 0: the whole batch at once.
+  static constexpr std::size_t chunk = 0;
   static constexpr std::size_t forward_flops = 0;   // per sample
   static constexpr std::size_t backward_flops = 0;  // per sample
   static constexpr bool in_place = false;      // output aliases input (no copy, no buffer)

@@ -51,9 +51,10 @@ struct list_info<TypeList<Ls...>> {
   static constexpr std::size_t largest_activation =
       std::max({std::size_t{0}, Ls::input_shape::size..., Ls::output_shape::size...});
   static constexpr std::size_t workspace =
-      std::max({std::size_t{0}, (Ls::chunked ? 0 : Ls::workspace)...});
+      std::max({std::size_t{0}, (Ls::chunk == 0 ? Ls::workspace : 0)...});
   static constexpr std::size_t chunked_workspace =
-      std::max({std::size_t{0}, (Ls::chunked ? Ls::workspace : 0)...});
+      std::max({std::size_t{0}, (Ls::chunk == 0 ? 0 : Ls::workspace)...});
+  static constexpr std::size_t chunk = std::max({std::size_t{1}, Ls::chunk...});
 };
 
 }  // namespace detail
@@ -90,7 +91,7 @@ template <class List>
 constexpr MemoryPlan plan_of(std::size_t parameters) {
   using info = list_info<List>;
   return MemoryPlan{parameters,      info::activations,       2 * info::largest_activation,
-                    info::workspace, info::chunked_workspace, cpu::conv_chunk};
+                    info::workspace, info::chunked_workspace, info::chunk};
 }
 
 }  // namespace detail

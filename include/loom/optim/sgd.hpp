@@ -43,6 +43,12 @@ struct SGD {
     }
 
     const Options& options() const { return options_; }
+
+    // For learning-rate schedules (callbacks::MultiStepLR).
+    void set_lr(float lr) {
+      LOOM_CHECK(lr > 0.0f, "SGD: learning rate must be positive, got ", lr);
+      options_.lr = lr;
+    }
     std::span<const T> velocity() const { return velocity_; }
 
    private:

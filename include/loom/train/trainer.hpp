@@ -113,10 +113,7 @@ class Trainer {
       std::size_t correct = 0;
       data::Batch batch{};
       while (loader.next(batch)) {
-        const auto sums = train_step(batch);
-        if (!std::isfinite(sums.loss))
-          LOOM_FAIL("the training loss became ", sums.loss, " at epoch ", epoch, ", step ",
-                    step.step + 1, "; lower the learning rate or check the input data");
+        const auto sums = train_step(batch, epoch, step.step + 1);
         loss_sum += sums.loss;
         correct += sums.correct;
         step.step += 1;
@@ -132,9 +129,11 @@ class Trainer {
     }
   }
 
-  EvalResult evaluate(const data::Dataset& dataset, std::size_t batch_size = 1000) {
+  // batch_size 0: the training batch size when fit() has run (the arena
+  // already holds it), else 256.
+  EvalResult evaluate(const data::Dataset& dataset, std::size_t batch_size = 0) {
     check_dataset(dataset, "evaluate");
-    LOOM_CHECK(batch_size >= 1, "evaluate: batch size must be >= 1");
+    if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
     cpu::set_threads(devices_.front().threads);
     EvalResult result;
     double loss_sum = 0.0;
@@ -158,18 +157,25 @@ class Trainer {
   Model<Net, float>& model() { return model_; }
   const Model<Net, float>& model() const { return model_; }
   const std::vector<Device>& devices() const { return devices_; }
+  typename Optimizer::template State<float>& optimizer() { return optimizer_; }
 
  private:
-  cpu::LossSums train_step(const data::Batch& batch) {
+  cpu::LossSums train_step(const data::Batch& batch, int epoch, std::size_t step) {
     const float* logits = model_.forward(batch.images, batch.size);
     const auto sums = Loss::evaluate<float>(logits, batch.labels, batch.size, classes, batch.size,
                                             model_.output_gradient());
+    // Checked before the update, so the weights stay those of the last good step.
+    if (!std::isfinite(sums.loss))
+      LOOM_FAIL("the training loss became ", sums.loss, " at epoch ", epoch, ", step ", step,
+                "; the weights are kept from the step before. Lower the learning rate or check "
+                "the input data");
     model_.backward();
     optimizer_.step(model_.parameters(), model_.gradients());
     return sums;
   }
 
   void check_dataset(const data::Dataset& dataset, const char* what) const {
+    LOOM_CHECK(dataset.count > 0, what, ": dataset '", dataset.name, "' is empty");
     LOOM_CHECK(dataset.sample_size() == Net::input_shape::size, what, ": dataset '", dataset.name,
                "' has samples of ", dataset.channels, "x", dataset.height, "x", dataset.width,
                " = ", dataset.sample_size(), " values but the network's Input holds ",

@@ -1,6 +1,7 @@
 // Convolution lowering for the CPU backend: im2col gathers every receptive
-// field of the whole batch into one column matrix, so a layer's convolution is
-// one large GEMM (OpenBLAS is fastest on large shapes) instead of N small ones.
+// field of a chunk of samples into one column matrix, so a layer's
+// convolution is one large GEMM per chunk (OpenBLAS is fastest on large
+// shapes) instead of one small GEMM per sample.
 //
 // Layouts: x is N x C x H x W; col is (C*K*K) x (N*OH*OW), row (c, ki, kj),
 // column (n, oh, ow). Zero padding reads as 0 and receives no gradient.
@@ -56,7 +57,7 @@ void im2col(const ConvGeometry& g, const T* x, T* col) {
       for (std::size_t oh = 0; oh < g.out_height; ++oh, out += g.out_width) {
         // Signed arithmetic: with padding the window may start above row 0.
         const long h = static_cast<long>(oh * g.stride + ki) - static_cast<long>(g.pad);
-        if (h < 0 || h >= static_cast<long>(g.height)) {
+        if (h < 0 || h >= static_cast<long>(g.height) || lo == hi) {
           std::fill(out, out + g.out_width, T(0));
           continue;
         }
@@ -85,7 +86,7 @@ void col2im(const ConvGeometry& g, const T* col, T* dx) {
       T* image = dx + (n * g.channels + c) * g.height * g.width;
       for (std::size_t oh = 0; oh < g.out_height; ++oh, in += g.out_width) {
         const long h = static_cast<long>(oh * g.stride + ki) - static_cast<long>(g.pad);
-        if (h < 0 || h >= static_cast<long>(g.height)) continue;
+        if (h < 0 || h >= static_cast<long>(g.height) || lo == hi) continue;
         T* dst = image + static_cast<std::size_t>(h) * g.width + lo * g.stride + kj - g.pad;
         for (std::size_t ow = lo; ow < hi; ++ow) dst[(ow - lo) * g.stride] += in[ow];
       }

@@ -7,6 +7,14 @@
 
 namespace loom::cpu {
 
+// Whether v replaces best as a window's maximum: when larger, or when v is NaN
+// and best is not, so a NaN input reaches the loss (and its check) instead of
+// vanishing.
+template <class T>
+inline bool takes_max(T v, T best) {
+  return v > best || (v != v && best == best);
+}
+
 struct PoolGeometry {
   std::size_t planes;  // batch * channels
   std::size_t height, width, kernel, stride, out_height, out_width;
@@ -26,7 +34,7 @@ void pool_forward(const PoolGeometry& g, const T* x, T* y) {
         for (std::size_t i = 0; i < g.kernel; ++i)
           for (std::size_t j = 0; j < g.kernel; ++j) {
             const T v = window[i * g.width + j];
-            if constexpr (Max) acc = v > acc ? v : acc;
+            if constexpr (Max) acc = takes_max(v, acc) ? v : acc;
             else acc += v;
           }
         out[oh * g.out_width + ow] = Max ? acc : acc * scale;
@@ -49,7 +57,7 @@ void max_pool_backward(const PoolGeometry& g, const T* x, const T* dy, T* dx) {
         std::size_t best = base;
         for (std::size_t i = 0; i < g.kernel; ++i)
           for (std::size_t j = 0; j < g.kernel; ++j)
-            if (in[base + i * g.width + j] > in[best]) best = base + i * g.width + j;
+            if (takes_max(in[base + i * g.width + j], in[best])) best = base + i * g.width + j;
         out[best] += grad[oh * g.out_width + ow];
       }
   }
