@@ -61,3 +61,29 @@ TEST_CASE("arena: a LeNet training step (loader, forward, loss, backward, SGD) a
   // Catch's REQUIRE inside step() allocates nothing on success.
   REQUIRE(during == 0);
 }
+
+namespace {
+
+// Records the allocation counter at every step; its own storage is reserved
+// up front so that recording allocates nothing.
+struct AllocationProbe {
+  std::vector<std::size_t>* counts;
+  void on_step(const StepInfo&) { counts->push_back(allocations.load()); }
+};
+
+}  // namespace
+
+TEST_CASE("arena: Trainer::fit allocates nothing between one step and the next") {
+  using SmallCnn = Sequential<Input<1, 28, 28>, Conv2d<4, 5>, ReLU, MaxPool2d<2>, Flatten, Linear<10>>;
+  const auto data = data::fashion_mnist(LOOM_TEST_DATA_DIR);
+  std::vector<std::size_t> counts;
+  counts.reserve(64);
+  Trainer<SmallCnn> trainer(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  data::Dataset part = data.test;
+  part.count = 20 * 32;
+  part.images.resize(part.count * part.sample_size());
+  part.labels.resize(part.count);
+  trainer.fit(part, {.epochs = 1, .batch_size = 32}, AllocationProbe{&counts});
+  REQUIRE(counts.size() == 20);
+  REQUIRE(counts.back() == counts.front());
+}

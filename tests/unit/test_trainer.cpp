@@ -91,6 +91,31 @@ TEST_CASE("trainer: the progress callback prints plain lines off a terminal") {
   REQUIRE(std::count(text.begin(), text.end(), '\n') == 2 * 6 + 1);
 }
 
+TEST_CASE("trainer: the progress bar is redrawn in place") {
+  const auto train = head(fashion().train, 640);
+  std::ostringstream out;
+  Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.01f});
+  trainer.fit(train, {.epochs = 1, .batch_size = 64},
+              callbacks::Progress({.out = &out, .style = callbacks::Progress::Style::bar, .bar_width = 10}));
+  const std::string text = out.str();
+  // The last redraw of the epoch: a full bar, erased to the end of the line,
+  // then a newline so the summary starts on its own line.
+  REQUIRE(text.find("\repoch 1/1 [==========] step 10/10 loss ") != std::string::npos);
+  REQUIRE(text.find("\x1b[K\nepoch 1/1 done: loss ") != std::string::npos);
+}
+
+TEST_CASE("trainer: devices") {
+  const auto all = devices::all();
+  REQUIRE(all.size() == 1);
+  REQUIRE(all[0].kind == Device::Kind::cpu);
+  REQUIRE(all[0].threads == devices::hardware_threads());
+  const auto workers = devices::cpu(2);
+  REQUIRE(workers.size() == 2);
+  REQUIRE(workers[1].name() == "cpu:1");
+  REQUIRE(workers[0].threads == std::max(1, devices::hardware_threads() / 2));
+  REQUIRE_THROWS_WITH(devices::cpu(0), Catch::Contains("need at least one device"));
+}
+
 TEST_CASE("trainer: misuse is a clear loom::Error") {
   SECTION("device count") {
     REQUIRE_THROWS_WITH((Trainer<Mlp>(devices::cpu(2), {})),

@@ -35,8 +35,12 @@ inline std::string clock(double seconds) {
 // (logs, CI) plain lines, about `lines_per_epoch` per epoch.
 class Progress {
  public:
+  // automatic: the bar when `out` is std::cout and stdout is a terminal.
+  enum class Style { automatic, bar, lines };
+
   struct Options {
     std::ostream* out = &std::cout;
+    Style style = Style::automatic;
     int lines_per_epoch = 10;
     int bar_width = 24;
   };
@@ -44,7 +48,9 @@ class Progress {
   Progress() : Progress(Options{}) {}
   explicit Progress(Options options)
       : options_(options),
-        terminal_(options.out == &std::cout && ::isatty(STDOUT_FILENO) == 1) {}
+        terminal_(options.style == Style::bar ||
+                  (options.style == Style::automatic && options.out == &std::cout &&
+                   ::isatty(STDOUT_FILENO) == 1)) {}
 
   void on_fit_begin(const FitInfo& info) {
     *options_.out << "training: " << info.samples_per_epoch << " samples, " << info.epochs
