@@ -3,14 +3,12 @@
 // and how a training step is timed and reported (one JSON line).
 #pragma once
 
-#include <loom/loom.hpp>
-
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <loom/loom.hpp>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 

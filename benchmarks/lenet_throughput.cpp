@@ -1,9 +1,9 @@
 // LeNet training throughput on loom's CPU backend: whole training steps
 // (forward, loss, backward, SGD update) on real Fashion-MNIST batches. Prints
 // one JSON line per batch size.
-#include "lenet_bench.hpp"
-
 #include <iostream>
+
+#include "lenet_bench.hpp"
 
 using namespace loom;
 using bench::LeNet;
@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
       const auto line = bench::time_steps("loom", batch, options, [&](std::size_t s) {
         // Consecutive real batches, never the same memory twice in a row.
         const std::size_t first = (s % batches) * batch;
-        const float* logits = model.forward(train.images.data() + first * train.sample_size(), batch);
+        const float* logits =
+            model.forward(train.images.data() + first * train.sample_size(), batch);
         SoftmaxCrossEntropy::evaluate<float>(logits, train.labels.data() + first, batch, 10, batch,
                                              model.output_gradient());
         model.backward();

@@ -1,20 +1,16 @@
 // The classic: LeNet trained on Fashion-MNIST, with progress and the final
 // test accuracy. The network is a type; the policy is a type too.
-#include <loom/loom.hpp>
-
 #include <CLI/CLI.hpp>
-
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <loom/loom.hpp>
 #include <vector>
 
 using namespace loom;
 
-using LeNet = Sequential<Input<1, 28, 28>,
-                         Conv2d<20, 5>, ReLU, MaxPool2d<2>,
-                         Conv2d<50, 5>, ReLU, MaxPool2d<2>,
-                         Flatten, Linear<500>, ReLU, Linear<10>>;
+using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
+                         MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
 static_assert(LeNet::output_shape::size == 10);
 static_assert(LeNet::parameter_count == 431080);
 
@@ -34,7 +30,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", batch_size, "samples per step")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
       ->capture_default_str();
-  app.add_option("--lr", lr, "SGD learning rate")->check(CLI::Range(1e-8f, 100.0f))->capture_default_str();
+  app.add_option("--lr", lr, "SGD learning rate")
+      ->check(CLI::Range(1e-8f, 100.0f))
+      ->capture_default_str();
   app.add_option("--lr-milestones", lr_milestones, "epochs after which the learning rate drops")
       ->capture_default_str();
   app.add_option("--lr-factor", lr_factor, "learning-rate multiplier at each milestone")
@@ -55,10 +53,12 @@ int main(int argc, char** argv) {
     std::cout << "loom LeNet on Fashion-MNIST: " << LeNet::parameter_count << " parameters, "
               << data.train.count << " training and " << data.test.count << " test images, "
               << devices.size() << " device(s): ";
-    for (const auto& device : devices) std::cout << device.name() << " (" << device.threads << " threads) ";
+    for (const auto& device : devices)
+      std::cout << device.name() << " (" << device.threads << " threads) ";
     std::cout << '\n';
 
-    Trainer<LeNet, SingleDevice, SGD> trainer(devices, {.lr = lr, .momentum = momentum}, {.seed = seed});
+    Trainer<LeNet, SingleDevice, SGD> trainer(devices, {.lr = lr, .momentum = momentum},
+                                              {.seed = seed});
     callbacks::Evaluate evaluate(data.test);
     trainer.fit(data.train, {.epochs = epochs, .batch_size = batch_size, .seed = seed},
                 callbacks::Progress{}, evaluate,

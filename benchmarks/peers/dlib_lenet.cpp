@@ -2,8 +2,6 @@
 // the same real Fashion-MNIST batches with the same optimizer, timed the same
 // way. Prints one JSON line per batch size in lenet_throughput's format, so
 // benchmarks/run can divide the two.
-#include "../lenet_bench.hpp"
-
 #include <dlib/dnn.h>
 
 #include <algorithm>
@@ -14,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "../lenet_bench.hpp"
+
 namespace {
 
 // dlib's con<> pads by nr/2 at stride 1 ("same" convolution); loom's Conv2d
@@ -21,11 +21,14 @@ namespace {
 template <long Filters, class Subnet>
 using Conv5 = dlib::add_layer<dlib::con_<Filters, 5, 5, 1, 1, 0, 0>, Subnet>;
 
-using DlibLeNet = dlib::loss_multiclass_log<
-    dlib::fc<10, dlib::relu<dlib::fc<500,
-    dlib::max_pool<2, 2, 2, 2, dlib::relu<Conv5<50,
-    dlib::max_pool<2, 2, 2, 2, dlib::relu<Conv5<20,
-    dlib::input<dlib::matrix<float>>>>>>>>>>>>;
+using DlibLeNet = dlib::loss_multiclass_log<dlib::fc<
+    10,
+    dlib::relu<dlib::fc<
+        500, dlib::max_pool<
+                 2, 2, 2, 2,
+                 dlib::relu<Conv5<50, dlib::max_pool<2, 2, 2, 2,
+                                                     dlib::relu<Conv5<20, dlib::input<dlib::matrix<
+                                                                              float>>>>>>>>>>>>;
 
 constexpr std::size_t lenet_parameters = loom::bench::LeNet::parameter_count;
 
@@ -58,8 +61,8 @@ void check_parameters(const DlibLeNet& net) {
   const std::size_t count = dlib::count_parameters(net);
   std::cerr << "dlib_lenet: dlib's LeNet has " << count << " parameters\n";
   if (count != lenet_parameters)
-    throw std::runtime_error("dlib's LeNet has " + std::to_string(count) + " parameters; loom's has " +
-                             std::to_string(lenet_parameters) +
+    throw std::runtime_error("dlib's LeNet has " + std::to_string(count) +
+                             " parameters; loom's has " + std::to_string(lenet_parameters) +
                              ", so the two networks differ: check DlibLeNet's layers and padding");
 }
 

@@ -2,6 +2,7 @@
 // CPU backend; the CUDA backend joins when compiled by nvcc.
 #pragma once
 
+#include "backend/cpu/cpu.hpp"
 #include "core/activation.hpp"
 #include "core/arena.hpp"
 #include "core/device.hpp"
@@ -9,14 +10,13 @@
 #include "core/meta.hpp"
 #include "core/rng.hpp"
 #include "core/shape.hpp"
-#include "backend/cpu/cpu.hpp"
+#include "data/data.hpp"
 #include "layers/layers.hpp"
+#include "loss/softmax_cross_entropy.hpp"
 #include "net/fusion.hpp"
 #include "net/model.hpp"
 #include "net/sequential.hpp"
-#include "loss/softmax_cross_entropy.hpp"
 #include "optim/sgd.hpp"
 #include "parallel/single_device.hpp"
-#include "data/data.hpp"
 #include "train/callbacks.hpp"
 #include "train/trainer.hpp"

@@ -3,15 +3,13 @@
 #pragma once
 
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <loom/core/rng.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <loom/core/rng.hpp>
 
 namespace loom::test {
 
@@ -39,8 +37,8 @@ void require_close(const A& got, const B& ref, Tolerance tol, const std::string&
     const double r = static_cast<double>(ref[i]);
     if (!(std::abs(g - r) <= tol.abs + tol.rel * std::abs(r))) {
       std::ostringstream msg;
-      msg << what << " differs at index " << i << ": got " << g << ", expected " << r
-          << " (abs " << tol.abs << ", rel " << tol.rel << ")";
+      msg << what << " differs at index " << i << ": got " << g << ", expected " << r << " (abs "
+          << tol.abs << ", rel " << tol.rel << ")";
       FAIL(msg.str());
     }
   }

@@ -1,8 +1,6 @@
 // The data module: IDX reading (and every way a file can be broken), the
 // Fashion-MNIST loader against the installed files, and the batch Loader's
 // ordering, contents and thread lifetime.
-#include "loom_test.hpp"
-
 #include <unistd.h>
 #include <zlib.h>
 
@@ -13,11 +11,12 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <loom/data/data.hpp>
 #include <numeric>
 #include <string>
 #include <vector>
 
-#include <loom/data/data.hpp>
+#include "loom_test.hpp"
 
 namespace {
 
@@ -59,7 +58,8 @@ class TempDir {
 Bytes idx_bytes(const std::vector<std::uint32_t>& dims, const Bytes& data) {
   Bytes bytes{0x00, 0x00, 0x08, static_cast<std::uint8_t>(dims.size())};
   for (std::uint32_t d : dims)
-    for (int shift = 24; shift >= 0; shift -= 8) bytes.push_back(static_cast<std::uint8_t>(d >> shift));
+    for (int shift = 24; shift >= 0; shift -= 8)
+      bytes.push_back(static_cast<std::uint8_t>(d >> shift));
   bytes.insert(bytes.end(), data.begin(), data.end());
   return bytes;
 }
@@ -74,7 +74,8 @@ Bytes noise(std::size_t n, std::uint64_t seed) {
 
 void write_plain(const std::string& path, const Bytes& bytes) {
   std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
   REQUIRE(out.good());
 }
 
@@ -322,8 +323,7 @@ TEST_CASE("data: read_idx reports a truncated header") {
                                                  Contains("holds 2 bytes"));
   const std::string short_dims = dir.file("short-dims.gz");
   write_gz(short_dims, {0x00, 0x00, 0x08, 0x03, 0x00, 0x00, 0xea, 0x60, 0x00, 0x00});
-  REQUIRE_THROWS_WITH(read_idx(short_dims), Contains(short_dims) &&
-                                                Contains("truncated header") &&
+  REQUIRE_THROWS_WITH(read_idx(short_dims), Contains(short_dims) && Contains("truncated header") &&
                                                 Contains("rank 3 needs 12 bytes") &&
                                                 Contains("file holds 6"));
 }
@@ -335,17 +335,19 @@ TEST_CASE("data: read_idx reports truncated data") {
 
   const std::string plain = dir.file("train-labels-idx1-ubyte");
   write_plain(plain, half);
-  REQUIRE_THROWS_WITH(read_idx(plain), Contains(plain) && Contains("truncated") &&
-                                           Contains("header says 60000 = 60000 bytes, file holds 30000"));
+  REQUIRE_THROWS_WITH(read_idx(plain),
+                      Contains(plain) && Contains("truncated") &&
+                          Contains("header says 60000 = 60000 bytes, file holds 30000"));
 
   const std::string gz = dir.file("train-labels-idx1-ubyte.gz");
   write_gz(gz, half);
-  REQUIRE_THROWS_WITH(read_idx(gz), Contains(gz) && Contains("header says 60000 = 60000 bytes, file holds 30000"));
+  REQUIRE_THROWS_WITH(
+      read_idx(gz), Contains(gz) && Contains("header says 60000 = 60000 bytes, file holds 30000"));
 
   const std::string images = dir.file("images");
   write_plain(images, idx_bytes({3, 2, 2}, noise(10, 4)));
-  REQUIRE_THROWS_WITH(read_idx(images), Contains(images) &&
-                                            Contains("header says 3x2x2 = 12 bytes, file holds 10"));
+  REQUIRE_THROWS_WITH(read_idx(images),
+                      Contains(images) && Contains("header says 3x2x2 = 12 bytes, file holds 10"));
 }
 
 TEST_CASE("data: read_idx reports a cut-short gzip file") {
@@ -396,9 +398,10 @@ TEST_CASE("data: read_idx reports trailing garbage") {
   bytes.insert(bytes.end(), {0xde, 0xad, 0xbe, 0xef, 0x00});
   const std::string plain = dir.file("labels");
   write_plain(plain, bytes);
-  REQUIRE_THROWS_WITH(read_idx(plain), Contains(plain) &&
-                                           Contains("5 bytes of trailing garbage after the 3 bytes") &&
-                                           Contains("(3)"));
+  REQUIRE_THROWS_WITH(read_idx(plain),
+                      Contains(plain) &&
+                          Contains("5 bytes of trailing garbage after the 3 bytes") &&
+                          Contains("(3)"));
   const std::string gz = dir.file("labels.gz");
   write_gz(gz, bytes);
   REQUIRE_THROWS_WITH(read_idx(gz), Contains(gz) && Contains("5 bytes of trailing garbage"));
@@ -408,10 +411,11 @@ TEST_CASE("data: fashion_mnist reports a missing folder") {
   TempDir dir;
   const std::string missing = dir.file("nowhere");
   REQUIRE_THROWS_AS(fashion_mnist(missing), loom::Error);
-  REQUIRE_THROWS_WITH(fashion_mnist(missing),
-                      Contains(missing + "/train-images-idx3-ubyte.gz") &&
-                          Contains(missing + "/train-images-idx3-ubyte'") && Contains("not found") &&
-                          Contains("dataset-fashion-mnist") && Contains("--data DIR"));
+  REQUIRE_THROWS_WITH(fashion_mnist(missing), Contains(missing + "/train-images-idx3-ubyte.gz") &&
+                                                  Contains(missing + "/train-images-idx3-ubyte'") &&
+                                                  Contains("not found") &&
+                                                  Contains("dataset-fashion-mnist") &&
+                                                  Contains("--data DIR"));
 }
 
 TEST_CASE("data: fashion_mnist reports image and label counts that differ") {
@@ -429,7 +433,8 @@ TEST_CASE("data: fashion_mnist reports a label outside the classes") {
   write_small_fashion_mnist(dir);
   const std::string labels = dir.file("train-labels-idx1-ubyte.gz");
   write_gz(labels, idx_bytes({3}, {4, 12, 9}));
-  REQUIRE_THROWS_WITH(fashion_mnist(dir.path()), Contains(labels) && Contains("label 12 at index 1") &&
+  REQUIRE_THROWS_WITH(fashion_mnist(dir.path()), Contains(labels) &&
+                                                     Contains("label 12 at index 1") &&
                                                      Contains("expected 0..9"));
 }
 
@@ -460,7 +465,8 @@ TEST_CASE("data: Loader visits every sample exactly once per epoch") {
         INFO("count " << count << ", batch " << batch_size << ", drop_last " << drop_last);
         Loader loader(set, options);
         const std::size_t full = count / batch_size;
-        const std::size_t expected_batches = drop_last ? full : (count + batch_size - 1) / batch_size;
+        const std::size_t expected_batches =
+            drop_last ? full : (count + batch_size - 1) / batch_size;
         REQUIRE(loader.batches_per_epoch() == expected_batches);
         REQUIRE(loader.max_batch() == (expected_batches ? std::min(batch_size, count) : 0));
         for (std::size_t epoch : {0u, 1u}) {
@@ -594,8 +600,9 @@ TEST_CASE("data: Loader rejects bad options and misuse") {
 
   Dataset broken = toy_dataset(5);
   broken.labels.pop_back();
-  REQUIRE_THROWS_WITH(Loader(broken, {}), Contains("dataset 'toy' declares 5 samples of 6 values") &&
-                                             Contains("30 image values and 4 labels"));
+  REQUIRE_THROWS_WITH(Loader(broken, {}),
+                      Contains("dataset 'toy' declares 5 samples of 6 values") &&
+                          Contains("30 image values and 4 labels"));
 }
 
 TEST_CASE("data: Loader with drop_last over fewer samples than a batch yields none") {

@@ -4,7 +4,6 @@
 // steps, to the bit (each fused epilogue does the same arithmetic in the
 // same order as the separate layers).
 #include <loom/loom.hpp>
-
 #include <vector>
 
 #include "loom_test.hpp"
@@ -43,8 +42,10 @@ void check_fused_equals_unfused() {
     const float* b = unfused.forward(x, n);
     test::require_equal(std::vector<float>(a, a + n * 10), std::vector<float>(b, b + n * 10),
                         "outputs");
-    const auto la = SoftmaxCrossEntropy::evaluate<float>(a, labels, n, 10, n, fused.output_gradient());
-    const auto lb = SoftmaxCrossEntropy::evaluate<float>(b, labels, n, 10, n, unfused.output_gradient());
+    const auto la =
+        SoftmaxCrossEntropy::evaluate<float>(a, labels, n, 10, n, fused.output_gradient());
+    const auto lb =
+        SoftmaxCrossEntropy::evaluate<float>(b, labels, n, 10, n, unfused.output_gradient());
     REQUIRE(la.loss == lb.loss);
     fused.backward();
     unfused.backward();

@@ -1,10 +1,9 @@
 // Every layer: forward against the plain-loop reference (in double and in
 // float), backward against central finite differences in double, and the
 // accumulate flag of backward.
-#include <loom/loom.hpp>
-
 #include <cmath>
 #include <limits>
+#include <loom/loom.hpp>
 #include <vector>
 
 #include "layer_reference.hpp"
@@ -23,8 +22,10 @@ struct Run {
   std::vector<T> params, x, y, work;
 
   Run(const std::vector<double>& p, const std::vector<double>& in)
-      : params(p.begin(), p.end()), x(in.begin(), in.end()),
-        y(batch * L::output_shape::size), work(batch * L::workspace + 1) {
+      : params(p.begin(), p.end()),
+        x(in.begin(), in.end()),
+        y(batch * L::output_shape::size),
+        work(batch * L::workspace + 1) {
     L::template forward<T>(params.data(), x.data(), y.data(), work.data(), batch);
   }
 };
@@ -97,8 +98,8 @@ std::vector<double> conv_expected(const test::ConvDims& d, const std::vector<dou
                               {params.begin() + static_cast<long>(weights), params.end()});
 }
 
-template <std::size_t Out, std::size_t K, std::size_t S, std::size_t P, std::size_t C, std::size_t H,
-          std::size_t W>
+template <std::size_t Out, std::size_t K, std::size_t S, std::size_t P, std::size_t C,
+          std::size_t H, std::size_t W>
 void check_conv(std::uint64_t seed) {
   using Plain = Bind<Conv2d<Out, K, S, P>, Shape<C, H, W>, 1>;
   using WithRelu = Bind<Fused<Conv2d<Out, K, S, P>, ReLU>, Shape<C, H, W>, 1>;
@@ -116,12 +117,15 @@ void check_conv(std::uint64_t seed) {
 
 }  // namespace
 
-TEST_CASE("layers: Conv2d forward matches direct convolution, backward matches finite differences") {
+TEST_CASE(
+    "layers: Conv2d forward matches direct convolution, backward matches finite differences") {
   SECTION("3x3, stride 1, no padding") { check_conv<4, 3, 1, 0, 2, 7, 6>(10); }
   SECTION("5x5 as in LeNet") { check_conv<3, 5, 1, 0, 1, 9, 9>(20); }
   SECTION("3x3, stride 2, padding 1") { check_conv<3, 3, 2, 1, 3, 7, 8>(30); }
   SECTION("1x1") { check_conv<5, 1, 1, 0, 4, 3, 3>(40); }
-  SECTION("2x2, stride 3, padding 2 (windows that skip pixels)") { check_conv<2, 2, 3, 2, 2, 6, 5>(50); }
+  SECTION("2x2, stride 3, padding 2 (windows that skip pixels)") {
+    check_conv<2, 2, 3, 2, 2, 6, 5>(50);
+  }
 }
 
 TEST_CASE("layers: Linear forward matches the plain product, backward matches finite differences") {
@@ -129,9 +133,8 @@ TEST_CASE("layers: Linear forward matches the plain product, backward matches fi
   using WithRelu = Bind<Fused<Linear<7>, ReLU>, Shape<11>, 1>;
   const auto params = random_vector<double>(Plain::param_count, 60, -0.5, 0.5);
   const auto x = random_vector<double>(batch * 11, 61);
-  const auto expected =
-      test::linear_reference(batch, 11, 7, x, {params.begin(), params.begin() + 77},
-                             {params.begin() + 77, params.end()});
+  const auto expected = test::linear_reference(
+      batch, 11, 7, x, {params.begin(), params.begin() + 77}, {params.begin() + 77, params.end()});
   check_forward<Plain>(params, x, expected);
   check_forward<WithRelu>(params, x, test::relu_reference(expected));
   check_gradients<Plain>(62);
@@ -215,7 +218,8 @@ TEST_CASE("layers: Conv2d over more samples than one chunk equals sample-by-samp
                         dx1, {1e-13, 1e-12}, "input gradient of sample " + std::to_string(s));
     for (std::size_t i = 0; i < dp1.size(); ++i) dparams_sum[i] += dp1[i];
   }
-  test::require_close(dparams, dparams_sum, {1e-12, 1e-12}, "parameter gradient summed over chunks");
+  test::require_close(dparams, dparams_sum, {1e-12, 1e-12},
+                      "parameter gradient summed over chunks");
 }
 
 TEST_CASE("layers: a NaN input reaches the output of MaxPool2d and ReLU") {

@@ -1,8 +1,7 @@
 // Whole networks: gradients of the mean cross-entropy against finite
 // differences in double, seeded initialisation, and the arena.
-#include <loom/loom.hpp>
-
 #include <cmath>
+#include <loom/loom.hpp>
 #include <vector>
 
 #include "loom_test.hpp"
@@ -22,9 +21,9 @@ double mean_loss(Model<Net, double>& model, const std::vector<double>& x,
                  const std::vector<std::int32_t>& labels, bool with_gradient) {
   const std::size_t n = labels.size();
   const double* logits = model.forward(x.data(), n);
-  const auto sums = SoftmaxCrossEntropy::evaluate<double>(
-      logits, labels.data(), n, Net::output_shape::size, n,
-      with_gradient ? model.output_gradient() : nullptr);
+  const auto sums =
+      SoftmaxCrossEntropy::evaluate<double>(logits, labels.data(), n, Net::output_shape::size, n,
+                                            with_gradient ? model.output_gradient() : nullptr);
   if (with_gradient) model.backward();
   return sums.loss / static_cast<double>(n);
 }
@@ -69,8 +68,8 @@ TEST_CASE("model: seeded initialisation") {
   for (std::size_t i = 0; i < a.parameters().size(); ++i)
     REQUIRE(a.parameters()[i] == static_cast<float>(d.parameters()[i]));
 
-  using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>,
-                           ReLU, MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
+  using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
+                           MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
   Model<LeNet, double> lenet(1);
   const auto p = lenet.parameters();
   auto stats = [&](std::size_t first, std::size_t count) {
@@ -107,7 +106,8 @@ TEST_CASE("model: forward grows the arena on demand and smaller batches reuse it
   REQUIRE_THROWS_WITH(model.forward(x.data(), 0), Catch::Contains("empty batch"));
 }
 
-TEST_CASE("model: a batch of 150 (three convolution chunks) equals three accumulated micro-batches") {
+TEST_CASE(
+    "model: a batch of 150 (three convolution chunks) equals three accumulated micro-batches") {
   // The arena is sized from the plan for 150 samples; the gradient of the
   // mean loss over 150 must equal the sum over micro-batches of 50, each
   // scaled by 1/150 and accumulated (as pipeline micro-batches will be).
@@ -125,10 +125,11 @@ TEST_CASE("model: a batch of 150 (three convolution chunks) equals three accumul
   Model<Small, float> parts(5);
   for (std::size_t first = 0; first < n; first += micro) {
     const float* part = parts.forward(x.data() + first * Small::input_shape::size, micro);
-    test::require_close(std::vector<float>(part, part + micro * 5),
-                        std::vector<float>(outputs.begin() + static_cast<long>(first * 5),
-                                           outputs.begin() + static_cast<long>((first + micro) * 5)),
-                        {1e-6, 1e-5}, "outputs of samples from " + std::to_string(first));
+    test::require_close(
+        std::vector<float>(part, part + micro * 5),
+        std::vector<float>(outputs.begin() + static_cast<long>(first * 5),
+                           outputs.begin() + static_cast<long>((first + micro) * 5)),
+        {1e-6, 1e-5}, "outputs of samples from " + std::to_string(first));
     SoftmaxCrossEntropy::evaluate<float>(part, labels.data() + first, micro, 5, n,
                                          parts.output_gradient());
     parts.backward(first > 0);

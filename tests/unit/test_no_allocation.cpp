@@ -1,9 +1,8 @@
 // A training step allocates nothing: the arena is sized from the memory plan
 // up front. Proved by counting every operator new in this executable.
-#include <loom/loom.hpp>
-
 #include <atomic>
 #include <cstdlib>
+#include <loom/loom.hpp>
 #include <new>
 
 #include "loom_test.hpp"
@@ -74,7 +73,8 @@ struct AllocationProbe {
 }  // namespace
 
 TEST_CASE("arena: Trainer::fit allocates nothing between one step and the next") {
-  using SmallCnn = Sequential<Input<1, 28, 28>, Conv2d<4, 5>, ReLU, MaxPool2d<2>, Flatten, Linear<10>>;
+  using SmallCnn =
+      Sequential<Input<1, 28, 28>, Conv2d<4, 5>, ReLU, MaxPool2d<2>, Flatten, Linear<10>>;
   const auto data = data::fashion_mnist(LOOM_TEST_DATA_DIR);
   std::vector<std::size_t> counts;
   counts.reserve(64);

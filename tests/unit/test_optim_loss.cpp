@@ -1,8 +1,7 @@
 // SGD against hand-computed updates; softmax cross-entropy against hand
 // values and finite differences.
-#include <loom/loom.hpp>
-
 #include <cmath>
+#include <loom/loom.hpp>
 #include <vector>
 
 #include "loom_test.hpp"
@@ -61,8 +60,8 @@ TEST_CASE("loss: softmax cross-entropy values, gradient and accuracy count") {
   const std::vector<double> logits{0.0, std::log(3.0), 2.0, 2.0};
   const std::vector<std::int32_t> labels{1, 0};
   std::vector<double> grad(4);
-  const auto sums = SoftmaxCrossEntropy::evaluate<double>(logits.data(), labels.data(), 2, 2, 4,
-                                                          grad.data());
+  const auto sums =
+      SoftmaxCrossEntropy::evaluate<double>(logits.data(), labels.data(), 2, 2, 4, grad.data());
   REQUIRE(sums.loss == Approx(-std::log(0.75) + std::log(2.0)).epsilon(1e-12));
   REQUIRE(sums.correct == 2);
   // Scaled by 1 / global batch (4 here: these rows are half of it).
@@ -74,17 +73,19 @@ TEST_CASE("loss: gradient matches finite differences, large logits stay finite")
   const auto logits = test::random_vector<double>(3 * 7, 5, -30.0, 30.0);
   const std::vector<std::int32_t> labels{6, 0, 3};
   std::vector<double> grad(logits.size());
-  const auto sums = SoftmaxCrossEntropy::evaluate<double>(logits.data(), labels.data(), 3, 7, 3,
-                                                          grad.data());
+  const auto sums =
+      SoftmaxCrossEntropy::evaluate<double>(logits.data(), labels.data(), 3, 7, 3, grad.data());
   REQUIRE(std::isfinite(sums.loss));
   std::vector<double> numeric(logits.size());
   auto v = logits;
   for (std::size_t i = 0; i < v.size(); ++i) {
     const double keep = v[i];
     v[i] = keep + 1e-6;
-    const double up = SoftmaxCrossEntropy::evaluate<double>(v.data(), labels.data(), 3, 7, 3, nullptr).loss;
+    const double up =
+        SoftmaxCrossEntropy::evaluate<double>(v.data(), labels.data(), 3, 7, 3, nullptr).loss;
     v[i] = keep - 1e-6;
-    const double down = SoftmaxCrossEntropy::evaluate<double>(v.data(), labels.data(), 3, 7, 3, nullptr).loss;
+    const double down =
+        SoftmaxCrossEntropy::evaluate<double>(v.data(), labels.data(), 3, 7, 3, nullptr).loss;
     v[i] = keep;
     numeric[i] = (up - down) / 2e-6 / 3.0;
   }
@@ -94,6 +95,7 @@ TEST_CASE("loss: gradient matches finite differences, large logits stay finite")
 TEST_CASE("loss: a label outside the classes is an error") {
   const std::vector<float> logits(10);
   const std::vector<std::int32_t> labels{0, 5};
-  REQUIRE_THROWS_WITH(SoftmaxCrossEntropy::evaluate<float>(logits.data(), labels.data(), 2, 5, 2, nullptr),
-                      Catch::Contains("label 5 of sample 1 is outside the network's 5 classes"));
+  REQUIRE_THROWS_WITH(
+      SoftmaxCrossEntropy::evaluate<float>(logits.data(), labels.data(), 2, 5, 2, nullptr),
+      Catch::Contains("label 5 of sample 1 is outside the network's 5 classes"));
 }

@@ -64,16 +64,19 @@ TEST_CASE("shapes: per-layer FLOPs per sample") {
 TEST_CASE("shapes: the fusion pass folds each ReLU into the layer before it") {
   using E = LeNet::executed;
   STATIC_REQUIRE(E::size == 7);
-  STATIC_REQUIRE(std::is_same_v<type_at_t<0, E>, Bind<Fused<Conv2d<20, 5>, ReLU>, Shape<1, 28, 28>, 1>>);
+  STATIC_REQUIRE(
+      std::is_same_v<type_at_t<0, E>, Bind<Fused<Conv2d<20, 5>, ReLU>, Shape<1, 28, 28>, 1>>);
   STATIC_REQUIRE(std::is_same_v<type_at_t<1, E>, Bind<MaxPool2d<2>, Shape<20, 24, 24>, 3>>);
-  STATIC_REQUIRE(std::is_same_v<type_at_t<2, E>, Bind<Fused<Conv2d<50, 5>, ReLU>, Shape<20, 12, 12>, 4>>);
+  STATIC_REQUIRE(
+      std::is_same_v<type_at_t<2, E>, Bind<Fused<Conv2d<50, 5>, ReLU>, Shape<20, 12, 12>, 4>>);
   STATIC_REQUIRE(std::is_same_v<type_at_t<5, E>, Bind<Fused<Linear<500>, ReLU>, Shape<800>, 8>>);
   STATIC_REQUIRE(std::is_same_v<type_at_t<6, E>, Bind<Linear<10>, Shape<500>, 10>>);
   // A ReLU with nothing to fuse into stays a layer of its own.
   using Odd = Sequential<Input<4>, ReLU, Linear<3>, ReLU, ReLU>;
-  STATIC_REQUIRE(std::is_same_v<Odd::executed,
-                                TypeList<Bind<ReLU, Shape<4>, 1>, Bind<Fused<Linear<3>, ReLU>, Shape<4>, 2>,
-                                         Bind<ReLU, Shape<3>, 4>>>);
+  STATIC_REQUIRE(
+      std::is_same_v<Odd::executed,
+                     TypeList<Bind<ReLU, Shape<4>, 1>, Bind<Fused<Linear<3>, ReLU>, Shape<4>, 2>,
+                              Bind<ReLU, Shape<3>, 4>>>);
   STATIC_REQUIRE(Unfused<LeNet>::executed::size == 10);
 }
 

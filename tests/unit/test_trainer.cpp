@@ -1,9 +1,8 @@
 // Trainer: training on real data lowers the loss, is reproducible from its
 // seeds, reports progress, and turns misuse into clear errors.
-#include <loom/loom.hpp>
-
 #include <cmath>
 #include <limits>
+#include <loom/loom.hpp>
 #include <sstream>
 
 #include "loom_test.hpp"
@@ -13,7 +12,8 @@ using namespace loom;
 namespace {
 
 using Mlp = Sequential<Input<1, 28, 28>, Flatten, Linear<64>, ReLU, Linear<10>>;
-using SmallCnn = Sequential<Input<1, 28, 28>, Conv2d<8, 5>, ReLU, MaxPool2d<2>, Flatten, Linear<10>>;
+using SmallCnn =
+    Sequential<Input<1, 28, 28>, Conv2d<8, 5>, ReLU, MaxPool2d<2>, Flatten, Linear<10>>;
 
 const data::Split& fashion() {
   static const data::Split split = data::fashion_mnist(LOOM_TEST_DATA_DIR);
@@ -71,7 +71,8 @@ TEST_CASE("trainer: MultiStepLR lowers the learning rate after its milestone epo
               callbacks::MultiStepLR{.milestones = {1, 3}, .factor = 0.5f, .out = &out});
   REQUIRE(trainer.optimizer().options().lr == 0.02f);
   REQUIRE(out.str() == "learning rate 0.04 from epoch 2\nlearning rate 0.02 from epoch 4\n");
-  REQUIRE_THROWS_WITH(trainer.optimizer().set_lr(0.0f), Catch::Contains("learning rate must be positive"));
+  REQUIRE_THROWS_WITH(trainer.optimizer().set_lr(0.0f),
+                      Catch::Contains("learning rate must be positive"));
 }
 
 TEST_CASE("trainer: the progress callback prints plain lines off a terminal") {
@@ -81,7 +82,8 @@ TEST_CASE("trainer: the progress callback prints plain lines off a terminal") {
   trainer.fit(train, {.epochs = 2, .batch_size = 64},
               callbacks::Progress({.out = &out, .lines_per_epoch = 5}));
   const std::string text = out.str();
-  REQUIRE(text.find("training: 640 samples, 2 epoch(s) of 10 steps, batch 64") != std::string::npos);
+  REQUIRE(text.find("training: 640 samples, 2 epoch(s) of 10 steps, batch 64") !=
+          std::string::npos);
   REQUIRE(text.find("epoch 1/2 step 2/10 loss ") != std::string::npos);
   REQUIRE(text.find("epoch 2/2 step 10/10 loss ") != std::string::npos);
   REQUIRE(text.find("samples/s ETA 0:00") != std::string::npos);
@@ -96,7 +98,8 @@ TEST_CASE("trainer: the progress bar is redrawn in place") {
   std::ostringstream out;
   Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.01f});
   trainer.fit(train, {.epochs = 1, .batch_size = 64},
-              callbacks::Progress({.out = &out, .style = callbacks::Progress::Style::bar, .bar_width = 10}));
+              callbacks::Progress(
+                  {.out = &out, .style = callbacks::Progress::Style::bar, .bar_width = 10}));
   const std::string text = out.str();
   // The last redraw of the epoch: a full bar, erased to the end of the line,
   // then a newline so the summary starts on its own line.
@@ -124,8 +127,9 @@ TEST_CASE("trainer: misuse is a clear loom::Error") {
   SECTION("dataset shape") {
     using Wrong = Sequential<Input<1, 32, 32>, Flatten, Linear<10>>;
     Trainer<Wrong> trainer(devices::cpu(1), {});
-    REQUIRE_THROWS_WITH(trainer.fit(head(fashion().train, 10), {}),
-                        Catch::Contains("has samples of 1x28x28 = 784 values but the network's Input holds 1024"));
+    REQUIRE_THROWS_WITH(
+        trainer.fit(head(fashion().train, 10), {}),
+        Catch::Contains("has samples of 1x28x28 = 784 values but the network's Input holds 1024"));
   }
   SECTION("more classes than outputs") {
     using Five = Sequential<Input<1, 28, 28>, Flatten, Linear<5>>;

@@ -39,8 +39,8 @@ class Arena {
   T* take(std::size_t n) {
     const std::size_t step = alignment / sizeof(T);
     const std::size_t start = (used_ + step - 1) / step * step;
-    LOOM_CHECK(start + n <= capacity_, owner_, ": memory plan exceeded (",
-               start + n, " elements requested, ", capacity_, " planned)");
+    LOOM_CHECK(start + n <= capacity_, owner_, ": memory plan exceeded (", start + n,
+               " elements requested, ", capacity_, " planned)");
     used_ = start + n;
     return aligned_base() + start;
   }

@@ -28,8 +28,8 @@ template <class... Parts>
 }  // namespace loom
 
 // Throws loom::Error with the streamed message parts when `condition` is false.
-#define LOOM_CHECK(condition, ...)                                   \
-  do {                                                               \
+#define LOOM_CHECK(condition, ...)                                            \
+  do {                                                                        \
     if (!(condition)) ::loom::detail::raise(__FILE__, __LINE__, __VA_ARGS__); \
   } while (false)
 

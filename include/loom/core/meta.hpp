@@ -33,17 +33,19 @@ using type_at_t = typename detail::type_at<I, List>::type;
 // Calls f(std::integral_constant<std::size_t, I>{}) for I = 0 .. N-1 in order.
 template <std::size_t N, class F>
 constexpr void static_for(F&& f) {
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
+  const auto each = [&]<std::size_t... I>(std::index_sequence<I...>) {
     (f(std::integral_constant<std::size_t, I>{}), ...);
-  }(std::make_index_sequence<N>{});
+  };
+  each(std::make_index_sequence<N>{});
 }
 
 // The same in reverse order, for backward passes.
 template <std::size_t N, class F>
 constexpr void static_for_reverse(F&& f) {
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
+  const auto each = [&]<std::size_t... I>(std::index_sequence<I...>) {
     (f(std::integral_constant<std::size_t, N - 1 - I>{}), ...);
-  }(std::make_index_sequence<N>{});
+  };
+  each(std::make_index_sequence<N>{});
 }
 
 }  // namespace loom

@@ -16,8 +16,7 @@ constexpr std::uint64_t mix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint64_t stream,
-                                 std::uint64_t counter) {
+constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
   return mix64(mix64(mix64(seed) ^ stream) ^ counter);
 }
 
@@ -30,8 +29,7 @@ constexpr std::uint64_t stream_key(RngPurpose purpose, std::uint64_t index) {
 }
 
 // Uniform in [0, 1) with 53 random bits.
-constexpr double uniform01(std::uint64_t seed, std::uint64_t stream,
-                           std::uint64_t counter) {
+constexpr double uniform01(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
   return static_cast<double>(hash_key(seed, stream, counter) >> 11) * 0x1.0p-53;
 }
 

@@ -8,13 +8,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <loom/core/error.hpp>
+#include <loom/data/idx.hpp>
 #include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
-
-#include <loom/core/error.hpp>
-#include <loom/data/idx.hpp>
 
 namespace loom::data {
 
@@ -75,7 +74,8 @@ inline Dataset make_image_dataset(const IdxArray& images, const IdxArray& labels
   // 256 possible pixel values: a table beats a divide per pixel.
   std::array<float, 256> table;
   for (std::size_t v = 0; v < table.size(); ++v)
-    table[v] = static_cast<float>((static_cast<double>(v) / 255.0 - normalize.mean) / normalize.std);
+    table[v] =
+        static_cast<float>((static_cast<double>(v) / 255.0 - normalize.mean) / normalize.std);
   set.images.resize(images.data.size());
   for (std::size_t i = 0; i < images.data.size(); ++i) set.images[i] = table[images.data[i]];
   return set;

@@ -13,11 +13,10 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <loom/core/error.hpp>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <loom/core/error.hpp>
 
 namespace loom::data {
 
@@ -47,13 +46,20 @@ inline std::string hex_byte(std::uint8_t byte) {
 
 inline const char* idx_type_name(std::uint8_t type) {
   switch (type) {
-    case 0x08: return "unsigned byte";
-    case 0x09: return "signed byte";
-    case 0x0B: return "int16";
-    case 0x0C: return "int32";
-    case 0x0D: return "float";
-    case 0x0E: return "double";
-    default: return "not an IDX type";
+    case 0x08:
+      return "unsigned byte";
+    case 0x09:
+      return "signed byte";
+    case 0x0B:
+      return "int16";
+    case 0x0C:
+      return "int32";
+    case 0x0D:
+      return "float";
+    case 0x0E:
+      return "double";
+    default:
+      return "not an IDX type";
   }
 }
 

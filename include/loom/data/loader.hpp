@@ -9,15 +9,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <loom/core/error.hpp>
+#include <loom/core/rng.hpp>
+#include <loom/data/dataset.hpp>
 #include <mutex>
 #include <numeric>
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <loom/core/error.hpp>
-#include <loom/core/rng.hpp>
-#include <loom/data/dataset.hpp>
 
 namespace loom::data {
 
@@ -115,7 +114,8 @@ class Loader {
   // ends.
   bool next(Batch& out) {
     std::unique_lock lock(mutex_);
-    LOOM_CHECK(started_, "Loader::next() called before start_epoch(); call start_epoch(epoch) first");
+    LOOM_CHECK(started_,
+               "Loader::next() called before start_epoch(); call start_epoch(epoch) first");
     if (held_) {
       held_->state = Slot::State::empty;
       held_ = nullptr;
@@ -154,8 +154,8 @@ class Loader {
     std::unique_lock lock(mutex_);
     for (;;) {
       work_cv_.wait(lock, [&] {
-        return stop_ || (started_ && fill_ < batches_ &&
-                         slots_[fill_ % 2].state == Slot::State::empty);
+        return stop_ ||
+               (started_ && fill_ < batches_ && slots_[fill_ % 2].state == Slot::State::empty);
       });
       if (stop_) return;
       const std::size_t batch = fill_;
@@ -189,7 +189,8 @@ class Loader {
                  dataset_.name, "' has label ", label, " at sample ", index, "; expected 0..",
                  dataset_.classes - 1, " for ", dataset_.classes, " classes");
       std::copy_n(dataset_.images.begin() + static_cast<std::ptrdiff_t>(index * sample_size_),
-                  sample_size_, slot.images.begin() + static_cast<std::ptrdiff_t>(j * sample_size_));
+                  sample_size_,
+                  slot.images.begin() + static_cast<std::ptrdiff_t>(j * sample_size_));
       slot.labels[j] = label;
     }
     slot.size = size;

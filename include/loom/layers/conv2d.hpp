@@ -37,13 +37,16 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
                       window_out(dim_or_one<In, 2>, K, S, P)>,
                 Index> {
   using Spec = Conv2d<Out, K, S, P>;
+  // The padded input, or K after a rank error so that only that error shows.
+  static constexpr std::size_t padded_height = In::rank == 3 ? dim_or_one<In, 1> + 2 * P : K;
+  static constexpr std::size_t padded_width = In::rank == 3 ? dim_or_one<In, 2> + 2 * P : K;
   static constexpr bool checked =
       layer_argument_must_be_positive<Index, Spec, Out>::ok &&
       layer_argument_must_be_positive<Index, Spec, K>::ok &&
       layer_argument_must_be_positive<Index, Spec, S>::ok &&
       layer_input_rank_mismatch<Index, Spec, 3, In::rank>::ok &&
-      layer_window_larger_than_input<Index, Spec, K, In::rank == 3 ? dim_or_one<In, 1> + 2 * P : K>::ok &&
-      layer_window_larger_than_input<Index, Spec, K, In::rank == 3 ? dim_or_one<In, 2> + 2 * P : K>::ok;
+      layer_window_larger_than_input<Index, Spec, K, padded_height>::ok &&
+      layer_window_larger_than_input<Index, Spec, K, padded_width>::ok;
 
   static constexpr std::size_t channels = dim_or_one<In, 0>;
   static constexpr std::size_t height = dim_or_one<In, 1>;
@@ -62,7 +65,8 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
   static constexpr std::size_t chunk = cpu::conv_chunk;
   static constexpr std::size_t forward_flops = 2 * Out * plane * patch + Out * plane;
   // The input-gradient GEMM is skipped for the network's first layer.
-  static constexpr std::size_t backward_flops = (Index == 1 ? 2 : 4) * Out * plane * patch + Out * plane;
+  static constexpr std::size_t backward_flops =
+      (Index == 1 ? 2 : 4) * Out * plane * patch + Out * plane;
   static constexpr std::string_view kind = "conv";
 
   static cpu::ConvGeometry geometry(std::size_t n) {

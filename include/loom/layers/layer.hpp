@@ -106,7 +106,7 @@ struct LayerBase {
   static constexpr std::size_t chunk = 0;
   static constexpr std::size_t forward_flops = 0;   // per sample
   static constexpr std::size_t backward_flops = 0;  // per sample
-  static constexpr bool in_place = false;      // output aliases input (no copy, no buffer)
+  static constexpr bool in_place = false;           // output aliases input (no copy, no buffer)
   static constexpr bool is_relu = false;
   static constexpr bool checked = true;  // shape checks passed (layers with rules override)
 

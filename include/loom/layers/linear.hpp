@@ -45,8 +45,8 @@ struct LinearLayer : LayerBase<Linear<Out>, In, Shape<Out>, Index> {
 
   template <class T>
   static void forward(const T* params, const T* x, T* y, T*, std::size_t n) {
-    cpu::gemm<T>(false, true, n, Out, in_features, T(1), x, in_features, params, in_features,
-                 T(0), y, Out);
+    cpu::gemm<T>(false, true, n, Out, in_features, T(1), x, in_features, params, in_features, T(0),
+                 y, Out);
     cpu::bias_act_rows<A>(y, params + weight_count, n, Out);
   }
 
@@ -69,6 +69,7 @@ template <std::size_t Out, class In, std::size_t Index>
 struct Bind<Linear<Out>, In, Index> : detail::LinearLayer<Out, In, Index, Act::identity> {};
 
 template <std::size_t Out, class In, std::size_t Index>
-struct Bind<Fused<Linear<Out>, ReLU>, In, Index> : detail::LinearLayer<Out, In, Index, Act::relu> {};
+struct Bind<Fused<Linear<Out>, ReLU>, In, Index> : detail::LinearLayer<Out, In, Index, Act::relu> {
+};
 
 }  // namespace loom

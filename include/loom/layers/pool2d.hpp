@@ -26,17 +26,21 @@ namespace detail {
 
 template <class Spec, class In, std::size_t Index, bool Max>
 struct PoolLayer
-    : LayerBase<Spec, In,
-                Shape<dim_or_one<In, 0>, window_out(dim_or_one<In, 1>, Spec::kernel, Spec::stride, 0),
-                      window_out(dim_or_one<In, 2>, Spec::kernel, Spec::stride, 0)>,
-                Index> {
+    : LayerBase<
+          Spec, In,
+          Shape<dim_or_one<In, 0>, window_out(dim_or_one<In, 1>, Spec::kernel, Spec::stride, 0),
+                window_out(dim_or_one<In, 2>, Spec::kernel, Spec::stride, 0)>,
+          Index> {
   static constexpr std::size_t K = Spec::kernel;
   static constexpr std::size_t S = Spec::stride;
+  // The input, or K after a rank error so that only that error shows.
+  static constexpr std::size_t in_height = In::rank == 3 ? dim_or_one<In, 1> : K;
+  static constexpr std::size_t in_width = In::rank == 3 ? dim_or_one<In, 2> : K;
   static constexpr bool checked = layer_argument_must_be_positive<Index, Spec, K>::ok &&
                                   layer_argument_must_be_positive<Index, Spec, S>::ok &&
                                   layer_input_rank_mismatch<Index, Spec, 3, In::rank>::ok &&
-                                  layer_window_larger_than_input<Index, Spec, K, In::rank == 3 ? dim_or_one<In, 1> : K>::ok &&
-                                  layer_window_larger_than_input<Index, Spec, K, In::rank == 3 ? dim_or_one<In, 2> : K>::ok;
+                                  layer_window_larger_than_input<Index, Spec, K, in_height>::ok &&
+                                  layer_window_larger_than_input<Index, Spec, K, in_width>::ok;
   using Out = Shape<dim_or_one<In, 0>, window_out(dim_or_one<In, 1>, K, S, 0),
                     window_out(dim_or_one<In, 2>, K, S, 0)>;
   static constexpr std::size_t forward_flops = Out::size * K * K;
@@ -44,7 +48,8 @@ struct PoolLayer
   static constexpr std::string_view kind = Max ? "maxpool" : "avgpool";
 
   static cpu::PoolGeometry geometry(std::size_t n) {
-    return {n * Out::dims[0], dim_or_one<In, 1>, dim_or_one<In, 2>, K, S, Out::dims[1], Out::dims[2]};
+    return {n * Out::dims[0], dim_or_one<In, 1>, dim_or_one<In, 2>, K, S,
+            Out::dims[1],     Out::dims[2]};
   }
 
   template <class T>
@@ -56,8 +61,10 @@ struct PoolLayer
   static void backward(const T*, const T* x, const T*, const T* dy, T* dx, T*, T*, std::size_t n,
                        bool) {
     if (dx == nullptr) return;
-    if constexpr (Max) cpu::max_pool_backward(geometry(n), x, dy, dx);
-    else cpu::avg_pool_backward(geometry(n), dy, dx);
+    if constexpr (Max)
+      cpu::max_pool_backward(geometry(n), x, dy, dx);
+    else
+      cpu::avg_pool_backward(geometry(n), dy, dx);
   }
 };
 

@@ -17,8 +17,8 @@ struct SoftmaxCrossEntropy {
   template <class T>
   static Sums evaluate(const T* logits, const std::int32_t* labels, std::size_t batch,
                        std::size_t classes, std::size_t global_batch, T* dlogits) {
-    return cpu::softmax_xent(logits, labels, batch, classes,
-                             T(1) / static_cast<T>(global_batch), dlogits);
+    return cpu::softmax_xent(logits, labels, batch, classes, T(1) / static_cast<T>(global_batch),
+                             dlogits);
   }
 };
 

@@ -48,9 +48,10 @@ struct fuse_list<TypeList<Done...>, A> {
 template <class... Done, class A, class B, class... Rest>
 struct fuse_list<TypeList<Done...>, A, B, Rest...> {
   using rule = FusionRule<A, B>;
-  using type = typename std::conditional_t<
-      rule::fuses, fuse_list<TypeList<Done..., typename rule::type>, Rest...>,
-      fuse_list<TypeList<Done..., A>, B, Rest...>>::type;
+  using type =
+      typename std::conditional_t<rule::fuses,
+                                  fuse_list<TypeList<Done..., typename rule::type>, Rest...>,
+                                  fuse_list<TypeList<Done..., A>, B, Rest...>>::type;
 };
 
 template <class List>

@@ -64,8 +64,10 @@ class Model {
     grad_buffers_[1] = arena_.take(plan.activation_gradients / 2 * max_batch);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
-      if constexpr (L::in_place) outputs_[i] = nullptr;
-      else outputs_[i] = arena_.take(L::output_shape::size * max_batch);
+      if constexpr (L::in_place)
+        outputs_[i] = nullptr;
+      else
+        outputs_[i] = arena_.take(L::output_shape::size * max_batch);
     });
     capacity_ = max_batch;
   }
@@ -117,8 +119,10 @@ class Model {
   template <std::size_t I>
   static constexpr bool relu_follows() {
     using user_layers = typename Net::layers;
-    if constexpr (I + 1 < user_layers::size) return type_at_t<I + 1, user_layers>::is_relu;
-    else return false;
+    if constexpr (I + 1 < user_layers::size)
+      return type_at_t<I + 1, user_layers>::is_relu;
+    else
+      return false;
   }
 
   void check_batch(std::size_t n, const char* what) {
@@ -136,13 +140,17 @@ class Model {
   }
   template <std::size_t I>
   const T* layer_input() const {
-    if constexpr (I == 0) return input_;
-    else return layer_output_const<I - 1>();
+    if constexpr (I == 0)
+      return input_;
+    else
+      return layer_output_const<I - 1>();
   }
   template <std::size_t I>
   const T* layer_output_const() const {
-    if constexpr (type_at_t<I, executed>::in_place) return layer_input<I>();
-    else return outputs_[I];
+    if constexpr (type_at_t<I, executed>::in_place)
+      return layer_input<I>();
+    else
+      return outputs_[I];
   }
   template <std::size_t I>
   T* layer_output() {

@@ -54,15 +54,15 @@ class Progress {
 
   void on_fit_begin(const FitInfo& info) {
     *options_.out << "training: " << info.samples_per_epoch << " samples, " << info.epochs
-                  << " epoch(s) of " << info.steps_per_epoch << " steps, batch "
-                  << info.batch_size << '\n';
+                  << " epoch(s) of " << info.steps_per_epoch << " steps, batch " << info.batch_size
+                  << '\n';
     options_.out->flush();
   }
 
   void on_step(const StepInfo& step) {
     const auto now = std::chrono::steady_clock::now();
-    const std::size_t every =
-        std::max<std::size_t>(1, step.steps / static_cast<std::size_t>(std::max(1, options_.lines_per_epoch)));
+    const std::size_t every = std::max<std::size_t>(
+        1, step.steps / static_cast<std::size_t>(std::max(1, options_.lines_per_epoch)));
     const bool last = step.step == step.steps;
     if (terminal_) {
       // Redraws cost a terminal write; ten a second reads as smooth.
@@ -98,7 +98,8 @@ class Progress {
     std::ostringstream out;
     out << "epoch " << step.epoch << '/' << step.epochs << ' ';
     if (bar) {
-      const auto filled = static_cast<int>(options_.bar_width * step.step / std::max<std::size_t>(1, step.steps));
+      const auto filled =
+          static_cast<int>(options_.bar_width * step.step / std::max<std::size_t>(1, step.steps));
       out << '[' << std::string(static_cast<std::size_t>(filled), '=')
           << std::string(static_cast<std::size_t>(options_.bar_width - filled), ' ') << "] ";
     }
@@ -106,8 +107,8 @@ class Progress {
     const double eta = per_step * static_cast<double>(step.steps - step.step);
     out << "step " << step.step << '/' << step.steps << " loss " << std::fixed
         << std::setprecision(4) << step.loss << " acc " << std::setprecision(2)
-        << 100.0 * step.accuracy << "% " << std::setprecision(0)
-        << rate(step.samples, step.seconds) << " samples/s ETA " << detail::clock(eta);
+        << 100.0 * step.accuracy << "% " << std::setprecision(0) << rate(step.samples, step.seconds)
+        << " samples/s ETA " << detail::clock(eta);
     return out.str();
   }
 
@@ -131,8 +132,8 @@ class Evaluate {
     history.push_back(last);
     if (out_ != nullptr) {
       std::ostringstream text;
-      text << "epoch " << epoch.epoch << '/' << epoch.epochs << ' ' << dataset_->name
-           << ": loss " << std::fixed << std::setprecision(4) << last.loss << ", accuracy "
+      text << "epoch " << epoch.epoch << '/' << epoch.epochs << ' ' << dataset_->name << ": loss "
+           << std::fixed << std::setprecision(4) << last.loss << ", accuracy "
            << std::setprecision(2) << 100.0 * last.accuracy << "%\n";
       *out_ << text.str();
       out_->flush();
@@ -162,7 +163,8 @@ struct MultiStepLR {
     optimizer.set_lr(optimizer.options().lr * factor);
     if (out != nullptr && epoch.epoch < epoch.epochs) {
       std::ostringstream text;
-      text << "learning rate " << optimizer.options().lr << " from epoch " << epoch.epoch + 1 << '\n';
+      text << "learning rate " << optimizer.options().lr << " from epoch " << epoch.epoch + 1
+           << '\n';
       *out << text.str();
       out->flush();
     }

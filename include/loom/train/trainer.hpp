@@ -50,8 +50,8 @@ struct StepInfo {
   int epochs = 0;
   std::size_t step = 0;  // 1-based, within the epoch
   std::size_t steps = 0;
-  double loss = 0.0;      // mean over the epoch so far
-  double accuracy = 0.0;  // over the epoch so far
+  double loss = 0.0;        // mean over the epoch so far
+  double accuracy = 0.0;    // over the epoch so far
   std::size_t samples = 0;  // seen this epoch
   double seconds = 0.0;     // since the epoch began
 };
@@ -74,8 +74,9 @@ class Trainer {
   using Loss = SoftmaxCrossEntropy;
   static constexpr std::size_t classes = Net::output_shape::size;
 
-  static_assert(Net::output_shape::rank == 1,
-                "Trainer: the network must end in a flat vector of class scores (end with Linear<classes>)");
+  static_assert(
+      Net::output_shape::rank == 1,
+      "Trainer: the network must end in a flat vector of class scores (end with Linear<classes>)");
 
   Trainer(std::vector<Device> devices, typename Optimizer::Options options = {},
           TrainerOptions trainer_options = {})
@@ -98,11 +99,10 @@ class Trainer {
     cpu::set_threads(devices_.front().threads);
     model_.reserve(options.batch_size);
 
-    data::Loader loader(train, {.batch_size = options.batch_size,
-                                .shuffle = options.shuffle,
-                                .seed = options.seed});
-    const FitInfo info{options.epochs, loader.batches_per_epoch(), train.count,
-                       options.batch_size};
+    data::Loader loader(
+        train,
+        {.batch_size = options.batch_size, .shuffle = options.shuffle, .seed = options.seed});
+    const FitInfo info{options.epochs, loader.batches_per_epoch(), train.count, options.batch_size};
     (call_fit_begin(callbacks, info), ...);
 
     for (int epoch = 1; epoch <= options.epochs; ++epoch) {
@@ -123,8 +123,8 @@ class Trainer {
         step.seconds = seconds_since(start);
         (call_step(callbacks, step), ...);
       }
-      [[maybe_unused]] const EpochInfo done{epoch, options.epochs, step.loss, step.accuracy, step.samples,
-                           seconds_since(start)};
+      [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
+                                            step.accuracy, step.samples,   seconds_since(start)};
       (call_epoch_end(callbacks, done), ...);
     }
   }
@@ -142,8 +142,8 @@ class Trainer {
     for (std::size_t first = 0; first < dataset.count; first += batch_size) {
       const std::size_t n = std::min(batch_size, dataset.count - first);
       const float* logits = model_.forward(dataset.images.data() + first * sample, n);
-      const auto sums = Loss::evaluate<float>(logits, dataset.labels.data() + first, n, classes, n,
-                                              nullptr);
+      const auto sums =
+          Loss::evaluate<float>(logits, dataset.labels.data() + first, n, classes, n, nullptr);
       loss_sum += sums.loss;
       correct += sums.correct;
     }
@@ -203,8 +203,10 @@ class Trainer {
   }
   template <class C>
   void call_epoch_end(C& callback, const EpochInfo& info) {
-    if constexpr (requires { callback.on_epoch_end(info, *this); }) callback.on_epoch_end(info, *this);
-    else if constexpr (requires { callback.on_epoch_end(info); }) callback.on_epoch_end(info);
+    if constexpr (requires { callback.on_epoch_end(info, *this); })
+      callback.on_epoch_end(info, *this);
+    else if constexpr (requires { callback.on_epoch_end(info); })
+      callback.on_epoch_end(info);
   }
 
   std::vector<Device> devices_;

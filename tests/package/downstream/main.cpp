@@ -1,10 +1,9 @@
 // The downstream program: it compiles only if loom::loom carries C++20 and the
 // include path, links only if OpenBLAS and zlib come along, and exits 0 only
 // if a network trains one step and a misuse raises the loom::Error promised.
-#include <loom/loom.hpp>
-
 #include <cmath>
 #include <cstdio>
+#include <loom/loom.hpp>
 #include <string>
 #include <vector>
 
@@ -38,6 +37,7 @@ int main() {
       return 1;
     }
   }
-  std::printf("downstream: trained one step (loss %.4f); loom::Error caught as expected\n", sums.loss);
+  std::printf("downstream: trained one step (loss %.4f); loom::Error caught as expected\n",
+              sums.loss);
   return 0;
 }

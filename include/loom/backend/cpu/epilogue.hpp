@@ -13,16 +13,20 @@ namespace loom::cpu {
 template <Act A, class T>
 inline T activate(T v) {
   // Written so that NaN passes through (as in PyTorch) and the NaN-loss check sees it.
-  if constexpr (A == Act::relu) return v < T(0) ? T(0) : v;
-  else return v;
+  if constexpr (A == Act::relu)
+    return v < T(0) ? T(0) : v;
+  else
+    return v;
 }
 
 // The derivative expressed through the activation's output y, so backward
 // needs only what forward stored: relu'(z) = [z > 0] = [y > 0].
 template <Act A, class T>
 inline T activate_grad(T dy, T y) {
-  if constexpr (A == Act::relu) return y > T(0) ? dy : T(0);
-  else return dy;
+  if constexpr (A == Act::relu)
+    return y > T(0) ? dy : T(0);
+  else
+    return dy;
 }
 
 // y[n, o] = act(y[n, o] + bias[o]) in place, after y = x * W^T.

@@ -4,7 +4,6 @@
 
 #include <cstddef>
 
-
 namespace loom::cpu {
 
 // Whether v replaces best as a window's maximum: when larger, or when v is NaN
@@ -34,8 +33,10 @@ void pool_forward(const PoolGeometry& g, const T* x, T* y) {
         for (std::size_t i = 0; i < g.kernel; ++i)
           for (std::size_t j = 0; j < g.kernel; ++j) {
             const T v = window[i * g.width + j];
-            if constexpr (Max) acc = takes_max(v, acc) ? v : acc;
-            else acc += v;
+            if constexpr (Max)
+              acc = takes_max(v, acc) ? v : acc;
+            else
+              acc += v;
           }
         out[oh * g.out_width + ow] = Max ? acc : acc * scale;
       }

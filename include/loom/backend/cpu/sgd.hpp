@@ -5,7 +5,6 @@
 
 #include <cstddef>
 
-
 namespace loom::cpu {
 
 template <class T>
