@@ -16,6 +16,15 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/"
         DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
 
 install(TARGETS loom EXPORT loomTargets)
+if(TARGET loom_cuda)
+  install(TARGETS loom_cuda EXPORT loomTargets)
+  install(FILES
+            "${PROJECT_SOURCE_DIR}/cmake/LoomCudaDependencies.cmake"
+            "${PROJECT_SOURCE_DIR}/cmake/FindCUDNN.cmake"
+            "${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake"
+          DESTINATION "${LOOM_INSTALL_CMAKEDIR}")
+endif()
+set(LOOM_WITH_CUDA ${LOOM_ENABLE_CUDA})
 install(EXPORT loomTargets
         NAMESPACE loom::
         DESTINATION "${LOOM_INSTALL_CMAKEDIR}")

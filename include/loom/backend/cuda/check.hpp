@@ -1,0 +1,68 @@
+// Status checks for every CUDA runtime, cuBLAS, cuDNN and NCCL call and every
+// kernel launch. A failure becomes loom::Error naming the call, the device and
+// the library's own words; nothing here exits.
+#pragma once
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#include <nccl.h>
+
+#include "../../core/error.hpp"
+
+namespace loom::cuda::detail {
+
+inline int current_device() {
+  int device = -1;
+  // A failure here is reported by the call being checked; -1 says "unknown".
+  if (cudaGetDevice(&device) != cudaSuccess) return -1;
+  return device;
+}
+
+}  // namespace loom::cuda::detail
+
+// LOOM_CUDA_CHECK(cudaMemcpyAsync(...)): throws if the call does not return cudaSuccess.
+#define LOOM_CUDA_CHECK(call)                                                                    \
+  do {                                                                                           \
+    const cudaError_t loom_status_ = (call);                                                     \
+    if (loom_status_ != cudaSuccess)                                                             \
+      LOOM_FAIL("CUDA call ", #call, " failed on cuda:", ::loom::cuda::detail::current_device(), \
+                ": ", cudaGetErrorName(loom_status_), " (", cudaGetErrorString(loom_status_),    \
+                ")");                                                                            \
+  } while (false)
+
+// After every kernel launch: reports bad launch configurations at the launch.
+#define LOOM_CUDA_LAUNCH_CHECK(kernel_name)                                                   \
+  do {                                                                                        \
+    const cudaError_t loom_status_ = cudaGetLastError();                                      \
+    if (loom_status_ != cudaSuccess)                                                          \
+      LOOM_FAIL("kernel ", kernel_name,                                                       \
+                " failed to launch on cuda:", ::loom::cuda::detail::current_device(), ": ",   \
+                cudaGetErrorName(loom_status_), " (", cudaGetErrorString(loom_status_), ")"); \
+  } while (false)
+
+#define LOOM_CUBLAS_CHECK(call)                                                                    \
+  do {                                                                                             \
+    const cublasStatus_t loom_status_ = (call);                                                    \
+    if (loom_status_ != CUBLAS_STATUS_SUCCESS)                                                     \
+      LOOM_FAIL("cuBLAS call ", #call, " failed on cuda:", ::loom::cuda::detail::current_device(), \
+                ": ", cublasGetStatusName(loom_status_), " (",                                     \
+                cublasGetStatusString(loom_status_), ")");                                         \
+  } while (false)
+
+#define LOOM_CUDNN_CHECK(call)                                                                    \
+  do {                                                                                            \
+    const cudnnStatus_t loom_status_ = (call);                                                    \
+    if (loom_status_ != CUDNN_STATUS_SUCCESS)                                                     \
+      LOOM_FAIL("cuDNN call ", #call, " failed on cuda:", ::loom::cuda::detail::current_device(), \
+                ": ", cudnnGetErrorString(loom_status_));                                         \
+  } while (false)
+
+#define LOOM_NCCL_CHECK(call)                                                                    \
+  do {                                                                                           \
+    const ncclResult_t loom_status_ = (call);                                                    \
+    if (loom_status_ != ncclSuccess)                                                             \
+      LOOM_FAIL("NCCL call ", #call, " failed on cuda:", ::loom::cuda::detail::current_device(), \
+                ": ", ncclGetErrorString(loom_status_));                                         \
+  } while (false)
