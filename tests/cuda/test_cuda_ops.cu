@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <cstring>
 #include <loom/backend/cpu/cpu.hpp>
+#include <loom/backend/cuda/epilogue.cuh>
 #include <loom/backend/cuda/memory.hpp>
+#include <loom/backend/cuda/pool.cuh>
 #include <loom/backend/cuda/sgd.cuh>
 #include <loom/backend/cuda/softmax_xent.cuh>
 #include <vector>
@@ -90,6 +92,64 @@ TEST_CASE("cuda: a label outside the classes and an impossible allocation are lo
   REQUIRE_THROWS_WITH(loom::cuda::DeviceBuffer<float>(std::size_t{1} << 50, "a test's huge buffer"),
                       Catch::Contains("out of GPU memory on cuda:0: a test's huge buffer needs") &&
                           Catch::Contains("bytes are free"));
+}
+
+TEST_CASE("cuda: convolution epilogue (bias + ReLU over NCHW) and its backward equal plain loops") {
+  constexpr std::size_t batch = 5, channels = 7, plane = 37;
+  const auto z = test::random_vector<float>(batch * channels * plane, 5);
+  const auto bias = test::random_vector<float>(channels, 6);
+  const auto dy = test::random_vector<float>(z.size(), 7);
+  std::vector<float> y(z.size()), dz(z.size()), db(channels, 0.5f);
+  for (std::size_t i = 0; i < z.size(); ++i) {
+    const float v = z[i] + bias[i / plane % channels];
+    y[i] = v < 0.0f ? 0.0f : v;
+  }
+  for (std::size_t c = 0; c < channels; ++c)
+    for (std::size_t n = 0; n < batch; ++n)
+      for (std::size_t p = 0; p < plane; ++p) {
+        const std::size_t i = (n * channels + c) * plane + p;
+        dz[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+        db[c] += dz[i];
+      }
+  auto d_y = to_device(z);
+  auto d_bias = to_device(bias);
+  auto d_dy = to_device(dy);
+  loom::cuda::DeviceBuffer<float> d_dz(z.size(), "test dz");
+  auto d_db = to_device(std::vector<float>(channels, 0.5f));
+  loom::cuda::bias_act_nchw<loom::Act::relu>(d_y.data(), d_bias.data(), batch, channels, plane,
+                                             nullptr);
+  loom::cuda::bias_act_backward_nchw<loom::Act::relu>(
+      d_dy.data(), d_y.data(), d_dz.data(), d_db.data(), batch, channels, plane, true, nullptr);
+  test::require_equal(to_host(d_y), y, "activations");
+  test::require_equal(to_host(d_dz), dz, "dz");
+  test::require_close(to_host(d_db), db, {1e-6, 1e-5}, "accumulated bias gradient");
+}
+
+TEST_CASE("cuda: max and average pooling, forward and backward, equal the CPU backend") {
+  for (const std::size_t k : {2, 3}) {
+    const cpu::PoolGeometry g{2 * 3, 9, 8, k, 2, (9 - k) / 2 + 1, (8 - k) / 2 + 1};
+    const auto x = test::random_vector<float>(g.planes * g.height * g.width, 8 + k);
+    const auto dy = test::random_vector<float>(g.planes * g.out_height * g.out_width, 9 + k);
+    auto d_x = to_device(x);
+    auto d_dy = to_device(dy);
+    loom::cuda::DeviceBuffer<float> d_y(dy.size(), "test pool output");
+    loom::cuda::DeviceBuffer<float> d_dx(x.size(), "test pool input gradient");
+    std::vector<float> y(dy.size()), dx(x.size());
+
+    cpu::pool_forward<true>(g, x.data(), y.data());
+    cpu::max_pool_backward(g, x.data(), dy.data(), dx.data());
+    loom::cuda::pool_forward<true>(g, d_x.data(), d_y.data(), nullptr);
+    loom::cuda::pool_backward<true>(g, d_x.data(), d_dy.data(), d_dx.data(), nullptr);
+    test::require_equal(to_host(d_y), y, "max-pool output");
+    test::require_equal(to_host(d_dx), dx, "max-pool input gradient");
+
+    cpu::pool_forward<false>(g, x.data(), y.data());
+    cpu::avg_pool_backward(g, dy.data(), dx.data());
+    loom::cuda::pool_forward<false>(g, d_x.data(), d_y.data(), nullptr);
+    loom::cuda::pool_backward<false>(g, d_x.data(), d_dy.data(), d_dx.data(), nullptr);
+    test::require_close(to_host(d_y), y, {1e-7, 1e-6}, "average-pool output");
+    test::require_close(to_host(d_dx), dx, {1e-7, 1e-6}, "average-pool input gradient");
+  }
 }
 
 int main(int argc, char** argv) {
