@@ -17,11 +17,6 @@ namespace loom::cuda {
 
 namespace kernels {
 
-template <class T>
-__device__ inline bool takes_max(T v, T best) {
-  return v > best || (v != v && best == best);
-}
-
 template <bool Max, class T>
 __global__ void pool_forward(cpu::PoolGeometry g, const T* x, T* y) {
   const std::size_t outputs = g.planes * g.out_height * g.out_width;
@@ -30,17 +25,9 @@ __global__ void pool_forward(cpu::PoolGeometry g, const T* x, T* y) {
        o += stride) {
     const std::size_t plane = o / (g.out_height * g.out_width);
     const std::size_t oh = o / g.out_width % g.out_height, ow = o % g.out_width;
-    const T* window = x + plane * g.height * g.width + oh * g.stride * g.width + ow * g.stride;
-    T acc = Max ? window[0] : T(0);
-    for (std::size_t i = 0; i < g.kernel; ++i)
-      for (std::size_t j = 0; j < g.kernel; ++j) {
-        const T v = window[i * g.width + j];
-        if constexpr (Max)
-          acc = takes_max(v, acc) ? v : acc;
-        else
-          acc += v;
-      }
-    y[o] = Max ? acc : acc * (T(1) / static_cast<T>(g.kernel * g.kernel));
+    y[o] = cpu::pool_window<Max>(
+        x + plane * g.height * g.width + oh * g.stride * g.width + ow * g.stride, g.width,
+        g.kernel);
   }
 }
 
@@ -69,14 +56,9 @@ __global__ void pool_backward(cpu::PoolGeometry g, const T* x, const T* dy, T* d
       for (long ow = ow_lo; ow <= ow_hi; ++ow) {
         const T g_out = grad[oh * static_cast<long>(g.out_width) + ow];
         if constexpr (Max) {
-          const long base = oh * s * static_cast<long>(g.width) + ow * s;
-          long best = base;
-          for (long i = 0; i < k; ++i)
-            for (long j = 0; j < k; ++j) {
-              const long at = base + i * static_cast<long>(g.width) + j;
-              if (takes_max(in[at], in[best])) best = at;
-            }
-          if (best == h * static_cast<long>(g.width) + w) sum += g_out;
+          const auto base = static_cast<std::size_t>(oh * s * static_cast<long>(g.width) + ow * s);
+          const std::size_t best = cpu::window_argmax(in, base, g.width, g.kernel);
+          if (best == static_cast<std::size_t>(h * static_cast<long>(g.width) + w)) sum += g_out;
         } else {
           sum += g_out * (T(1) / static_cast<T>(k * k));
         }
