@@ -1,9 +1,6 @@
 // CUDA ops against the CPU backend on the same inputs. Compiled in every CI
 // run; where no GPU (or no driver) is present every test exits with 77, which
 // CTest reports as skipped (SKIP_RETURN_CODE), never as passed.
-#define CATCH_CONFIG_RUNNER
-#include <cstdio>
-#include <cstring>
 #include <loom/backend/cpu/cpu.hpp>
 #include <loom/backend/cuda/epilogue.cuh>
 #include <loom/backend/cuda/memory.hpp>
@@ -12,6 +9,7 @@
 #include <loom/backend/cuda/softmax_xent.cuh>
 #include <vector>
 
+#include "cuda_test.hpp"
 #include "loom_test.hpp"
 
 // Not `using namespace loom`: the CUDA headers define a ::cuda namespace of
@@ -19,25 +17,8 @@
 namespace test = loom::test;
 namespace cpu = loom::cpu;
 
-namespace {
-
-template <class T>
-loom::cuda::DeviceBuffer<T> to_device(const std::vector<T>& host) {
-  loom::cuda::DeviceBuffer<T> buffer(host.size(), "test input");
-  LOOM_CUDA_CHECK(
-      cudaMemcpy(buffer.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return buffer;
-}
-
-template <class T>
-std::vector<T> to_host(const loom::cuda::DeviceBuffer<T>& buffer) {
-  std::vector<T> host(buffer.size());
-  LOOM_CUDA_CHECK(
-      cudaMemcpy(host.data(), buffer.data(), host.size() * sizeof(T), cudaMemcpyDeviceToHost));
-  return host;
-}
-
-}  // namespace
+using test::to_device;
+using test::to_host;
 
 TEST_CASE("cuda: SGD update with momentum, weight decay and Nesterov equals the CPU backend") {
   constexpr std::size_t n = 100003;  // not a multiple of the block size
@@ -152,16 +133,4 @@ TEST_CASE("cuda: max and average pooling, forward and backward, equal the CPU ba
   }
 }
 
-int main(int argc, char** argv) {
-  // Listing (catch_discover_tests, at build time) needs no GPU.
-  bool listing = false;
-  for (int i = 1; i < argc; ++i) listing = listing || std::strncmp(argv[i], "--list", 6) == 0;
-  int devices = 0;
-  const cudaError_t status = listing ? cudaSuccess : cudaGetDeviceCount(&devices);
-  if (!listing && (status != cudaSuccess || devices == 0)) {
-    std::printf("skipped: no usable CUDA device (%s)\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "none found");
-    return 77;
-  }
-  return Catch::Session().run(argc, argv);
-}
+LOOM_CUDA_TEST_MAIN
