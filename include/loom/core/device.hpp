@@ -8,6 +8,10 @@
 
 #include "error.hpp"
 
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+#endif
+
 namespace loom {
 
 struct Device {
@@ -39,8 +43,24 @@ inline std::vector<Device> cpu(int n = 1) {
   return list;
 }
 
-// Every device found: the GPUs once the CUDA backend is compiled in and one is
-// present, else one CPU device using all cores.
+// The GPUs present, when compiled by nvcc; none otherwise, and none where
+// the driver is missing (a build machine), which is not an error.
+inline std::vector<Device> gpus() {
+  std::vector<Device> list;
+#if defined(__CUDACC__)
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // leaves no error behind for the next checked call
+    return list;
+  }
+  for (int i = 0; i < count; ++i) list.push_back(Device{Device::Kind::cuda, i, 1});
+#endif
+  return list;
+}
+
+// Every device the trainer can use: one CPU device with all cores. GPUs join
+// this list once the trainer runs the CUDA backend (the ops exist in
+// backend/cuda; the training path on them does not yet).
 inline std::vector<Device> all() { return cpu(1); }
 
 }  // namespace devices
