@@ -1,0 +1,48 @@
+// One device allocation per device, carved into the buffers a network needs
+// (parameters, gradients, optimizer state, activations, workspaces), sized
+// from the compile-time memory plan: no cudaMalloc inside a step.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "memory.hpp"
+
+namespace loom::cuda {
+
+class DeviceArena {
+ public:
+  // 256 bytes: cudaMalloc's own alignment, which cuBLASLt and cuDNN expect
+  // for their fastest paths.
+  static constexpr std::size_t alignment = 256;
+
+  DeviceArena(std::size_t bytes, std::string owner)
+      : owner_(std::move(owner)), storage_(bytes, owner_), capacity_(bytes) {}
+
+  // Room needed for n elements of T, padded to the alignment.
+  template <class T>
+  static constexpr std::size_t padded_bytes(std::size_t n) {
+    return (n * sizeof(T) + alignment - 1) / alignment * alignment;
+  }
+
+  template <class T>
+  T* take(std::size_t n) {
+    const std::size_t bytes = padded_bytes<T>(n);
+    LOOM_CHECK(used_ + bytes <= capacity_, owner_, ": device memory plan exceeded (", used_ + bytes,
+               " bytes requested, ", capacity_, " planned)");
+    T* buffer = reinterpret_cast<T*>(storage_.data() + used_);
+    used_ += bytes;
+    return buffer;
+  }
+
+  std::size_t capacity() const { return capacity_; }
+  std::size_t used() const { return used_; }
+
+ private:
+  std::string owner_;
+  DeviceBuffer<unsigned char> storage_;
+  std::size_t capacity_ = 0;
+  std::size_t used_ = 0;
+};
+
+}  // namespace loom::cuda
