@@ -1,6 +1,8 @@
 // CUDA ops against the CPU backend on the same inputs. Compiled in every CI
 // run; where no GPU (or no driver) is present every test exits with 77, which
 // CTest reports as skipped (SKIP_RETURN_CODE), never as passed.
+#include <cmath>
+#include <limits>
 #include <loom/backend/cpu/cpu.hpp>
 #include <loom/backend/cuda/epilogue.cuh>
 #include <loom/backend/cuda/memory.hpp>
@@ -131,6 +133,26 @@ TEST_CASE("cuda: max and average pooling, forward and backward, equal the CPU ba
     test::require_close(to_host(d_y), y, {1e-7, 1e-6}, "average-pool output");
     test::require_close(to_host(d_dx), dx, {1e-7, 1e-6}, "average-pool input gradient");
   }
+}
+
+TEST_CASE("cuda: standalone ReLU forward and backward equal the CPU backend, NaN included") {
+  auto x = test::random_vector<float>(5000, 12);
+  x[17] = std::numeric_limits<float>::quiet_NaN();
+  const auto dy = test::random_vector<float>(x.size(), 13);
+  std::vector<float> y(x.size()), dx(x.size());
+  cpu::activation_forward<loom::Act::relu>(x.data(), y.data(), x.size());
+  cpu::activation_backward<loom::Act::relu>(dy.data(), y.data(), dx.data(), x.size());
+  auto d_x = to_device(x);
+  auto d_dy = to_device(dy);
+  loom::cuda::DeviceBuffer<float> d_y(x.size(), "test relu output"), d_dx(x.size(), "test relu dx");
+  loom::cuda::activation_forward<loom::Act::relu>(d_x.data(), d_y.data(), x.size(), nullptr);
+  loom::cuda::activation_backward<loom::Act::relu>(d_dy.data(), d_y.data(), d_dx.data(), x.size(),
+                                                   nullptr);
+  const auto got = to_host(d_y);
+  REQUIRE(std::isnan(got[17]));
+  for (std::size_t i = 0; i < y.size(); ++i)
+    if (i != 17) REQUIRE(got[i] == y[i]);
+  test::require_equal(to_host(d_dx), dx, "dx");
 }
 
 LOOM_CUDA_TEST_MAIN

@@ -11,6 +11,7 @@
 
 #include "../../core/activation.hpp"
 #include "check.hpp"
+#include "launch.hpp"
 
 namespace loom::cuda {
 
@@ -64,17 +65,47 @@ __global__ void bias_act_backward_nchw(const T* dy, const T* y, T* dz, T* db, st
   if (threadIdx.x == 0) db[c] = accumulate ? db[c] + partial[0] : partial[0];
 }
 
+template <Act A, class T>
+__global__ void activation_forward(const T* x, T* y, std::size_t count) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride)
+    y[i] = activate<A>(x[i]);
+}
+
+template <Act A, class T>
+__global__ void activation_backward(const T* dy, const T* y, T* dx, std::size_t count) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride)
+    dx[i] = activate_grad<A>(dy[i], y[i]);
+}
+
 }  // namespace kernels
+
+// Standalone activation layers (an activation the fusion pass left alone).
+template <Act A, class T>
+void activation_forward(const T* x, T* y, std::size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  kernels::activation_forward<A, T><<<grid_blocks(count), block_threads, 0, stream>>>(x, y, count);
+  LOOM_CUDA_LAUNCH_CHECK("activation_forward");
+}
+
+template <Act A, class T>
+void activation_backward(const T* dy, const T* y, T* dx, std::size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  kernels::activation_backward<A, T>
+      <<<grid_blocks(count), block_threads, 0, stream>>>(dy, y, dx, count);
+  LOOM_CUDA_LAUNCH_CHECK("activation_backward");
+}
 
 template <Act A, class T>
 void bias_act_nchw(T* y, const T* bias, std::size_t batch, std::size_t channels, std::size_t plane,
                    cudaStream_t stream) {
   const std::size_t count = batch * channels * plane;
   if (count == 0) return;
-  constexpr unsigned threads = 256;
-  const auto blocks =
-      static_cast<unsigned>(std::min<std::size_t>((count + threads - 1) / threads, 4 * 132));
-  kernels::bias_act_nchw<A, T><<<blocks, threads, 0, stream>>>(y, bias, count, channels, plane);
+  kernels::bias_act_nchw<A, T>
+      <<<grid_blocks(count), block_threads, 0, stream>>>(y, bias, count, channels, plane);
   LOOM_CUDA_LAUNCH_CHECK("bias_act_nchw");
 }
 

@@ -12,6 +12,7 @@
 
 #include "../cpu/pool.hpp"
 #include "check.hpp"
+#include "launch.hpp"
 
 namespace loom::cuda {
 
@@ -67,17 +68,13 @@ __global__ void pool_backward(cpu::PoolGeometry g, const T* x, const T* dy, T* d
   }
 }
 
-inline unsigned grid_for(std::size_t count, unsigned threads) {
-  return static_cast<unsigned>(std::min<std::size_t>((count + threads - 1) / threads, 4 * 132));
-}
-
 }  // namespace kernels
 
 template <bool Max, class T>
 void pool_forward(const cpu::PoolGeometry& g, const T* x, T* y, cudaStream_t stream) {
   const std::size_t outputs = g.planes * g.out_height * g.out_width;
   if (outputs == 0) return;
-  kernels::pool_forward<Max, T><<<kernels::grid_for(outputs, 256), 256, 0, stream>>>(g, x, y);
+  kernels::pool_forward<Max, T><<<grid_blocks(outputs), block_threads, 0, stream>>>(g, x, y);
   LOOM_CUDA_LAUNCH_CHECK("pool_forward");
 }
 
@@ -86,7 +83,7 @@ void pool_backward(const cpu::PoolGeometry& g, const T* x, const T* dy, T* dx,
                    cudaStream_t stream) {
   const std::size_t inputs = g.planes * g.height * g.width;
   if (inputs == 0) return;
-  kernels::pool_backward<Max, T><<<kernels::grid_for(inputs, 256), 256, 0, stream>>>(g, x, dy, dx);
+  kernels::pool_backward<Max, T><<<grid_blocks(inputs), block_threads, 0, stream>>>(g, x, dy, dx);
   LOOM_CUDA_LAUNCH_CHECK("pool_backward");
 }
 

@@ -8,6 +8,7 @@
 #include <cstddef>
 
 #include "check.hpp"
+#include "launch.hpp"
 
 namespace loom::cuda {
 
@@ -30,17 +31,12 @@ __global__ void sgd_update(T* weights, const T* grads, T* velocity, std::size_t 
 
 }  // namespace kernels
 
-// 256 threads and at most 4 blocks per SM's worth (132 SMs on H200) keep the
-// grid-stride loop memory-bound; not yet tuned on a GPU.
 template <class T>
 void sgd_update(T* weights, const T* grads, T* velocity, std::size_t count, T lr, T momentum,
                 T weight_decay, bool nesterov, cudaStream_t stream) {
   if (count == 0) return;
-  constexpr unsigned threads = 256;
-  const auto blocks =
-      static_cast<unsigned>(std::min<std::size_t>((count + threads - 1) / threads, 4 * 132));
-  kernels::sgd_update<T><<<blocks, threads, 0, stream>>>(weights, grads, velocity, count, lr,
-                                                         momentum, weight_decay, nesterov);
+  kernels::sgd_update<T><<<grid_blocks(count), block_threads, 0, stream>>>(
+      weights, grads, velocity, count, lr, momentum, weight_decay, nesterov);
   LOOM_CUDA_LAUNCH_CHECK("sgd_update");
 }
 
