@@ -71,18 +71,24 @@ enum class Epilogue {
   bias,           // ... + bias[j]                              (bias: n entries)
   relu_bias,      // relu(... + bias[j])                        (inference: no mask kept)
   relu_aux_bias,  // relu(... + bias[j]), and writes the ReLU bit-mask for drelu_bgrad
-  drelu_bgrad,    // C = mask ? (alpha op(A) op(B) + beta C) : 0, bias_grad[j] = sum_i C[i][j]
+  drelu_bgrad,    // C = mask ? alpha op(A) op(B) : 0 (beta = 0), bias_grad[j] = sum_i C[i][j]
   bgrad_a,        // C as none, bias_grad[i] = sum_k op(A)[i][k] (m entries)
 };
 
 constexpr const char* epilogue_name(Epilogue e) {
   switch (e) {
-    case Epilogue::none: return "none";
-    case Epilogue::bias: return "bias";
-    case Epilogue::relu_bias: return "relu_bias";
-    case Epilogue::relu_aux_bias: return "relu_aux_bias";
-    case Epilogue::drelu_bgrad: return "drelu_bgrad";
-    case Epilogue::bgrad_a: return "bgrad_a";
+    case Epilogue::none:
+      return "none";
+    case Epilogue::bias:
+      return "bias";
+    case Epilogue::relu_bias:
+      return "relu_bias";
+    case Epilogue::relu_aux_bias:
+      return "relu_aux_bias";
+    case Epilogue::drelu_bgrad:
+      return "drelu_bgrad";
+    case Epilogue::bgrad_a:
+      return "bgrad_a";
   }
   return "?";
 }
@@ -126,7 +132,7 @@ struct GemmArgs {
   const float* bias = nullptr;         // bias, relu_bias, relu_aux_bias: n entries
   void* relu_mask_out = nullptr;       // relu_aux_bias: relu_mask_bytes() written
   const void* relu_mask_in = nullptr;  // drelu_bgrad: the forward GEMM's mask
-  float* bias_grad = nullptr;          // drelu_bgrad: n entries; bgrad_a: m entries (written)
+  float* bias_grad = nullptr;          // drelu_bgrad: n, bgrad_a: m entries; written, not +=
   void* workspace = nullptr;           // at least workspace_bytes(), one per stream
   std::size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
@@ -150,8 +156,8 @@ using LtDesc = std::unique_ptr<Opaque, LtDescDeleter>;
 inline LtDesc<cublasLtMatrixLayoutOpaque_t> row_major_layout(std::size_t rows, std::size_t cols,
                                                              std::size_t ld) {
   cublasLtMatrixLayout_t layout = nullptr;
-  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, CUDA_R_32F, cols, rows,
-                                               static_cast<std::int64_t>(ld)));
+  LOOM_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&layout, CUDA_R_32F, cols, rows, static_cast<std::int64_t>(ld)));
   return LtDesc<cublasLtMatrixLayoutOpaque_t>(layout);
 }
 
@@ -235,12 +241,18 @@ class GemmPlan {
  private:
   static cublasLtEpilogue_t lt_epilogue(Epilogue e) {
     switch (e) {
-      case Epilogue::none: return CUBLASLT_EPILOGUE_DEFAULT;
-      case Epilogue::bias: return CUBLASLT_EPILOGUE_BIAS;
-      case Epilogue::relu_bias: return CUBLASLT_EPILOGUE_RELU_BIAS;
-      case Epilogue::relu_aux_bias: return CUBLASLT_EPILOGUE_RELU_AUX_BIAS;
-      case Epilogue::drelu_bgrad: return CUBLASLT_EPILOGUE_DRELU_BGRAD;
-      case Epilogue::bgrad_a: return CUBLASLT_EPILOGUE_BGRADB;  // loom's A is cuBLASLt's B
+      case Epilogue::none:
+        return CUBLASLT_EPILOGUE_DEFAULT;
+      case Epilogue::bias:
+        return CUBLASLT_EPILOGUE_BIAS;
+      case Epilogue::relu_bias:
+        return CUBLASLT_EPILOGUE_RELU_BIAS;
+      case Epilogue::relu_aux_bias:
+        return CUBLASLT_EPILOGUE_RELU_AUX_BIAS;
+      case Epilogue::drelu_bgrad:
+        return CUBLASLT_EPILOGUE_DRELU_BGRAD;
+      case Epilogue::bgrad_a:
+        return CUBLASLT_EPILOGUE_BGRADB;  // loom's A is cuBLASLt's B
     }
     return CUBLASLT_EPILOGUE_DEFAULT;
   }
@@ -310,9 +322,9 @@ class GemmPlan {
     int found = 0;
     // Not LOOM_CUBLAS_CHECK: a refusal here is a shape or epilogue cuBLASLt
     // cannot do, and the message should say which plan it was.
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-        handle_, desc_.get(), layout_b_.get(), layout_a_.get(), layout_c_.get(), layout_c_.get(),
-        raw, 1, &result, &found);
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(handle_, desc_.get(), layout_b_.get(), layout_a_.get(),
+                                       layout_c_.get(), layout_c_.get(), raw, 1, &result, &found);
     if (status != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
       const cublasStatus_t reason = status != CUBLAS_STATUS_SUCCESS ? status : result.state;
       LOOM_FAIL("cuBLAS call cublasLtMatmulAlgoGetHeuristic found no algorithm for ", describe(),
