@@ -68,6 +68,7 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
   static constexpr std::size_t backward_flops =
       (Index == 1 ? 2 : 4) * Out * plane * patch + Out * plane;
   static constexpr std::string_view kind = "conv";
+  static constexpr Act activation = A;
 
   static cpu::ConvGeometry geometry(std::size_t n) {
     return {n, channels, height, width, K, S, P, out_height, out_width};

@@ -36,6 +36,7 @@ struct LinearLayer : LayerBase<Linear<Out>, In, Shape<Out>, Index> {
   static constexpr std::size_t forward_flops = 2 * in_features * Out + Out;
   static constexpr std::size_t backward_flops = 4 * in_features * Out + Out;
   static constexpr std::string_view kind = "linear";
+  static constexpr Act activation = A;
 
   template <class T>
   static void init(T* params, std::uint64_t seed, bool relu_follows) {
