@@ -30,7 +30,9 @@ class DeviceBuffer {
                   bytes, " bytes but ", known ? std::to_string(free_bytes) : std::string("?"),
                   " of ", known ? std::to_string(total_bytes) : std::string("?"),
                   " bytes are free; use a smaller batch size");
-      LOOM_CUDA_CHECK(status);
+      LOOM_FAIL("cudaMalloc of ", bytes, " bytes for ", owner,
+                " failed on cuda:", detail::current_device(), ": ", cudaGetErrorName(status), " (",
+                cudaGetErrorString(status), ")");
     }
     data_ = static_cast<T*>(raw);
   }
