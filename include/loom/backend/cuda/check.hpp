@@ -9,6 +9,8 @@
 #include <cudnn.h>
 #include <nccl.h>
 
+#include <cstdio>
+
 #include "../../core/error.hpp"
 
 namespace loom::cuda::detail {
@@ -20,7 +22,26 @@ inline int current_device() {
   return device;
 }
 
+inline bool succeeded(cudaError_t status) { return status == cudaSuccess; }
+inline bool succeeded(cublasStatus_t status) { return status == CUBLAS_STATUS_SUCCESS; }
+inline bool succeeded(cudnnStatus_t status) { return status == CUDNN_STATUS_SUCCESS; }
+inline const char* describe(cudaError_t status) { return cudaGetErrorString(status); }
+inline const char* describe(cublasStatus_t status) { return cublasGetStatusString(status); }
+inline const char* describe(cudnnStatus_t status) { return cudnnGetErrorString(status); }
+
+// For calls that release a resource from a destructor or an unwinding error
+// path, where throwing would terminate the program or hide the first error:
+// a failure is written to stderr rather than lost.
+template <class Status>
+void check_release(Status status, const char* call) noexcept {
+  if (!succeeded(status))
+    std::fprintf(stderr, "loom: %s failed on cuda:%d while releasing a resource: %s\n", call,
+                 current_device(), describe(status));
+}
+
 }  // namespace loom::cuda::detail
+
+#define LOOM_CUDA_RELEASE(call) ::loom::cuda::detail::check_release((call), #call)
 
 // LOOM_CUDA_CHECK(cudaMemcpyAsync(...)): throws if the call does not return cudaSuccess.
 #define LOOM_CUDA_CHECK(call)                                                                    \

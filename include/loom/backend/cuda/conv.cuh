@@ -48,9 +48,8 @@ class Dnn {
     std::swap(handle_, other.handle_);
     return *this;
   }
-  // A failing cudnnDestroy cannot be thrown from a destructor.
   ~Dnn() {
-    if (handle_ != nullptr) cudnnDestroy(handle_);
+    if (handle_ != nullptr) LOOM_CUDA_RELEASE(cudnnDestroy(handle_));
   }
 
   void set_stream(cudaStream_t stream) { LOOM_CUDNN_CHECK(cudnnSetStream(handle_, stream)); }
@@ -78,7 +77,7 @@ namespace detail {
 
 template <class Handle, cudnnStatus_t (*Destroy)(Handle)>
 struct DnnDestroy {
-  void operator()(Handle handle) const { Destroy(handle); }
+  void operator()(Handle handle) const { LOOM_CUDA_RELEASE(Destroy(handle)); }
 };
 
 template <class Handle, cudnnStatus_t (*Destroy)(Handle)>
@@ -296,7 +295,7 @@ class Convolution {
   void check(cudnnStatus_t status, const char* call) const {
     if (status == CUDNN_STATUS_SUCCESS) return;
     char message[512] = {};
-    cudnnGetLastErrorString(message, sizeof message);
+    cudnnGetLastErrorString(message, sizeof message);  // returns void: nothing to check
     LOOM_FAIL("cuDNN call ", call, " failed for ", shape_,
               " on cuda:", ::loom::cuda::detail::current_device(), ": ",
               cudnnGetErrorString(status), message[0] != '\0' ? " (" : "", message,

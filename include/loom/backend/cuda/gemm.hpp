@@ -54,9 +54,8 @@ class BlasLt {
     std::swap(handle_, other.handle_);
     return *this;
   }
-  // A destructor cannot throw; a failing cublasLtDestroy leaks nothing we could free.
   ~BlasLt() {
-    if (handle_ != nullptr) cublasLtDestroy(handle_);
+    if (handle_ != nullptr) LOOM_CUDA_RELEASE(cublasLtDestroy(handle_));
   }
 
   cublasLtHandle_t get() const { return handle_; }
@@ -140,12 +139,17 @@ struct GemmArgs {
 
 namespace detail {
 
-// Descriptors are destroyed without a check: a destructor cannot throw, and a
-// failed destroy leaves nothing for the caller to do.
+// Destroying a descriptor cannot throw from a deleter: failures go to stderr.
 struct LtDescDeleter {
-  void operator()(cublasLtMatmulDescOpaque_t* d) const { cublasLtMatmulDescDestroy(d); }
-  void operator()(cublasLtMatrixLayoutOpaque_t* d) const { cublasLtMatrixLayoutDestroy(d); }
-  void operator()(cublasLtMatmulPreferenceOpaque_t* d) const { cublasLtMatmulPreferenceDestroy(d); }
+  void operator()(cublasLtMatmulDescOpaque_t* d) const {
+    LOOM_CUDA_RELEASE(cublasLtMatmulDescDestroy(d));
+  }
+  void operator()(cublasLtMatrixLayoutOpaque_t* d) const {
+    LOOM_CUDA_RELEASE(cublasLtMatrixLayoutDestroy(d));
+  }
+  void operator()(cublasLtMatmulPreferenceOpaque_t* d) const {
+    LOOM_CUDA_RELEASE(cublasLtMatmulPreferenceDestroy(d));
+  }
 };
 
 template <class Opaque>

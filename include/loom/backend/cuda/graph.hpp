@@ -21,7 +21,7 @@ class StepGraphs {
   StepGraphs(const StepGraphs&) = delete;
   StepGraphs& operator=(const StepGraphs&) = delete;
   ~StepGraphs() {
-    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    for (auto& [key, exec] : graphs_) LOOM_CUDA_RELEASE(cudaGraphExecDestroy(exec));
   }
 
   // Runs step(stream): captured into a graph the first time `key` is seen,
@@ -41,14 +41,14 @@ class StepGraphs {
         step(stream);
       } catch (...) {
         // Ends the capture so the stream is usable again; the error is the step's.
-        cudaStreamEndCapture(stream, &graph);
-        if (graph != nullptr) cudaGraphDestroy(graph);
+        LOOM_CUDA_RELEASE(cudaStreamEndCapture(stream, &graph));
+        if (graph != nullptr) LOOM_CUDA_RELEASE(cudaGraphDestroy(graph));
         throw;
       }
       LOOM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       cudaGraphExec_t exec = nullptr;
       const cudaError_t status = cudaGraphInstantiate(&exec, graph, 0);
-      cudaGraphDestroy(graph);
+      LOOM_CUDA_RELEASE(cudaGraphDestroy(graph));
       LOOM_CUDA_CHECK(status);
       found = graphs_.emplace(key, exec).first;
     }

@@ -46,9 +46,9 @@ class DeviceBuffer {
     std::swap(count_, other.count_);
     return *this;
   }
-  // A failing cudaFree in a destructor cannot be thrown; the error stays
-  // sticky and the next checked call on this device reports it.
-  ~DeviceBuffer() { cudaFree(data_); }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) LOOM_CUDA_RELEASE(cudaFree(data_));
+  }
 
   T* data() { return data_; }
   const T* data() const { return data_; }

@@ -37,7 +37,7 @@ class PinnedBuffer {
     return *this;
   }
   ~PinnedBuffer() {
-    if (data_ != nullptr) cudaFreeHost(data_);
+    if (data_ != nullptr) LOOM_CUDA_RELEASE(cudaFreeHost(data_));
   }
   T* data() { return data_; }
   std::size_t size() const { return count_; }

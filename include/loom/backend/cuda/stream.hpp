@@ -21,7 +21,7 @@ class Stream {
     return *this;
   }
   ~Stream() {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (stream_ != nullptr) LOOM_CUDA_RELEASE(cudaStreamDestroy(stream_));
   }
 
   cudaStream_t get() const { return stream_; }
@@ -43,7 +43,7 @@ class Event {
     return *this;
   }
   ~Event() {
-    if (event_ != nullptr) cudaEventDestroy(event_);
+    if (event_ != nullptr) LOOM_CUDA_RELEASE(cudaEventDestroy(event_));
   }
 
   void record(cudaStream_t stream) { LOOM_CUDA_CHECK(cudaEventRecord(event_, stream)); }
