@@ -22,6 +22,7 @@ if(TARGET loom_cuda)
             "${PROJECT_SOURCE_DIR}/cmake/LoomCudaDependencies.cmake"
             "${PROJECT_SOURCE_DIR}/cmake/FindCUDNN.cmake"
             "${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake"
+            "${PROJECT_SOURCE_DIR}/cmake/LoomFindNvidiaLibrary.cmake"
           DESTINATION "${LOOM_INSTALL_CMAKEDIR}")
 endif()
 set(LOOM_WITH_CUDA ${LOOM_ENABLE_CUDA})

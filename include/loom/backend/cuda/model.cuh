@@ -82,14 +82,8 @@ class LayerRunner {
       conv_->forward_bias_act(x, params, params + L::weight_count, y, activation_is_relu(),
                               library(scratch), library_size(scratch_size));
     } else if constexpr (L::kind == "linear") {
-      GemmArgs args;
-      args.a = x;
-      args.b = params;
-      args.c = y;
+      GemmArgs args = gemm_args(x, params, y, scratch, scratch_size, stream);
       args.bias = params + L::weight_count;
-      args.workspace = library(scratch);
-      args.workspace_bytes = library_size(scratch_size);
-      args.stream = stream;
       forward_->run(args);
     } else if constexpr (L::kind == "maxpool" || L::kind == "avgpool") {
       pool_forward<L::kind == "maxpool">(L::geometry(batch_), x, y, stream);
@@ -115,25 +109,11 @@ class LayerRunner {
         activation_backward<Act::relu>(dy, y, dz, batch_ * out_channels, stream);
         grad = dz;
       }
-      GemmArgs weights;
-      weights.a = grad;
-      weights.b = x;
-      weights.c = dparams;
+      GemmArgs weights = gemm_args(grad, x, dparams, scratch, scratch_size, stream);
       weights.bias_grad = dparams + L::weight_count;
-      weights.workspace = library(scratch);
-      weights.workspace_bytes = library_size(scratch_size);
-      weights.stream = stream;
       weight_grad_->run(weights);
-      if (dx != nullptr) {
-        GemmArgs inputs;
-        inputs.a = grad;
-        inputs.b = params;
-        inputs.c = dx;
-        inputs.workspace = library(scratch);
-        inputs.workspace_bytes = library_size(scratch_size);
-        inputs.stream = stream;
-        input_grad_->run(inputs);
-      }
+      if (dx != nullptr)
+        input_grad_->run(gemm_args(grad, params, dx, scratch, scratch_size, stream));
     } else if constexpr (L::kind == "maxpool" || L::kind == "avgpool") {
       if (dx != nullptr)
         pool_backward<L::kind == "maxpool">(L::geometry(batch_), x, dy, dx, stream);
@@ -157,6 +137,18 @@ class LayerRunner {
   }
   std::size_t library_size(std::size_t scratch_size) const {
     return scratch_size - DeviceArena::padded_bytes<float>(batch_ * L::output_shape::size);
+  }
+  // The pointers every GEMM of the layer shares; callers add their epilogue's.
+  GemmArgs gemm_args(const float* a, const float* b, float* c, unsigned char* scratch,
+                     std::size_t scratch_size, cudaStream_t stream) const {
+    GemmArgs args;
+    args.a = a;
+    args.b = b;
+    args.c = c;
+    args.workspace = library(scratch);
+    args.workspace_bytes = library_size(scratch_size);
+    args.stream = stream;
+    return args;
   }
 
   std::size_t batch_;
