@@ -101,3 +101,11 @@ TEST_CASE("shapes: the activation memory plan") {
   // Unfused, every ReLU output is kept as well.
   STATIC_REQUIRE(Unfused<LeNet>::memory_plan.activations == plan.activations + 11520 + 3200 + 500);
 }
+
+TEST_CASE("shapes: in-place layers hand on the buffer of the layer before them") {
+  using E = LeNet::executed;
+  // Executed: conv1, pool1, conv2, pool2, Flatten (in place), fc1, fc2.
+  STATIC_REQUIRE(detail::list_info<E>::output_owner == std::array<int, 7>{0, 1, 2, 3, 3, 5, 6});
+  using FlatFirst = Sequential<Input<2, 3, 3>, Flatten, Linear<4>>;
+  STATIC_REQUIRE(detail::list_info<FlatFirst::executed>::output_owner == std::array<int, 2>{-1, 1});
+}

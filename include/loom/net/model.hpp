@@ -143,19 +143,16 @@ class Model {
     if constexpr (I == 0)
       return input_;
     else
-      return layer_output_const<I - 1>();
+      return layer_output<I - 1>();
   }
+  // In-place layers write nothing: their "output" is an earlier buffer.
   template <std::size_t I>
-  const T* layer_output_const() const {
-    if constexpr (type_at_t<I, executed>::in_place)
-      return layer_input<I>();
+  T* layer_output() const {
+    constexpr int owner = detail::list_info<executed>::output_owner[I];
+    if constexpr (owner < 0)
+      return const_cast<T*>(input_);
     else
-      return outputs_[I];
-  }
-  template <std::size_t I>
-  T* layer_output() {
-    // In-place layers write nothing; their "output" is their input.
-    return const_cast<T*>(layer_output_const<I>());
+      return outputs_[owner];
   }
 
   std::vector<T> params_;

@@ -48,6 +48,18 @@ struct list_info<TypeList<Ls...>> {
   // Per sample, in elements: every output that is not an alias of its input.
   static constexpr std::size_t activations =
       (std::size_t{0} + ... + (Ls::in_place ? 0 : Ls::output_shape::size));
+  // Whose buffer holds layer i's output: the last layer at or before i that
+  // is not in place (in-place layers alias their input), or -1: the input.
+  static constexpr std::array<int, count> output_owner = [] {
+    std::array<int, count> owner{};
+    const std::array<bool, count> in_place{Ls::in_place...};
+    int last = -1;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (!in_place[i]) last = static_cast<int>(i);
+      owner[i] = last;
+    }
+    return owner;
+  }();
   static constexpr std::size_t largest_activation =
       std::max({std::size_t{0}, Ls::input_shape::size..., Ls::output_shape::size...});
   static constexpr std::size_t workspace =

@@ -257,10 +257,11 @@ class DeviceModel {
   }
   template <std::size_t I>
   float* layer_output() const {
-    if constexpr (type_at_t<I, executed>::in_place)
-      return const_cast<float*>(layer_input<I>());
+    constexpr int owner = ::loom::detail::list_info<executed>::output_owner[I];
+    if constexpr (owner < 0)
+      return const_cast<float*>(input_);
     else
-      return outputs_[I];
+      return outputs_[owner];
   }
 
   void forward(const float* images) {
