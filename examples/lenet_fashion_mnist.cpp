@@ -1,5 +1,7 @@
 // The classic: LeNet trained on Fashion-MNIST, with progress and the final
-// test accuracy. The network is a type; the policy is a type too.
+// test accuracy. The network is a type; the policy is a type too. Built by
+// nvcc (CMake does where CUDA is found) it trains on the GPU when there is
+// one; built by a C++ compiler, on the CPU.
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -49,15 +51,15 @@ int main(int argc, char** argv) {
   try {
     const auto started = std::chrono::steady_clock::now();
     const auto data = data::fashion_mnist(data_dir);
-    const auto devices = devices::all();
+    // SingleDevice trains on one: the first GPU, else the CPU with every core.
+    const Device device = devices::all().front();
     std::cout << "loom LeNet on Fashion-MNIST: " << LeNet::parameter_count << " parameters, "
-              << data.train.count << " training and " << data.test.count << " test images, "
-              << devices.size() << " device(s): ";
-    for (const auto& device : devices)
-      std::cout << device.name() << " (" << device.threads << " threads) ";
+              << data.train.count << " training and " << data.test.count
+              << " test images, on " << device.name();
+    if (device.kind == Device::Kind::cpu) std::cout << " (" << device.threads << " threads)";
     std::cout << '\n';
 
-    Trainer<LeNet, SingleDevice, SGD> trainer(devices, {.lr = lr, .momentum = momentum},
+    Trainer<LeNet, SingleDevice, SGD> trainer({device}, {.lr = lr, .momentum = momentum},
                                               {.seed = seed});
     callbacks::Evaluate evaluate(data.test);
     trainer.fit(data.train, {.epochs = epochs, .batch_size = batch_size, .seed = seed},

@@ -17,15 +17,18 @@
 namespace loom::test {
 
 template <class T>
-loom::cuda::DeviceBuffer<T> to_device(const std::vector<T>& host) {
-  loom::cuda::DeviceBuffer<T> buffer(host.size(), "test input");
+loom::gpu::DeviceBuffer<T> to_device(const std::vector<T>& host) {
+  loom::gpu::DeviceBuffer<T> buffer(host.size(), "test input");
   LOOM_CUDA_CHECK(cudaMemcpy(buffer.data(), host.data(), host.size() * sizeof(T),
                              cudaMemcpyHostToDevice));
+  // cudaMemcpy from pageable memory may return before the data lands, and
+  // loom's streams are non-blocking (not ordered after the copy): wait here.
+  LOOM_CUDA_CHECK(cudaDeviceSynchronize());
   return buffer;
 }
 
 template <class T>
-std::vector<T> to_host(const loom::cuda::DeviceBuffer<T>& buffer) {
+std::vector<T> to_host(const loom::gpu::DeviceBuffer<T>& buffer) {
   std::vector<T> host(buffer.size());
   LOOM_CUDA_CHECK(cudaMemcpy(host.data(), buffer.data(), host.size() * sizeof(T),
                              cudaMemcpyDeviceToHost));

@@ -1,4 +1,4 @@
-// cuDNN convolutions (loom::cuda::Convolution) against the CPU backend's conv
+// cuDNN convolutions (loom::gpu::Convolution) against the CPU backend's conv
 // layer on the same inputs, for LeNet's two convolutions, a padded stride-2
 // 3x3 and a 1x1. Skipped (exit 77, never "passed") where no GPU is present.
 //
@@ -69,7 +69,7 @@ std::vector<float> cpu_forward(const std::vector<float>& params, const std::vect
 
 // Outputs start as NaN: an op that reads what it should only write (beta or
 // alpha2 = 0 not honoured) shows up as NaN.
-loom::cuda::DeviceBuffer<float> nan_buffer(std::size_t n) {
+loom::gpu::DeviceBuffer<float> nan_buffer(std::size_t n) {
   return to_device(std::vector<float>(n, std::numeric_limits<float>::quiet_NaN()));
 }
 
@@ -82,17 +82,17 @@ std::vector<float> concat(const std::vector<float>& a, const std::vector<float>&
 }  // namespace
 
 TEST_CASE("cuda conv: forward equals the CPU conv layer") {
-  loom::cuda::Dnn dnn;
+  loom::gpu::Dnn dnn;
   for_each_geometry([&]<class G>() {
     const auto w = test::random_vector<float>(G::weight_count, 1);
     const auto x = test::random_vector<float>(G::in_size, 2);
     const auto y = cpu_forward<typename G::Plain>(
         concat(w, std::vector<float>(G::out_channels, 0.0f)), x, G::batch);
 
-    loom::cuda::Convolution conv(dnn, G::geometry(), G::out_channels);
+    loom::gpu::Convolution conv(dnn, G::geometry(), G::out_channels);
     INFO(conv.shape());
     REQUIRE(conv.deterministic());
-    loom::cuda::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
+    loom::gpu::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
     auto d_x = to_device(x);
     auto d_w = to_device(w);
     auto d_y = nan_buffer(G::out_size);
@@ -103,9 +103,9 @@ TEST_CASE("cuda conv: forward equals the CPU conv layer") {
 
 TEST_CASE(
     "cuda conv: forward_bias_act, fused and two-step, with and without ReLU, equals the CPU") {
-  loom::cuda::Dnn dnn;
+  loom::gpu::Dnn dnn;
   // A stream of its own: the fused call and the fallback kernel must both follow it.
-  loom::cuda::Stream stream;
+  loom::gpu::Stream stream;
   dnn.set_stream(stream.get());
   for_each_geometry([&]<class G>() {
     const auto w = test::random_vector<float>(G::weight_count, 3);
@@ -116,13 +116,13 @@ TEST_CASE(
     auto d_w = to_device(w);
     auto d_bias = to_device(bias);
     for (const bool prefer_fused : {false, true}) {
-      loom::cuda::Convolution conv(dnn, G::geometry(), G::out_channels,
+      loom::gpu::Convolution conv(dnn, G::geometry(), G::out_channels,
                                    {.prefer_fused_epilogue = prefer_fused});
       INFO(conv.shape() << (prefer_fused ? ", fused epilogue preferred" : ", heuristic's choice"));
       // IMPLICIT_PRECOMP_GEMM is expected to handle every FP32 NCHW 2-d
       // convolution, so preferring it makes the epilogue fused.
       if (prefer_fused) REQUIRE(conv.fused_epilogue());
-      loom::cuda::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
+      loom::gpu::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
       for (const bool relu : {false, true}) {
         INFO((relu ? "ReLU" : "identity"));
         const auto y = relu ? cpu_forward<typename G::WithRelu>(params, x, G::batch)
@@ -141,21 +141,21 @@ TEST_CASE(
 
 TEST_CASE(
     "cuda conv: backward (epilogue, data, filter), overwritten and accumulated, equals the CPU") {
-  loom::cuda::Dnn dnn;
+  loom::gpu::Dnn dnn;
   for_each_geometry([&]<class G>() {
     const auto w = test::random_vector<float>(G::weight_count, 6);
     const auto bias = test::random_vector<float>(G::out_channels, 7);
     const auto x = test::random_vector<float>(G::in_size, 8);
     const auto dy = test::random_vector<float>(G::out_size, 9);
     const auto params = concat(w, bias);
-    loom::cuda::Convolution conv(dnn, G::geometry(), G::out_channels);
+    loom::gpu::Convolution conv(dnn, G::geometry(), G::out_channels);
     INFO(conv.shape());
     REQUIRE(conv.deterministic());
-    loom::cuda::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
+    loom::gpu::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
     auto d_x = to_device(x);
     auto d_w = to_device(w);
     auto d_dy = to_device(dy);
-    loom::cuda::DeviceBuffer<float> d_dz(G::out_size, "test dz");
+    loom::gpu::DeviceBuffer<float> d_dz(G::out_size, "test dz");
     for (const bool relu : {false, true})
       for (const bool accumulate : {false, true}) {
         INFO((relu ? "ReLU" : "identity") << (accumulate ? ", accumulating" : ", overwriting"));
@@ -194,19 +194,19 @@ TEST_CASE(
 }
 
 TEST_CASE("cuda conv: the chosen algorithms repeat their results bit for bit") {
-  loom::cuda::Dnn dnn;
+  loom::gpu::Dnn dnn;
   using G = LeNetConv2;
-  loom::cuda::Convolution conv(dnn, G::geometry(), G::out_channels);
+  loom::gpu::Convolution conv(dnn, G::geometry(), G::out_channels);
   INFO(conv.shape() << ": forward algo " << conv.forward_algorithm() << ", backward-data algo "
                     << conv.backward_data_algorithm() << ", backward-filter algo "
                     << conv.backward_filter_algorithm());
   REQUIRE(conv.deterministic());
-  loom::cuda::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
+  loom::gpu::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
   auto d_x = to_device(test::random_vector<float>(G::in_size, 11));
   auto d_w = to_device(test::random_vector<float>(G::weight_count, 12));
   auto d_dy = to_device(test::random_vector<float>(G::out_size, 13));
-  loom::cuda::DeviceBuffer<float> d_dw(G::weight_count, "test dw");
-  loom::cuda::DeviceBuffer<float> d_dx(G::in_size, "test dx");
+  loom::gpu::DeviceBuffer<float> d_dw(G::weight_count, "test dw");
+  loom::gpu::DeviceBuffer<float> d_dx(G::in_size, "test dx");
   std::vector<std::vector<float>> dw, dx;
   for (int run = 0; run < 2; ++run) {
     conv.backward_filter(d_x.data(), d_dy.data(), d_dw.data(), false, workspace.data(),
@@ -220,28 +220,28 @@ TEST_CASE("cuda conv: the chosen algorithms repeat their results bit for bit") {
 }
 
 TEST_CASE("cuda conv: rejected shapes and a short workspace are loom::Errors naming the shape") {
-  loom::cuda::Dnn dnn;
+  loom::gpu::Dnn dnn;
   // A 7x7 window on a 4x4 image (loom's window_out reports 1 for such input).
   const loom::cpu::ConvGeometry too_small{2, 3, 4, 4, 7, 1, 0, 1, 1};
-  REQUIRE_THROWS_WITH(loom::cuda::Convolution(dnn, too_small, 5),
+  REQUIRE_THROWS_WITH(loom::gpu::Convolution(dnn, too_small, 5),
                       Catch::Contains("input 2x3x4x4, 5 filters 7x7, stride 1, pad 0"));
 
   auto wrong_output = LeNetConv1::geometry();
   wrong_output.out_height = 25;
-  REQUIRE_THROWS_WITH(loom::cuda::Convolution(dnn, wrong_output, 20),
+  REQUIRE_THROWS_WITH(loom::gpu::Convolution(dnn, wrong_output, 20),
                       Catch::Contains("input 16x1x28x28, 20 filters 5x5") &&
                           Catch::Contains("cuDNN computes an output of 16x20x24x24"));
 
   using G = LeNetConv2;
-  loom::cuda::Convolution conv(dnn, G::geometry(), G::out_channels);
+  loom::gpu::Convolution conv(dnn, G::geometry(), G::out_channels);
   const std::size_t needed = conv.workspace_bytes();
   if (needed == 0) {
     WARN("no direction of " << conv.shape() << " needs workspace: short-workspace check skipped");
     return;
   }
-  loom::cuda::DeviceBuffer<unsigned char> workspace(needed, "conv workspace");
-  loom::cuda::DeviceBuffer<float> d_x(G::in_size, "test x"), d_w(G::weight_count, "test w");
-  loom::cuda::DeviceBuffer<float> d_y(G::out_size, "test y");
+  loom::gpu::DeviceBuffer<unsigned char> workspace(needed, "conv workspace");
+  loom::gpu::DeviceBuffer<float> d_x(G::in_size, "test x"), d_w(G::weight_count, "test w");
+  loom::gpu::DeviceBuffer<float> d_y(G::out_size, "test y");
   const std::size_t short_bytes = needed - 1;
   int refused = 0;
   const auto expect_refusal_or_success = [&](auto&& op) {

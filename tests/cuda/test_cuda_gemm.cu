@@ -1,4 +1,4 @@
-// cuda::GemmPlan (cuBLASLt) against the CPU backend (cpu::gemm + the row
+// gpu::GemmPlan (cuBLASLt) against the CPU backend (cpu::gemm + the row
 // epilogues) on the same inputs, for the three GEMMs of a fused Linear+ReLU
 // layer: forward with bias + ReLU and its mask, the weight gradient with the
 // bias gradient, and the input gradient through the previous layer's ReLU mask
@@ -21,14 +21,14 @@
 // their own, so an unqualified cuda:: would be ambiguous.
 namespace test = loom::test;
 namespace cpu = loom::cpu;
-using loom::cuda::Epilogue;
+using loom::gpu::Epilogue;
 using test::to_device;
 using test::to_host;
 
 // The mask's row stride is the output width rounded up to cuBLASLt's 128 bits.
-static_assert(loom::cuda::relu_mask_ld(5) == 128 && loom::cuda::relu_mask_ld(128) == 128 &&
-              loom::cuda::relu_mask_ld(129) == 256);
-static_assert(loom::cuda::relu_mask_bytes(64, 500) == 64 * 512 / 8);
+static_assert(loom::gpu::relu_mask_ld(5) == 128 && loom::gpu::relu_mask_ld(128) == 128 &&
+              loom::gpu::relu_mask_ld(129) == 256);
+static_assert(loom::gpu::relu_mask_bytes(64, 500) == 64 * 512 / 8);
 
 namespace {
 
@@ -50,8 +50,8 @@ std::vector<float> parameters(std::size_t count, std::size_t fan_in, std::uint64
   return test::random_vector<float>(count, seed, -bound, bound);
 }
 
-loom::cuda::DeviceBuffer<std::byte> workspace_for(const loom::cuda::GemmPlan& plan) {
-  return loom::cuda::DeviceBuffer<std::byte>(plan.workspace_bytes(), "test GEMM workspace");
+loom::gpu::DeviceBuffer<std::byte> workspace_for(const loom::gpu::GemmPlan& plan) {
+  return loom::gpu::DeviceBuffer<std::byte>(plan.workspace_bytes(), "test GEMM workspace");
 }
 
 // ReLU decisions must agree exactly, not only within the tolerance.
@@ -72,7 +72,7 @@ void require_same_zeros(const std::vector<float>& got, const std::vector<float>&
 }  // namespace
 
 TEST_CASE("cuda gemm: Linear forward Y = X W^T + b, plain and with ReLU, equals the CPU backend") {
-  loom::cuda::BlasLt lt;
+  loom::gpu::BlasLt lt;
   for (const auto& s : shapes) {
     CAPTURE(s.batch, s.in, s.out);
     const auto x = test::random_vector<float>(s.batch * s.in, 11);
@@ -89,7 +89,7 @@ TEST_CASE("cuda gemm: Linear forward Y = X W^T + b, plain and with ReLU, equals 
     const auto d_x = to_device(x);
     const auto d_w = to_device(w);
     const auto d_b = to_device(b);
-    const loom::cuda::GemmShape shape{.trans_a = false,
+    const loom::gpu::GemmShape shape{.trans_a = false,
                                       .trans_b = true,
                                       .m = s.batch,
                                       .n = s.out,
@@ -99,15 +99,15 @@ TEST_CASE("cuda gemm: Linear forward Y = X W^T + b, plain and with ReLU, equals 
                                       .ldc = s.out};
     for (const Epilogue epilogue :
          {Epilogue::none, Epilogue::bias, Epilogue::relu_bias, Epilogue::relu_aux_bias}) {
-      const std::string name = loom::cuda::epilogue_name(epilogue);
+      const std::string name = loom::gpu::epilogue_name(epilogue);
       CAPTURE(name);
-      loom::cuda::GemmPlan plan(lt, shape, epilogue);
+      loom::gpu::GemmPlan plan(lt, shape, epilogue);
       const bool with_mask = epilogue == Epilogue::relu_aux_bias;
       REQUIRE(plan.relu_mask_bytes() ==
-              (with_mask ? loom::cuda::relu_mask_bytes(s.batch, s.out) : 0));
+              (with_mask ? loom::gpu::relu_mask_bytes(s.batch, s.out) : 0));
       // Garbage in Y: with beta = 0 every element must be overwritten.
       auto d_y = to_device(test::random_vector<float>(s.batch * s.out, 14));
-      loom::cuda::DeviceBuffer<std::uint8_t> d_mask(plan.relu_mask_bytes(), "test ReLU mask");
+      loom::gpu::DeviceBuffer<std::uint8_t> d_mask(plan.relu_mask_bytes(), "test ReLU mask");
       auto workspace = workspace_for(plan);
       plan.run({.a = d_x.data(),
                 .b = d_w.data(),
@@ -129,7 +129,7 @@ TEST_CASE("cuda gemm: Linear forward Y = X W^T + b, plain and with ReLU, equals 
 TEST_CASE(
     "cuda gemm: weight gradient dW = dZ^T X with db = column sums of dZ (bgrad_a) equals the "
     "CPU backend") {
-  loom::cuda::BlasLt lt;
+  loom::gpu::BlasLt lt;
   for (const auto& s : shapes) {
     CAPTURE(s.batch, s.in, s.out);
     const auto dz = test::random_vector<float>(s.batch * s.out, 21);
@@ -144,7 +144,7 @@ TEST_CASE(
     const auto d_x = to_device(x);
     auto d_dw = to_device(test::random_vector<float>(dw.size(), 23));
     auto d_db = to_device(test::random_vector<float>(db.size(), 24));
-    loom::cuda::GemmPlan plan(lt,
+    loom::gpu::GemmPlan plan(lt,
                               {.trans_a = true,
                                .trans_b = false,
                                .m = s.out,
@@ -155,7 +155,7 @@ TEST_CASE(
                                .ldc = s.in},
                               Epilogue::bgrad_a);
     auto workspace = workspace_for(plan);
-    loom::cuda::GemmArgs args{.a = d_dz.data(),
+    loom::gpu::GemmArgs args{.a = d_dz.data(),
                               .b = d_x.data(),
                               .c = d_dw.data(),
                               .bias_grad = d_db.data(),
@@ -180,7 +180,7 @@ TEST_CASE(
 TEST_CASE(
     "cuda gemm: input gradient dX = dZ W through the previous layer's ReLU mask, with its "
     "bias gradient (drelu_bgrad), equals the CPU backend") {
-  loom::cuda::BlasLt lt;
+  loom::gpu::BlasLt lt;
   for (const auto& s : shapes) {
     CAPTURE(s.batch, s.in, s.out, s.prev_in);
     // The previous layer, prev_in -> in with ReLU: its output H is this
@@ -196,8 +196,8 @@ TEST_CASE(
     const auto d_x0 = to_device(x0);
     const auto d_w0 = to_device(w0);
     const auto d_b0 = to_device(b0);
-    loom::cuda::DeviceBuffer<float> d_h(h.size(), "test H");
-    loom::cuda::GemmPlan forward(lt,
+    loom::gpu::DeviceBuffer<float> d_h(h.size(), "test H");
+    loom::gpu::GemmPlan forward(lt,
                                  {.trans_a = false,
                                   .trans_b = true,
                                   .m = s.batch,
@@ -207,7 +207,7 @@ TEST_CASE(
                                   .ldb = s.prev_in,
                                   .ldc = s.in},
                                  Epilogue::relu_aux_bias);
-    loom::cuda::DeviceBuffer<std::uint8_t> d_mask(forward.relu_mask_bytes(), "test ReLU mask");
+    loom::gpu::DeviceBuffer<std::uint8_t> d_mask(forward.relu_mask_bytes(), "test ReLU mask");
     auto forward_workspace = workspace_for(forward);
     forward.run({.a = d_x0.data(),
                  .b = d_w0.data(),
@@ -232,7 +232,7 @@ TEST_CASE(
     const auto d_w = to_device(w);
     auto d_dx = to_device(test::random_vector<float>(dh.size(), 36));
     auto d_db0 = to_device(test::random_vector<float>(db0.size(), 37));
-    loom::cuda::GemmPlan backward(lt,
+    loom::gpu::GemmPlan backward(lt,
                                   {.trans_a = false,
                                    .trans_b = false,
                                    .m = s.batch,
@@ -260,25 +260,25 @@ TEST_CASE(
 }
 
 TEST_CASE("cuda gemm: an impossible plan and a wrong run are loom::Errors naming the call") {
-  loom::cuda::BlasLt lt;
+  loom::gpu::BlasLt lt;
   // W is Out x In = 5 x 7 and read transposed: its row stride cannot be 3.
-  const loom::cuda::GemmShape bad{
+  const loom::gpu::GemmShape bad{
       .trans_a = false, .trans_b = true, .m = 3, .n = 5, .k = 7, .lda = 7, .ldb = 3, .ldc = 5};
-  REQUIRE_THROWS_AS(loom::cuda::GemmPlan(lt, bad, Epilogue::relu_aux_bias), loom::Error);
+  REQUIRE_THROWS_AS(loom::gpu::GemmPlan(lt, bad, Epilogue::relu_aux_bias), loom::Error);
   REQUIRE_THROWS_WITH(
-      loom::cuda::GemmPlan(lt, bad, Epilogue::relu_aux_bias),
-      Catch::Contains("loom::cuda::GemmPlan(trans_a=0, trans_b=1, m=3, n=5, k=7, lda=7, ldb=3, "
+      loom::gpu::GemmPlan(lt, bad, Epilogue::relu_aux_bias),
+      Catch::Contains("loom::gpu::GemmPlan(trans_a=0, trans_b=1, m=3, n=5, k=7, lda=7, ldb=3, "
                       "ldc=5, epilogue=relu_aux_bias): ldb 3 is smaller than the 7 columns of "
                       "row-major B (n x k, trans_b)"));
 
-  loom::cuda::GemmShape good = bad;
+  loom::gpu::GemmShape good = bad;
   good.ldb = 7;
-  loom::cuda::GemmPlan plan(lt, good, Epilogue::relu_aux_bias);
-  loom::cuda::DeviceBuffer<float> x(3 * 7 + 1, "test X"), w(5 * 7, "test W"), y(3 * 5, "test Y"),
+  loom::gpu::GemmPlan plan(lt, good, Epilogue::relu_aux_bias);
+  loom::gpu::DeviceBuffer<float> x(3 * 7 + 1, "test X"), w(5 * 7, "test W"), y(3 * 5, "test Y"),
       b(5, "test b"), db(5, "test db");
-  loom::cuda::DeviceBuffer<std::uint8_t> mask(plan.relu_mask_bytes(), "test ReLU mask");
+  loom::gpu::DeviceBuffer<std::uint8_t> mask(plan.relu_mask_bytes(), "test ReLU mask");
   auto workspace = workspace_for(plan);
-  loom::cuda::GemmArgs args{.a = x.data(),
+  loom::gpu::GemmArgs args{.a = x.data(),
                             .b = w.data(),
                             .c = y.data(),
                             .bias = b.data(),

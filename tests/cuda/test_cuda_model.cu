@@ -1,54 +1,215 @@
-// Whole training steps on the GPU against the CPU backend: LeNet from the
-// same initial weights, three SGD steps on the same real Fashion-MNIST
-// batches, FP32 without TF32 on both sides.
-#include <loom/backend/cuda/model.cuh>
+// Whole training steps on the GPU against the CPU backend: the same initial
+// weights, the same real Fashion-MNIST batches, FP32 without TF32 on both
+// sides; graph replay against direct launches; the Trainer on a GPU.
 #include <loom/loom.hpp>
+#include <cmath>
+#include <limits>
+#include <sstream>
 #include <vector>
 
 #include "cuda_test.hpp"
+#include "fashion_test.hpp"
 #include "loom_test.hpp"
 
 namespace test = loom::test;
+using namespace loom;
+using loom::test::fashion;
+using loom::test::head;
 
 namespace {
 
-using LeNet =
-    loom::Sequential<loom::Input<1, 28, 28>, loom::Conv2d<20, 5>, loom::ReLU, loom::MaxPool2d<2>,
-                     loom::Conv2d<50, 5>, loom::ReLU, loom::MaxPool2d<2>, loom::Flatten,
-                     loom::Linear<500>, loom::ReLU, loom::Linear<10>>;
+using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
+                         MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
+// Three Linear+ReLU layers in a row: two of them hand their ReLU mask to the
+// next layer's DRELU_BGRAD epilogue; the last keeps the separate dReLU.
+using Mlp = Sequential<Input<1, 28, 28>, Flatten, Linear<200>, ReLU, Linear<130>, ReLU, Linear<64>,
+                       ReLU, Linear<10>>;
+// No ReLU between the input and the loss: a NaN pixel surely makes the loss
+// NaN (cuDNN's fused ReLU need not pass NaN on, as loom's own kernels do).
+using Logistic = Sequential<Input<1, 28, 28>, Flatten, Linear<10>>;
+
+// Batches of the given sizes taken in order from the training set, trained
+// on the CPU and on the GPU from the same initial weights; returns the
+// GPU's final weights after checking each step's loss against the CPU's.
+template <class Net>
+std::vector<float> train_both(Model<Net, float>& cpu_model, const std::vector<std::size_t>& sizes,
+                              gpu::DeviceModelOptions options, std::uint64_t seed = 3) {
+  const auto& train = fashion().train;
+  const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+  std::size_t largest = 0;
+  for (auto n : sizes) largest = std::max(largest, n);
+  Model<Net, float> initial(seed);
+  cpu_model = Model<Net, float>(seed, largest);
+  SGD::State<float> cpu_sgd(sgd, Net::parameter_count);
+  gpu::DeviceModel<Net> gpu_model(initial, largest, sgd, options);
+
+  const std::size_t sample = train.sample_size();
+  std::size_t first = 0;
+  for (const std::size_t n : sizes) {
+    const float* images = train.images.data() + first * sample;
+    const std::int32_t* labels = train.labels.data() + first;
+    first += n;
+    const float* logits = cpu_model.forward(images, n);
+    const auto cpu_sums = SoftmaxCrossEntropy::evaluate<float>(
+        logits, labels, n, Net::output_shape::size, n, cpu_model.output_gradient());
+    cpu_model.backward();
+    cpu_sgd.step(cpu_model.parameters(), cpu_model.gradients());
+
+    auto d_images = test::to_device(std::vector<float>(images, images + n * sample));
+    auto d_labels = test::to_device(std::vector<std::int32_t>(labels, labels + n));
+    const auto gpu_sums = gpu_model.train_step(d_images.data(), d_labels.data(), n);
+    // Sums over the batch in another order: the loss to 1e-4 relative.
+    REQUIRE(gpu_sums.loss == Approx(cpu_sums.loss).epsilon(1e-4));
+    REQUIRE(gpu_sums.correct == cpu_sums.correct);
+  }
+  Model<Net, float> from_gpu(0);
+  gpu_model.copy_parameters_to(from_gpu);
+  return {from_gpu.parameters().begin(), from_gpu.parameters().end()};
+}
 
 }  // namespace
 
 TEST_CASE("cuda model: three LeNet training steps equal the CPU backend's") {
-  constexpr std::size_t batch = 64;
-  const auto data = loom::data::fashion_mnist(LOOM_TEST_DATA_DIR);
-  const loom::SGD::Options options{.lr = 0.01f, .momentum = 0.9f};
-  loom::Model<LeNet, float> cpu_model(3, batch);
-  loom::SGD::State<float> cpu_sgd(options, LeNet::parameter_count);
-  loom::cuda::DeviceModel<LeNet> gpu_model(cpu_model, batch, options);
-
-  const std::size_t sample = data.train.sample_size();
-  for (std::size_t step = 0; step < 3; ++step) {
-    const float* images = data.train.images.data() + step * batch * sample;
-    const std::int32_t* labels = data.train.labels.data() + step * batch;
-    const float* logits = cpu_model.forward(images, batch);
-    const auto cpu_sums = loom::SoftmaxCrossEntropy::evaluate<float>(
-        logits, labels, batch, 10, batch, cpu_model.output_gradient());
-    cpu_model.backward();
-    cpu_sgd.step(cpu_model.parameters(), cpu_model.gradients());
-
-    auto d_images = test::to_device(std::vector<float>(images, images + batch * sample));
-    auto d_labels = test::to_device(std::vector<std::int32_t>(labels, labels + batch));
-    const auto gpu_sums = gpu_model.train_step(d_images.data(), d_labels.data());
-    // Sums over 64 samples in another order: the loss to 1e-4 relative.
-    REQUIRE(gpu_sums.loss == Approx(cpu_sums.loss).epsilon(1e-4));
-    REQUIRE(gpu_sums.correct == cpu_sums.correct);
-  }
-  loom::Model<LeNet, float> from_gpu(0);
-  gpu_model.copy_parameters_to(from_gpu);
+  Model<LeNet, float> cpu_model(0);
+  const auto gpu = train_both(cpu_model, {64, 64, 64}, {});
   // After three steps the weights differ by FP32 summation order only.
-  test::require_close(from_gpu.parameters(), cpu_model.parameters(), {1e-5, 1e-3},
-                      "weights after 3 steps");
+  test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "weights after 3 steps");
+}
+
+TEST_CASE("cuda model: batches of several sizes (a short last batch) follow the CPU") {
+  Model<LeNet, float> cpu_model(0);
+  const auto gpu = train_both(cpu_model, {128, 17, 128, 1}, {});
+  test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "weights after 4 steps");
+}
+
+TEST_CASE("cuda model: Linear+ReLU chains (DRELU_BGRAD epilogues) follow the CPU") {
+  Model<Mlp, float> cpu_model(0);
+  const auto gpu = train_both(cpu_model, {64, 64, 64, 31}, {});
+  test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "MLP weights after 4 steps");
+}
+
+TEST_CASE("cuda model: a step replayed from a CUDA graph equals the step launched directly") {
+  Model<LeNet, float> cpu_model(0);
+  const auto replayed = train_both(cpu_model, {64, 64, 40, 64}, {.graphs = true});
+  const auto direct = train_both(cpu_model, {64, 64, 40, 64}, {.graphs = false});
+  test::require_equal(replayed, direct, "weights after 4 steps, graphs on and off");
+}
+
+TEST_CASE("cuda model: each (kind, batch size, input slot) is captured once, then replayed") {
+  const auto& train = fashion().train;
+  Model<LeNet, float> initial(1);
+  gpu::DeviceModel<LeNet> model(initial, 32, {.lr = 0.01f});
+  auto images = test::to_device(std::vector<float>(train.images.begin(),
+                                                   train.images.begin() + 32 * 784));
+  auto labels = test::to_device(std::vector<std::int32_t>(train.labels.begin(),
+                                                          train.labels.begin() + 32));
+  for (int i = 0; i < 3; ++i) model.train_step(images.data(), labels.data(), 32);
+  REQUIRE(model.graphs() == 1);
+  model.train_step(images.data(), labels.data(), 5);
+  model.evaluate(images.data(), labels.data(), 32);
+  model.evaluate(images.data(), labels.data(), 32);
+  REQUIRE(model.graphs() == 3);
+  REQUIRE_THROWS_WITH(model.train_step(images.data(), labels.data(), 33),
+                      Catch::Contains("a batch of 33 samples; this model was planned for 1 to 32"));
+}
+
+TEST_CASE("cuda model: a non-finite loss halts the update and keeps the last good weights") {
+  const auto& train = fashion().train;
+  Model<Logistic, float> initial(2);
+  gpu::DeviceModel<Logistic> model(initial, 8, {.lr = 0.01f, .momentum = 0.9f});
+  std::vector<float> host(train.images.begin(), train.images.begin() + 8 * 784);
+  auto images = test::to_device(host);
+  auto labels = test::to_device(std::vector<std::int32_t>(train.labels.begin(),
+                                                          train.labels.begin() + 8));
+  model.train_step(images.data(), labels.data(), 8);
+  Model<Logistic, float> good(0);
+  model.copy_parameters_to(good);
+
+  host[3 * 784 + 100] = std::numeric_limits<float>::quiet_NaN();
+  auto poisoned = test::to_device(host);
+  REQUIRE_THROWS_WITH(model.train_step(poisoned.data(), labels.data(), 8),
+                      Catch::Contains("the training loss became nan") &&
+                          Catch::Contains("the weights are kept from the step before"));
+  Model<Logistic, float> after(0);
+  model.copy_parameters_to(after);
+  test::require_equal(after.parameters(), good.parameters(), "weights after the NaN step");
+
+  // The next step starts afresh (the totals are reset) and trains again.
+  model.train_step(images.data(), labels.data(), 8);
+  model.copy_parameters_to(after);
+  REQUIRE(after.parameters()[0] != good.parameters()[0]);
+
+  auto bad_labels = test::to_device(std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 10, 7});
+  REQUIRE_THROWS_WITH(model.train_step(images.data(), bad_labels.data(), 8),
+                      Catch::Contains("label 10 of sample 6 is outside the network's 10 classes"));
+}
+
+TEST_CASE("cuda trainer: fit on a GPU follows fit on the CPU, step by step") {
+  const auto part = head(fashion().train, 1000);  // 15 batches of 64, then 40
+  const auto gpu_devices = devices::gpus();
+  REQUIRE(!gpu_devices.empty());
+  const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+  const FitOptions fit{.epochs = 2, .batch_size = 64, .seed = 5};
+
+  std::vector<StepInfo> cpu_steps, gpu_steps;
+  struct Record {
+    std::vector<StepInfo>* steps;
+    void on_step(const StepInfo& step) { steps->push_back(step); }
+  };
+  Trainer<LeNet> cpu_trainer(devices::cpu(1), sgd, {.seed = 4});
+  cpu_trainer.fit(part, fit, Record{&cpu_steps});
+  Trainer<LeNet> gpu_trainer({gpu_devices.front()}, sgd, {.seed = 4});
+  gpu_trainer.fit(part, fit, Record{&gpu_steps});
+
+  REQUIRE(gpu_steps.size() == cpu_steps.size());
+  REQUIRE(gpu_steps.size() == 32);
+  for (std::size_t i = 0; i < cpu_steps.size(); ++i) {
+    INFO("step " << i);
+    REQUIRE(gpu_steps[i].epoch == cpu_steps[i].epoch);
+    REQUIRE(gpu_steps[i].step == cpu_steps[i].step);
+    REQUIRE(gpu_steps[i].samples == cpu_steps[i].samples);
+    // 32 steps of FP32 drift: 1e-3 relative on the running mean loss.
+    REQUIRE(gpu_steps[i].loss == Approx(cpu_steps[i].loss).epsilon(1e-3));
+  }
+  test::require_close(gpu_trainer.model().parameters(), cpu_trainer.model().parameters(),
+                      {1e-4, 1e-2}, "weights after 2 epochs");
+  const auto cpu_eval = cpu_trainer.evaluate(fashion().test);
+  const auto gpu_eval = gpu_trainer.evaluate(fashion().test, 1000);
+  REQUIRE(gpu_eval.samples == 10000);
+  REQUIRE(gpu_eval.loss == Approx(cpu_eval.loss).epsilon(1e-3));
+  REQUIRE(std::abs(gpu_eval.accuracy - cpu_eval.accuracy) <= 0.002);
+}
+
+TEST_CASE("cuda trainer: one epoch of LeNet on a GPU reaches 85% test accuracy") {
+  Trainer<LeNet> trainer(devices::all(), {.lr = 0.01f, .momentum = 0.9f}, {.seed = 0});
+  REQUIRE(trainer.devices().front().kind == Device::Kind::cuda);
+  trainer.fit(fashion().train, {.epochs = 1, .batch_size = 32});
+  const auto result = trainer.evaluate(fashion().test);
+  INFO("test accuracy " << result.accuracy);
+  REQUIRE(result.accuracy >= 0.85);
+}
+
+TEST_CASE("cuda trainer: a NaN loss stops fit with the epoch and step, weights kept") {
+  auto part = head(fashion().train, 256);
+  part.images[5 * 32 * 784 + 3] = std::numeric_limits<float>::quiet_NaN();  // step 6, no shuffle
+  const FitOptions fit{.epochs = 1, .batch_size = 32, .shuffle = false};
+  Trainer<Logistic> trainer({devices::gpus().front()}, {.lr = 0.01f}, {.seed = 1});
+  REQUIRE_THROWS_WITH(trainer.fit(part, fit), Catch::Contains("the training loss became nan") &&
+                                                  Catch::Contains("at epoch 1, step 6"));
+  // The weights are those after step 5, where the CPU trainer stops too.
+  Trainer<Logistic> reference(devices::cpu(1), {.lr = 0.01f}, {.seed = 1});
+  REQUIRE_THROWS_WITH(reference.fit(part, fit), Catch::Contains("at epoch 1, step 6"));
+  test::require_close(trainer.model().parameters(), reference.model().parameters(), {1e-6, 1e-4},
+                      "weights kept after the NaN step");
+}
+
+TEST_CASE("cuda trainer: a label outside the classes is a loom::Error naming the data set") {
+  auto part = head(fashion().test, 100);
+  part.labels[42] = 11;
+  Trainer<Logistic> trainer({devices::gpus().front()}, {.lr = 0.01f});
+  REQUIRE_THROWS_WITH(trainer.evaluate(part, 64),
+                      Catch::Contains("dataset 'fashion-mnist-test (first 100)'") &&
+                          Catch::Contains("label 11 of a sample is outside the network's 10 classes"));
 }
 
 LOOM_CUDA_TEST_MAIN

@@ -33,7 +33,7 @@ TEST_CASE("cuda: SGD update with momentum, weight decay and Nesterov equals the 
     auto dv = to_device(v);
     for (int step = 0; step < 3; ++step) {
       cpu::sgd_update(w.data(), g.data(), v.data(), n, 0.1f, 0.9f, 0.01f, nesterov);
-      loom::cuda::sgd_update(dw.data(), dg.data(), dv.data(), n, 0.1f, 0.9f, 0.01f, nesterov,
+      loom::gpu::sgd_update(dw.data(), dg.data(), dv.data(), n, 0.1f, 0.9f, 0.01f, nesterov,
                              nullptr);
     }
     LOOM_CUDA_CHECK(cudaDeviceSynchronize());
@@ -54,9 +54,9 @@ TEST_CASE("cuda: softmax cross-entropy equals the CPU backend") {
 
   auto d_logits = to_device(logits);
   auto d_labels = to_device(labels);
-  loom::cuda::DeviceBuffer<float> d_grad(batch * classes, "test gradient");
-  loom::cuda::SoftmaxXentWorkspace workspace(batch);
-  const auto sums = loom::cuda::softmax_xent(d_logits.data(), d_labels.data(), batch, classes, 2000,
+  loom::gpu::DeviceBuffer<float> d_grad(batch * classes, "test gradient");
+  loom::gpu::SoftmaxXentWorkspace workspace(batch);
+  const auto sums = loom::gpu::softmax_xent(d_logits.data(), d_labels.data(), batch, classes, 2000,
                                              d_grad.data(), workspace, nullptr);
   REQUIRE(sums.correct == expected.correct);
   REQUIRE(sums.loss == Approx(expected.loss).epsilon(1e-5));
@@ -68,11 +68,11 @@ TEST_CASE("cuda: a label outside the classes and an impossible allocation are lo
   const std::vector<std::int32_t> labels{1, 12};
   auto d_logits = to_device(logits);
   auto d_labels = to_device(labels);
-  loom::cuda::SoftmaxXentWorkspace workspace(2);
-  REQUIRE_THROWS_WITH(loom::cuda::softmax_xent(d_logits.data(), d_labels.data(), 2, 10, 2,
+  loom::gpu::SoftmaxXentWorkspace workspace(2);
+  REQUIRE_THROWS_WITH(loom::gpu::softmax_xent(d_logits.data(), d_labels.data(), 2, 10, 2,
                                                static_cast<float*>(nullptr), workspace, nullptr),
                       Catch::Contains("label 12 of sample 1 is outside the network's 10 classes"));
-  REQUIRE_THROWS_WITH(loom::cuda::DeviceBuffer<float>(std::size_t{1} << 50, "a test's huge buffer"),
+  REQUIRE_THROWS_WITH(loom::gpu::DeviceBuffer<float>(std::size_t{1} << 50, "a test's huge buffer"),
                       Catch::Contains("out of GPU memory on cuda:0: a test's huge buffer needs") &&
                           Catch::Contains("bytes are free"));
 }
@@ -97,11 +97,11 @@ TEST_CASE("cuda: convolution epilogue (bias + ReLU over NCHW) and its backward e
   auto d_y = to_device(z);
   auto d_bias = to_device(bias);
   auto d_dy = to_device(dy);
-  loom::cuda::DeviceBuffer<float> d_dz(z.size(), "test dz");
+  loom::gpu::DeviceBuffer<float> d_dz(z.size(), "test dz");
   auto d_db = to_device(std::vector<float>(channels, 0.5f));
-  loom::cuda::bias_act_nchw<loom::Act::relu>(d_y.data(), d_bias.data(), batch, channels, plane,
+  loom::gpu::bias_act_nchw<loom::Act::relu>(d_y.data(), d_bias.data(), batch, channels, plane,
                                              nullptr);
-  loom::cuda::bias_act_backward_nchw<loom::Act::relu>(
+  loom::gpu::bias_act_backward_nchw<loom::Act::relu>(
       d_dy.data(), d_y.data(), d_dz.data(), d_db.data(), batch, channels, plane, true, nullptr);
   test::require_equal(to_host(d_y), y, "activations");
   test::require_equal(to_host(d_dz), dz, "dz");
@@ -115,21 +115,21 @@ TEST_CASE("cuda: max and average pooling, forward and backward, equal the CPU ba
     const auto dy = test::random_vector<float>(g.planes * g.out_height * g.out_width, 9 + k);
     auto d_x = to_device(x);
     auto d_dy = to_device(dy);
-    loom::cuda::DeviceBuffer<float> d_y(dy.size(), "test pool output");
-    loom::cuda::DeviceBuffer<float> d_dx(x.size(), "test pool input gradient");
+    loom::gpu::DeviceBuffer<float> d_y(dy.size(), "test pool output");
+    loom::gpu::DeviceBuffer<float> d_dx(x.size(), "test pool input gradient");
     std::vector<float> y(dy.size()), dx(x.size());
 
     cpu::pool_forward<true>(g, x.data(), y.data());
     cpu::max_pool_backward(g, x.data(), dy.data(), dx.data());
-    loom::cuda::pool_forward<true>(g, d_x.data(), d_y.data(), nullptr);
-    loom::cuda::pool_backward<true>(g, d_x.data(), d_dy.data(), d_dx.data(), nullptr);
+    loom::gpu::pool_forward<true>(g, d_x.data(), d_y.data(), nullptr);
+    loom::gpu::pool_backward<true>(g, d_x.data(), d_dy.data(), d_dx.data(), nullptr);
     test::require_equal(to_host(d_y), y, "max-pool output");
     test::require_equal(to_host(d_dx), dx, "max-pool input gradient");
 
     cpu::pool_forward<false>(g, x.data(), y.data());
     cpu::avg_pool_backward(g, dy.data(), dx.data());
-    loom::cuda::pool_forward<false>(g, d_x.data(), d_y.data(), nullptr);
-    loom::cuda::pool_backward<false>(g, d_x.data(), d_dy.data(), d_dx.data(), nullptr);
+    loom::gpu::pool_forward<false>(g, d_x.data(), d_y.data(), nullptr);
+    loom::gpu::pool_backward<false>(g, d_x.data(), d_dy.data(), d_dx.data(), nullptr);
     test::require_close(to_host(d_y), y, {1e-7, 1e-6}, "average-pool output");
     test::require_close(to_host(d_dx), dx, {1e-7, 1e-6}, "average-pool input gradient");
   }
@@ -144,9 +144,9 @@ TEST_CASE("cuda: standalone ReLU forward and backward equal the CPU backend, NaN
   cpu::activation_backward<loom::Act::relu>(dy.data(), y.data(), dx.data(), x.size());
   auto d_x = to_device(x);
   auto d_dy = to_device(dy);
-  loom::cuda::DeviceBuffer<float> d_y(x.size(), "test relu output"), d_dx(x.size(), "test relu dx");
-  loom::cuda::activation_forward<loom::Act::relu>(d_x.data(), d_y.data(), x.size(), nullptr);
-  loom::cuda::activation_backward<loom::Act::relu>(d_dy.data(), d_y.data(), d_dx.data(), x.size(),
+  loom::gpu::DeviceBuffer<float> d_y(x.size(), "test relu output"), d_dx(x.size(), "test relu dx");
+  loom::gpu::activation_forward<loom::Act::relu>(d_x.data(), d_y.data(), x.size(), nullptr);
+  loom::gpu::activation_backward<loom::Act::relu>(d_dy.data(), d_y.data(), d_dx.data(), x.size(),
                                                    nullptr);
   const auto got = to_host(d_y);
   REQUIRE(std::isnan(got[17]));

@@ -14,7 +14,7 @@
 namespace test = loom::test;
 
 TEST_CASE("cuda runtime: the device arena carves aligned buffers and refuses to exceed its plan") {
-  using Arena = loom::cuda::DeviceArena;
+  using Arena = loom::gpu::DeviceArena;
   Arena arena(Arena::padded_bytes<float>(1000) + Arena::padded_bytes<int>(3), "test arena");
   float* a = arena.take<float>(1000);
   int* b = arena.take<int>(3);
@@ -27,15 +27,15 @@ TEST_CASE("cuda runtime: the device arena carves aligned buffers and refuses to 
 
 TEST_CASE("cuda runtime: staged batches arrive intact through both buffers") {
   constexpr std::size_t max_batch = 32, sample = 784;
-  loom::cuda::BatchStager stager(max_batch, sample);
-  loom::cuda::Stream compute;
+  loom::gpu::BatchStager stager(max_batch, sample);
+  loom::gpu::Stream compute;
   std::vector<std::vector<float>> images;
   std::vector<std::vector<std::int32_t>> labels;
   for (int b = 0; b < 3; ++b) {
     images.push_back(test::random_vector<float>(max_batch * sample, 20 + b));
     labels.emplace_back(max_batch, b);
   }
-  std::vector<loom::cuda::DeviceBatch> staged;
+  std::vector<loom::gpu::DeviceBatch> staged;
   for (int b = 0; b < 3; ++b) {
     const std::size_t n = b == 2 ? 7 : max_batch;  // a short last batch
     staged.push_back(stager.stage(images[b].data(), labels[b].data(), n));
@@ -69,11 +69,11 @@ TEST_CASE("cuda runtime: a step replayed from a CUDA graph equals the step run d
     auto w = test::to_device(w0);
     auto v = test::to_device(std::vector<float>(n, 0.0f));
     auto grads = test::to_device(g);
-    loom::cuda::Stream stream;
-    loom::cuda::StepGraphs graphs(capture);
+    loom::gpu::Stream stream;
+    loom::gpu::StepGraphs graphs(capture);
     for (int step = 0; step < 4; ++step)
       graphs.run(n, stream.get(), [&](cudaStream_t s) {
-        loom::cuda::sgd_update(w.data(), grads.data(), v.data(), n, 0.05f, 0.9f, 0.0f, false, s);
+        loom::gpu::sgd_update(w.data(), grads.data(), v.data(), n, 0.05f, 0.9f, 0.0f, false, s);
       });
     stream.synchronize();
     REQUIRE(graphs.graphs() == (capture ? 1u : 0u));

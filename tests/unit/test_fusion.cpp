@@ -6,6 +6,7 @@
 #include <loom/loom.hpp>
 #include <vector>
 
+#include "fashion_test.hpp"
 #include "loom_test.hpp"
 
 using namespace loom;
@@ -19,10 +20,7 @@ using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Co
 using Strided = Sequential<Input<1, 28, 28>, ReLU, Conv2d<6, 3, 2, 1>, ReLU, Conv2d<8, 3, 1, 1>,
                            ReLU, AvgPool2d<2>, Flatten, Linear<32>, ReLU, Linear<10>>;
 
-const data::Dataset& test_images() {
-  static const data::Split split = data::fashion_mnist(LOOM_TEST_DATA_DIR);
-  return split.test;
-}
+const data::Dataset& test_images() { return test::fashion().test; }
 
 template <class Net>
 void check_fused_equals_unfused() {

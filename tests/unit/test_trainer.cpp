@@ -5,29 +5,18 @@
 #include <loom/loom.hpp>
 #include <sstream>
 
+#include "fashion_test.hpp"
 #include "loom_test.hpp"
 
 using namespace loom;
+using loom::test::fashion;
+using loom::test::head;
 
 namespace {
 
 using Mlp = Sequential<Input<1, 28, 28>, Flatten, Linear<64>, ReLU, Linear<10>>;
 using SmallCnn =
     Sequential<Input<1, 28, 28>, Conv2d<8, 5>, ReLU, MaxPool2d<2>, Flatten, Linear<10>>;
-
-const data::Split& fashion() {
-  static const data::Split split = data::fashion_mnist(LOOM_TEST_DATA_DIR);
-  return split;
-}
-
-data::Dataset head(const data::Dataset& full, std::size_t count) {
-  data::Dataset part = full;
-  part.name = full.name + " (first " + std::to_string(count) + ")";
-  part.count = count;
-  part.images.resize(count * full.sample_size());
-  part.labels.resize(count);
-  return part;
-}
 
 }  // namespace
 

@@ -1,5 +1,5 @@
 // Devices a network runs on. A CPU device is a worker with its own thread
-// budget; GPUs join this list with the CUDA backend.
+// budget; a CUDA device is one GPU, used when the program is compiled by nvcc.
 #pragma once
 
 #include <string>
@@ -58,10 +58,12 @@ inline std::vector<Device> gpus() {
   return list;
 }
 
-// Every device the trainer can use: one CPU device with all cores. GPUs join
-// this list once the trainer runs the CUDA backend (the ops exist in
-// backend/cuda; the training path on them does not yet).
-inline std::vector<Device> all() { return cpu(1); }
+// Every device the trainer can use: the GPUs when compiled by nvcc and any
+// is present, else one CPU device with all cores.
+inline std::vector<Device> all() {
+  std::vector<Device> list = gpus();
+  return list.empty() ? cpu(1) : list;
+}
 
 }  // namespace devices
 }  // namespace loom

@@ -19,10 +19,23 @@
 #include "../optim/sgd.hpp"
 #include "../parallel/single_device.hpp"
 
+#if defined(__CUDACC__)
+#include <memory>
+#include <type_traits>
+
+#include "../backend/cuda/model.cuh"
+#include "../backend/cuda/staging.hpp"
+#endif
+
 namespace loom {
 
 struct TrainerOptions {
   std::uint64_t seed = 0;  // weight initialisation
+  // On a GPU: capture each training step as a CUDA graph and replay it (off
+  // launches every kernel directly, for debuggers and profilers), and allow
+  // TF32 tensor-core math (faster, inputs rounded to a 10-bit mantissa).
+  bool cuda_graphs = true;
+  bool allow_tf32 = false;
 };
 
 struct FitOptions {
@@ -81,14 +94,21 @@ class Trainer {
   Trainer(std::vector<Device> devices, typename Optimizer::Options options = {},
           TrainerOptions trainer_options = {})
       : devices_(std::move(devices)),
+        options_(trainer_options),
         model_(trainer_options.seed),
         optimizer_(options, Net::parameter_count) {
     LOOM_CHECK(devices_.size() == Policy::devices_needed, Policy::name, " runs on ",
                Policy::devices_needed, " device(s) but ", devices_.size(),
                " were given; pass that many (e.g. devices::cpu(", Policy::devices_needed, "))");
-    for (const auto& device : devices_)
+    for (const auto& device : devices_) {
+#if defined(__CUDACC__)
+      LOOM_CHECK(device.kind == Device::Kind::cpu || (std::is_same_v<Optimizer, SGD>), "device ",
+                 device.name(), ": the CUDA backend trains with SGD only so far");
+#else
       LOOM_CHECK(device.kind == Device::Kind::cpu, "device ", device.name(),
                  " needs the CUDA backend: compile with nvcc to use GPUs");
+#endif
+    }
   }
 
   template <class... Callbacks>
@@ -96,13 +116,18 @@ class Trainer {
     check_dataset(train, "fit");
     LOOM_CHECK(options.epochs >= 1, "fit: epochs must be >= 1, got ", options.epochs);
     LOOM_CHECK(options.batch_size >= 1, "fit: batch size must be >= 1");
-    cpu::set_threads(devices_.front().threads);
-    model_.reserve(options.batch_size);
-
     data::Loader loader(
         train,
         {.batch_size = options.batch_size, .shuffle = options.shuffle, .seed = options.seed});
     const FitInfo info{options.epochs, loader.batches_per_epoch(), train.count, options.batch_size};
+#if defined(__CUDACC__)
+    if (on_gpu()) {
+      fit_gpu(loader, options, info, callbacks...);
+      return;
+    }
+#endif
+    cpu::set_threads(devices_.front().threads);
+    model_.reserve(options.batch_size);
     (call_fit_begin(callbacks, info), ...);
 
     for (int epoch = 1; epoch <= options.epochs; ++epoch) {
@@ -131,35 +156,171 @@ class Trainer {
 
   // batch_size 0: the training batch size when fit() has run (the arena
   // already holds it), else 256.
+  // On a GPU, a batch size above the one fit() planned for is evaluated in
+  // pieces of that size (the sums are the same).
   EvalResult evaluate(const data::Dataset& dataset, std::size_t batch_size = 0) {
     check_dataset(dataset, "evaluate");
-    if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
-    cpu::set_threads(devices_.front().threads);
-    EvalResult result;
     double loss_sum = 0.0;
     std::size_t correct = 0;
-    const std::size_t sample = dataset.sample_size();
-    for (std::size_t first = 0; first < dataset.count; first += batch_size) {
-      const std::size_t n = std::min(batch_size, dataset.count - first);
-      const float* logits = model_.forward(dataset.images.data() + first * sample, n);
-      const auto sums =
-          Loss::evaluate<float>(logits, dataset.labels.data() + first, n, classes, n, nullptr);
-      loss_sum += sums.loss;
-      correct += sums.correct;
+#if defined(__CUDACC__)
+    if (on_gpu()) {
+      const auto sums = evaluate_gpu(dataset, batch_size);
+      loss_sum = sums.loss;
+      correct = sums.correct;
     }
+#endif
+    if (!on_gpu()) {
+      if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
+      cpu::set_threads(devices_.front().threads);
+      const std::size_t sample = dataset.sample_size();
+      for (std::size_t first = 0; first < dataset.count; first += batch_size) {
+        const std::size_t n = std::min(batch_size, dataset.count - first);
+        const float* logits = model_.forward(dataset.images.data() + first * sample, n);
+        const auto sums =
+            Loss::evaluate<float>(logits, dataset.labels.data() + first, n, classes, n, nullptr);
+        loss_sum += sums.loss;
+        correct += sums.correct;
+      }
+    }
+    EvalResult result;
     result.samples = dataset.count;
-    result.loss = dataset.count ? loss_sum / static_cast<double>(dataset.count) : 0.0;
-    result.accuracy =
-        dataset.count ? static_cast<double>(correct) / static_cast<double>(dataset.count) : 0.0;
+    result.loss = loss_sum / static_cast<double>(dataset.count);
+    result.accuracy = static_cast<double>(correct) / static_cast<double>(dataset.count);
     return result;
   }
 
-  Model<Net, float>& model() { return model_; }
+  // On a GPU the device holds the weights: this copies them here first, and
+  // the next fit() or evaluate() copies them back, so changes made through
+  // the reference count. The const overload returns them as of the end of
+  // the last fit(). (The GPU keeps its own momentum; optimizer().velocity()
+  // is the CPU's.)
+  Model<Net, float>& model() {
+#if defined(__CUDACC__)
+    if (gpu_) {
+      cuda_device();
+      gpu_->copy_parameters_to(model_);
+      host_changed_ = true;
+    }
+#endif
+    return model_;
+  }
   const Model<Net, float>& model() const { return model_; }
   const std::vector<Device>& devices() const { return devices_; }
   typename Optimizer::template State<float>& optimizer() { return optimizer_; }
 
  private:
+  bool on_gpu() const { return devices_.front().kind == Device::Kind::cuda; }
+
+#if defined(__CUDACC__)
+  void cuda_device() const { LOOM_CUDA_CHECK(cudaSetDevice(devices_.front().index)); }
+
+  // The device model and its stager, planned for batches up to `batch`
+  // (made again, weights and momentum carried over, when a larger one comes).
+  loom::gpu::DeviceModel<Net>& device_model(std::size_t batch) {
+    cuda_device();
+    if (!gpu_ || gpu_->max_batch() < batch) {
+      auto made = std::make_unique<loom::gpu::DeviceModel<Net>>(
+          model_, batch, optimizer_.options(),
+          loom::gpu::DeviceModelOptions{.graphs = options_.cuda_graphs,
+                                         .allow_tf32 = options_.allow_tf32});
+      if (gpu_) made->copy_state_from(*gpu_);
+      stager_.reset();
+      gpu_ = std::move(made);
+      stager_ = std::make_unique<loom::gpu::BatchStager>(gpu_->max_batch(), Net::input_shape::size,
+                                                          gpu_->input_slots());
+    }
+    if (host_changed_) {
+      gpu_->copy_parameters_from(model_);
+      host_changed_ = false;
+    }
+    return *gpu_;
+  }
+
+  // Stages the host batch into the model's next input slot and enqueues a
+  // step on it; returns the slot.
+  int enqueue_gpu_step(const float* images, const std::int32_t* labels, std::size_t n,
+                       bool train) {
+    auto& model = *gpu_;
+    const auto staged = stager_->stage(images, labels, n);
+    stager_->ready(staged, model.stream());
+    if (train)
+      model.train_step(staged.slot, n);
+    else
+      model.evaluate_step(staged.slot, n);
+    stager_->consumed(staged, model.stream());
+    return staged.slot;
+  }
+
+  // The loss of a step is read on the host one step late: step k's totals are
+  // waited for after step k+1 is enqueued, so the GPU never waits for the host.
+  template <class... Callbacks>
+  void fit_gpu(data::Loader& loader, const FitOptions& options, const FitInfo& info,
+               Callbacks&... callbacks) {
+    auto& model = device_model(options.batch_size);
+    (call_fit_begin(callbacks, info), ...);
+    for (int epoch = 1; epoch <= options.epochs; ++epoch) {
+      loader.start_epoch(static_cast<std::size_t>(epoch - 1));
+      const auto start = std::chrono::steady_clock::now();
+      StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
+      model.reset_totals();
+      const auto report = [&](int slot) {
+        const auto totals = model.wait_totals(slot);
+        check_totals(totals, epoch, step.step + 1);
+        step.step += 1;
+        step.samples = totals.samples;
+        step.loss = totals.loss / static_cast<double>(step.samples);
+        step.accuracy = static_cast<double>(totals.correct) / static_cast<double>(step.samples);
+        step.seconds = seconds_since(start);
+        (call_step(callbacks, step), ...);
+      };
+      int pending = -1;
+      data::Batch batch{};
+      while (loader.next(batch)) {
+        model.set_lr(optimizer_.options().lr);
+        const int slot = enqueue_gpu_step(batch.images, batch.labels, batch.size, true);
+        if (pending >= 0) report(pending);
+        pending = slot;
+      }
+      if (pending >= 0) report(pending);
+      // Before the callbacks: Evaluate and a user's on_epoch_end see this epoch's weights.
+      gpu_->copy_parameters_to(model_);
+      [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
+                                            step.accuracy, step.samples,   seconds_since(start)};
+      (call_epoch_end(callbacks, done), ...);
+    }
+  }
+
+  cpu::LossSums evaluate_gpu(const data::Dataset& dataset, std::size_t batch_size) {
+    auto& model = device_model(batch_size == 0 ? (gpu_ ? gpu_->max_batch() : 256) : batch_size);
+    const std::size_t piece =
+        std::min(batch_size == 0 ? model.max_batch() : batch_size, model.max_batch());
+    const std::size_t sample = dataset.sample_size();
+    model.reset_totals();
+    int last = 0;
+    for (std::size_t first = 0; first < dataset.count; first += piece) {
+      const std::size_t n = std::min(piece, dataset.count - first);
+      last = enqueue_gpu_step(dataset.images.data() + first * sample,
+                              dataset.labels.data() + first, n, false);
+    }
+    const auto totals = model.wait_totals(last);
+    if (totals.halted == loom::gpu::halt_bad_label)
+      LOOM_FAIL("evaluate: dataset '", dataset.name, "': label ", totals.bad_label,
+                " of a sample is outside the network's ", classes, " classes");
+    return {totals.loss, static_cast<std::size_t>(totals.correct)};
+  }
+
+  static void check_totals(const loom::gpu::LossTotals& totals, int epoch, std::size_t step) {
+    if (totals.halted == loom::gpu::halt_nonfinite_loss)
+      LOOM_FAIL("the training loss became ", totals.halt_loss, " at epoch ", epoch,
+                ", step ", step,
+                "; the weights are kept from the step before. Lower the learning rate or check "
+                "the input data");
+    if (totals.halted == loom::gpu::halt_bad_label)
+      LOOM_FAIL("label ", totals.bad_label, " of sample ", totals.bad_row, " in step ", step,
+                " of epoch ", epoch, " is outside the network's ", classes, " classes");
+  }
+#endif
+
   cpu::LossSums train_step(const data::Batch& batch, int epoch, std::size_t step) {
     const float* logits = model_.forward(batch.images, batch.size);
     const auto sums = Loss::evaluate<float>(logits, batch.labels, batch.size, classes, batch.size,
@@ -210,8 +371,14 @@ class Trainer {
   }
 
   std::vector<Device> devices_;
+  TrainerOptions options_;
   Model<Net, float> model_;
   typename Optimizer::template State<float> optimizer_;
+#if defined(__CUDACC__)
+  std::unique_ptr<loom::gpu::DeviceModel<Net>> gpu_;
+  std::unique_ptr<loom::gpu::BatchStager> stager_;
+  bool host_changed_ = false;  // model() handed out the weights since the device last had them
+#endif
 };
 
 }  // namespace loom

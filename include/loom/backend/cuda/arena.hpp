@@ -8,7 +8,7 @@
 
 #include "memory.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 class DeviceArena {
  public:
@@ -45,4 +45,4 @@ class DeviceArena {
   std::size_t used_ = 0;
 };
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

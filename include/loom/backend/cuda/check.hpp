@@ -13,7 +13,7 @@
 
 #include "../../core/error.hpp"
 
-namespace loom::cuda::detail {
+namespace loom::gpu::detail {
 
 inline int current_device() {
   int device = -1;
@@ -39,16 +39,16 @@ void check_release(Status status, const char* call) noexcept {
                  current_device(), describe(status));
 }
 
-}  // namespace loom::cuda::detail
+}  // namespace loom::gpu::detail
 
-#define LOOM_CUDA_RELEASE(call) ::loom::cuda::detail::check_release((call), #call)
+#define LOOM_CUDA_RELEASE(call) ::loom::gpu::detail::check_release((call), #call)
 
 // LOOM_CUDA_CHECK(cudaMemcpyAsync(...)): throws if the call does not return cudaSuccess.
 #define LOOM_CUDA_CHECK(call)                                                                    \
   do {                                                                                           \
     const cudaError_t loom_status_ = (call);                                                     \
     if (loom_status_ != cudaSuccess)                                                             \
-      LOOM_FAIL("CUDA call ", #call, " failed on cuda:", ::loom::cuda::detail::current_device(), \
+      LOOM_FAIL("CUDA call ", #call, " failed on cuda:", ::loom::gpu::detail::current_device(), \
                 ": ", cudaGetErrorName(loom_status_), " (", cudaGetErrorString(loom_status_),    \
                 ")");                                                                            \
   } while (false)
@@ -59,7 +59,7 @@ void check_release(Status status, const char* call) noexcept {
     const cudaError_t loom_status_ = cudaGetLastError();                                      \
     if (loom_status_ != cudaSuccess)                                                          \
       LOOM_FAIL("kernel ", kernel_name,                                                       \
-                " failed to launch on cuda:", ::loom::cuda::detail::current_device(), ": ",   \
+                " failed to launch on cuda:", ::loom::gpu::detail::current_device(), ": ",   \
                 cudaGetErrorName(loom_status_), " (", cudaGetErrorString(loom_status_), ")"); \
   } while (false)
 
@@ -67,7 +67,7 @@ void check_release(Status status, const char* call) noexcept {
   do {                                                                                             \
     const cublasStatus_t loom_status_ = (call);                                                    \
     if (loom_status_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      LOOM_FAIL("cuBLAS call ", #call, " failed on cuda:", ::loom::cuda::detail::current_device(), \
+      LOOM_FAIL("cuBLAS call ", #call, " failed on cuda:", ::loom::gpu::detail::current_device(), \
                 ": ", cublasGetStatusName(loom_status_), " (",                                     \
                 cublasGetStatusString(loom_status_), ")");                                         \
   } while (false)
@@ -76,7 +76,7 @@ void check_release(Status status, const char* call) noexcept {
   do {                                                                                            \
     const cudnnStatus_t loom_status_ = (call);                                                    \
     if (loom_status_ != CUDNN_STATUS_SUCCESS)                                                     \
-      LOOM_FAIL("cuDNN call ", #call, " failed on cuda:", ::loom::cuda::detail::current_device(), \
+      LOOM_FAIL("cuDNN call ", #call, " failed on cuda:", ::loom::gpu::detail::current_device(), \
                 ": ", cudnnGetErrorString(loom_status_));                                         \
   } while (false)
 
@@ -84,6 +84,6 @@ void check_release(Status status, const char* call) noexcept {
   do {                                                                                           \
     const ncclResult_t loom_status_ = (call);                                                    \
     if (loom_status_ != ncclSuccess)                                                             \
-      LOOM_FAIL("NCCL call ", #call, " failed on cuda:", ::loom::cuda::detail::current_device(), \
+      LOOM_FAIL("NCCL call ", #call, " failed on cuda:", ::loom::gpu::detail::current_device(), \
                 ": ", ncclGetErrorString(loom_status_));                                         \
   } while (false)

@@ -33,7 +33,7 @@
 #include "check.hpp"
 #include "epilogue.cuh"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 // One cuDNN handle (per device and thread that use it). Everything launched
 // through it goes to the stream given to set_stream (the legacy default
@@ -297,7 +297,7 @@ class Convolution {
     char message[512] = {};
     cudnnGetLastErrorString(message, sizeof message);  // returns void: nothing to check
     LOOM_FAIL("cuDNN call ", call, " failed for ", shape_,
-              " on cuda:", ::loom::cuda::detail::current_device(), ": ",
+              " on cuda:", ::loom::gpu::detail::current_device(), ": ",
               cudnnGetErrorString(status), message[0] != '\0' ? " (" : "", message,
               message[0] != '\0' ? ")" : "");
   }
@@ -462,4 +462,4 @@ class Convolution {
   bool fused_ = false;
 };
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

@@ -13,7 +13,7 @@
 #include "check.hpp"
 #include "launch.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 namespace kernels {
 
@@ -121,4 +121,4 @@ void bias_act_backward_nchw(const T* dy, const T* y, T* dz, T* db, std::size_t b
   LOOM_CUDA_LAUNCH_CHECK("bias_act_backward_nchw");
 }
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

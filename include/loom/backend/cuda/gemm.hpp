@@ -23,6 +23,9 @@
 //     loom only hands the mask from a forward GEMM to the backward one.
 //   - DRELU_BGRAD's bias gradient also has rows-of-D = n entries:
 //     bias_grad[j] = sum over i of the masked c[i][j] (column sums of C).
+//   - cuBLASLt's ReLU epilogues turn a NaN into 0 (loom's own ReLU kernels and
+//     the CPU backend pass NaN on), so a NaN before a fused Linear+ReLU need
+//     not reach the loss.
 //   - cuBLASLt's BGRADB reduces its B over k into cols-of-D entries; its B is
 //     loom's A, hence Epilogue::bgrad_a: bias_grad[i] = sum_k op(A)[i][k], m
 //     entries. (Its BGRADA would reduce loom's op(B) into n entries; no layer
@@ -41,7 +44,7 @@
 
 #include "check.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 // RAII over one cuBLASLt handle; plans borrow it, so it must outlive them.
 class BlasLt {
@@ -208,14 +211,14 @@ class GemmPlan {
   std::size_t workspace_bytes() const { return workspace_bytes_; }
   // Size of the ReLU bit-mask this plan writes or reads; 0 when it uses none.
   std::size_t relu_mask_bytes() const {
-    return uses_mask() ? loom::cuda::relu_mask_bytes(shape_.m, shape_.n) : 0;
+    return uses_mask() ? loom::gpu::relu_mask_bytes(shape_.m, shape_.n) : 0;
   }
 
   // "GemmPlan(trans_a=0, trans_b=1, m=64, n=500, k=800, lda=800, ldb=800, ldc=500,
   // epilogue=relu_aux_bias)": how errors name the call.
   std::string describe() const {
     std::ostringstream s;
-    s << "loom::cuda::GemmPlan(trans_a=" << shape_.trans_a << ", trans_b=" << shape_.trans_b
+    s << "loom::gpu::GemmPlan(trans_a=" << shape_.trans_a << ", trans_b=" << shape_.trans_b
       << ", m=" << shape_.m << ", n=" << shape_.n << ", k=" << shape_.k << ", lda=" << shape_.lda
       << ", ldb=" << shape_.ldb << ", ldc=" << shape_.ldc
       << ", epilogue=" << epilogue_name(epilogue_) << ")";
@@ -389,4 +392,4 @@ class GemmPlan {
   std::size_t workspace_bytes_ = 0;
 };
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

@@ -13,7 +13,7 @@
 
 #include "check.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 class StepGraphs {
  public:
@@ -63,4 +63,4 @@ class StepGraphs {
   std::map<std::size_t, cudaGraphExec_t> graphs_;
 };
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 // 256 threads per block, at most 4 blocks per SM's worth (132 SMs on H200):
 // enough to saturate memory bandwidth with grid-stride loops; not yet tuned
@@ -16,4 +16,4 @@ inline unsigned grid_blocks(std::size_t count) {
       std::min<std::size_t>((count + block_threads - 1) / block_threads, 4 * 132));
 }
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

@@ -10,7 +10,7 @@
 
 #include "check.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 template <class T>
 class DeviceBuffer {
@@ -59,4 +59,4 @@ class DeviceBuffer {
   std::size_t count_ = 0;
 };
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

@@ -1,23 +1,38 @@
-// DeviceModel<Net>: a network's executed layer list on one GPU. Weights come
-// from a CPU Model of the same network (so the same seed gives the same
-// starting point on both backends); parameters, gradients, optimizer state,
-// activations and every workspace live in one device arena sized up front,
-// and each layer's cuBLASLt/cuDNN plan is made once for the batch size.
+// DeviceModel<Net>: a network's executed layer list training on one GPU.
+// Weights come from a CPU Model of the same network (the same seed gives the
+// same starting point on both backends). Parameters, gradients, optimizer
+// state, activations, ReLU masks, two input slots and every workspace live in
+// one device arena sized up front; each layer's cuBLASLt/cuDNN plan is made
+// once per batch size.
 //
-// Layer by layer: Linear is one GEMM with a bias(+ReLU) epilogue forward, and
-// backward the weight GEMM with the bias-gradient epilogue plus the input
-// GEMM; Conv2d is cuDNN (fused conv+bias+ReLU where it offers it);
-// pooling, standalone activations, the loss and the SGD update are loom's
-// kernels. Not yet: the cross-layer DRELU_BGRAD fusion, CUDA-graph capture of
-// the step, and several batch sizes per model.
+// Layer by layer: Linear is one GEMM with a bias(+ReLU) epilogue forward and
+// two GEMMs backward. Where a Linear+ReLU feeds another Linear, the forward
+// GEMM also keeps the ReLU bit-mask (RELU_AUX_BIAS) and the next layer's
+// input-gradient GEMM applies the ReLU derivative and sums the bias gradient
+// in its epilogue (DRELU_BGRAD): that layer's backward is then its weight
+// GEMM alone, with no elementwise or bias kernel. Conv2d is cuDNN (fused
+// conv+bias+ReLU where it offers it); pooling, standalone activations, the
+// loss and the SGD update are loom's kernels.
+//
+// A step (forward, loss, backward, update) only enqueues work: it is captured
+// as a CUDA graph the first time a (kind, batch size, input slot) is seen and
+// replayed after, and it never waits for the host. Loss sums accumulate on
+// the device (LossTotals); a non-finite loss halts the totals and makes every
+// later update a no-op, so the weights stay those of the last good step until
+// the host reads the totals and reports it.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
+#include <map>
 #include <memory>
+#include <span>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -28,12 +43,14 @@
 #include "conv.cuh"
 #include "epilogue.cuh"
 #include "gemm.hpp"
+#include "graph.hpp"
 #include "pool.cuh"
 #include "sgd.cuh"
 #include "softmax_xent.cuh"
+#include "staging.hpp"
 #include "stream.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 struct DeviceContext {
   Stream stream;
@@ -42,84 +59,185 @@ struct DeviceContext {
   DeviceContext() { dnn.set_stream(stream.get()); }
 };
 
+struct DeviceModelOptions {
+  // Capture each step as a CUDA graph and replay it; off runs every kernel
+  // launch directly (for debugging with compute-sanitizer or a profiler).
+  bool graphs = true;
+  // TF32 tensor-core math for GEMMs and convolutions: faster, inputs rounded
+  // to a 10-bit mantissa. Off, results match the CPU backend to FP32 rounding.
+  bool allow_tf32 = false;
+};
+
 namespace detail {
 
-// How one executed layer runs on the GPU. `scratch` is the layer's share of
-// the step workspace: at least scratch_bytes(), reused by every layer.
-template <class L>
+// Where each layer's weights and bias sit in the device's flat parameter
+// buffer: the CPU Model's order, each block starting on a 256-byte boundary
+// (cuBLASLt's operands and epilogue vectors must be 16-byte aligned; cuDNN
+// is fastest at 256). The gaps are zero in parameters and gradients alike,
+// so the update over the whole buffer leaves them zero.
+template <class List>
+struct device_layout;
+
+template <class... Ls>
+struct device_layout<TypeList<Ls...>> {
+  static constexpr std::size_t count = sizeof...(Ls);
+  static constexpr std::size_t align = 64;  // floats
+  static constexpr std::size_t round_up(std::size_t n) { return (n + align - 1) / align * align; }
+  static constexpr std::array<std::size_t, count> weights{Ls::weight_count...};
+  static constexpr std::array<std::size_t, count> biases{(Ls::param_count - Ls::weight_count)...};
+  struct Offsets {
+    std::array<std::size_t, count> weight{}, bias{};
+    std::size_t total = 0;
+  };
+  static constexpr Offsets offsets = [] {
+    Offsets o;
+    for (std::size_t i = 0; i < count; ++i) {
+      o.weight[i] = o.total;
+      o.total += round_up(weights[i]);
+      o.bias[i] = o.total;
+      o.total += round_up(biases[i]);
+    }
+    return o;
+  }();
+  static constexpr std::size_t total = offsets.total;
+};
+
+// Layer I (a Linear+ReLU) keeps its ReLU mask for layer I+1 (a Linear).
+template <class List, std::size_t I>
+constexpr bool writes_relu_mask() {
+  if constexpr (I + 1 >= List::size) {
+    return false;
+  } else {
+    using L = type_at_t<I, List>;
+    using Next = type_at_t<I + 1, List>;
+    if constexpr (L::kind == "linear" && Next::kind == "linear")
+      return L::activation == Act::relu;
+    else
+      return false;
+  }
+}
+
+// Layer I's input-gradient GEMM applies layer I-1's ReLU derivative.
+template <class List, std::size_t I>
+constexpr bool applies_previous_drelu() {
+  if constexpr (I == 0)
+    return false;
+  else
+    return writes_relu_mask<List, I - 1>();
+}
+
+// The pointers of one layer's forward or backward call.
+struct LayerCall {
+  const float* weights = nullptr;
+  const float* bias = nullptr;
+  const float* x = nullptr;
+  float* y = nullptr;
+  const float* dy = nullptr;
+  float* dx = nullptr;  // null for the first layer
+  float* dweights = nullptr;
+  float* dbias = nullptr;
+  void* mask = nullptr;             // this layer's ReLU mask, when it keeps one
+  const void* previous_mask = nullptr;  // layer I-1's, when this layer applies its dReLU
+  float* previous_dbias = nullptr;      // layer I-1's bias gradient, likewise
+  unsigned char* scratch = nullptr;     // shared by every layer, scratch_bytes() at least
+  std::size_t scratch_bytes = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// How one executed layer runs on the GPU for one batch size. `library_limit`
+// caps the workspace its cuBLASLt and cuDNN algorithms may ask for.
+template <class L, bool WritesMask, bool AppliesPreviousDrelu>
 class LayerRunner {
  public:
-  LayerRunner(DeviceContext& context, std::size_t batch) : batch_(batch) {
+  LayerRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
+              bool allow_tf32)
+      : batch_(batch) {
     if constexpr (L::kind == "conv") {
-      conv_ = std::make_unique<Convolution>(context.dnn, L::geometry(batch), out_channels);
+      conv_ = std::make_unique<Convolution>(
+          context.dnn, L::geometry(batch), out_channels,
+          ConvOptions{.allow_tensor_ops = allow_tf32, .workspace_limit = library_limit});
     } else if constexpr (L::kind == "linear") {
       constexpr std::size_t in = L::in_features;
+      GemmOptions options;
+      options.max_workspace_bytes = std::min(options.max_workspace_bytes, library_limit);
+      options.allow_tf32 = allow_tf32;
+      const Epilogue forward = L::activation != Act::relu ? Epilogue::bias
+                               : WritesMask              ? Epilogue::relu_aux_bias
+                                                         : Epilogue::relu_bias;
       forward_ = std::make_unique<GemmPlan>(
           context.blas, GemmShape{false, true, batch, out_channels, in, in, in, out_channels},
-          L::activation == Act::relu ? Epilogue::relu_bias : Epilogue::bias);
+          forward, options);
+      // With the mask kept, the next layer's GEMM has already summed the bias gradient.
       weight_grad_ = std::make_unique<GemmPlan>(
           context.blas, GemmShape{true, false, out_channels, in, batch, out_channels, in, in},
-          Epilogue::bgrad_a);
+          WritesMask ? Epilogue::none : Epilogue::bgrad_a, options);
       if constexpr (L::index > 1)
         input_grad_ = std::make_unique<GemmPlan>(
             context.blas, GemmShape{false, false, batch, in, out_channels, out_channels, in, in},
-            Epilogue::none);
+            AppliesPreviousDrelu ? Epilogue::drelu_bgrad : Epilogue::none, options);
     }
   }
 
-  // The gradient after the activation derivative (dZ) + the library's own.
+  // The gradient after the activation derivative (dZ) + the libraries' own.
   std::size_t scratch_bytes() const {
     std::size_t library = 0;
     if (conv_) library = conv_->workspace_bytes();
     for (const auto* plan : {forward_.get(), weight_grad_.get(), input_grad_.get()})
       if (plan != nullptr) library = std::max(library, plan->workspace_bytes());
-    return DeviceArena::padded_bytes<float>(batch_ * L::output_shape::size) + library;
+    return dz_bytes() + library;
   }
 
-  void forward(const float* params, const float* x, float* y, unsigned char* scratch,
-               std::size_t scratch_size, cudaStream_t stream) {
+  void forward(const LayerCall& c) {
     if constexpr (L::kind == "conv") {
-      conv_->forward_bias_act(x, params, params + L::weight_count, y, activation_is_relu(),
-                              library(scratch), library_size(scratch_size));
+      conv_->forward_bias_act(c.x, c.weights, c.bias, c.y, activation_is_relu(),
+                              library(c.scratch), library_size(c.scratch_bytes));
     } else if constexpr (L::kind == "linear") {
-      GemmArgs args = gemm_args(x, params, y, scratch, scratch_size, stream);
-      args.bias = params + L::weight_count;
+      GemmArgs args = gemm_args(c.x, c.weights, c.y, c);
+      args.bias = c.bias;
+      if constexpr (WritesMask) args.relu_mask_out = c.mask;
       forward_->run(args);
     } else if constexpr (L::kind == "maxpool" || L::kind == "avgpool") {
-      pool_forward<L::kind == "maxpool">(L::geometry(batch_), x, y, stream);
+      pool_forward<L::kind == "maxpool">(L::geometry(batch_), c.x, c.y, c.stream);
     } else if constexpr (L::kind == "relu") {
-      activation_forward<Act::relu>(x, y, batch_ * L::output_shape::size, stream);
+      activation_forward<Act::relu>(c.x, c.y, batch_ * L::output_shape::size, c.stream);
     } else if constexpr (L::kind != "flatten") {
       static_assert(dependent_false<L>, "No CUDA runner for this layer kind");
     }
   }
 
-  void backward(const float* params, const float* x, const float* y, const float* dy, float* dx,
-                float* dparams, unsigned char* scratch, std::size_t scratch_size,
-                cudaStream_t stream) {
-    float* dz = reinterpret_cast<float*>(scratch);
+  void backward(const LayerCall& c) {
+    float* dz = reinterpret_cast<float*>(c.scratch);
     if constexpr (L::kind == "conv") {
-      conv_->bias_act_backward(dy, y, dz, dparams + L::weight_count, activation_is_relu(), false);
-      conv_->backward_filter(x, dz, dparams, false, library(scratch), library_size(scratch_size));
-      if (dx != nullptr)
-        conv_->backward_data(params, dz, dx, library(scratch), library_size(scratch_size));
+      conv_->bias_act_backward(c.dy, c.y, dz, c.dbias, activation_is_relu(), false);
+      conv_->backward_filter(c.x, dz, c.dweights, false, library(c.scratch),
+                             library_size(c.scratch_bytes));
+      if (c.dx != nullptr)
+        conv_->backward_data(c.weights, dz, c.dx, library(c.scratch),
+                             library_size(c.scratch_bytes));
     } else if constexpr (L::kind == "linear") {
-      const float* grad = dy;
-      if constexpr (L::activation == Act::relu) {
-        activation_backward<Act::relu>(dy, y, dz, batch_ * out_channels, stream);
+      // With the mask kept, dy is already dZ (the next layer's epilogue made it).
+      const float* grad = c.dy;
+      if constexpr (L::activation == Act::relu && !WritesMask) {
+        activation_backward<Act::relu>(c.dy, c.y, dz, batch_ * out_channels, c.stream);
         grad = dz;
       }
-      GemmArgs weights = gemm_args(grad, x, dparams, scratch, scratch_size, stream);
-      weights.bias_grad = dparams + L::weight_count;
+      GemmArgs weights = gemm_args(grad, c.x, c.dweights, c);
+      if constexpr (!WritesMask) weights.bias_grad = c.dbias;
       weight_grad_->run(weights);
-      if (dx != nullptr)
-        input_grad_->run(gemm_args(grad, params, dx, scratch, scratch_size, stream));
+      if (c.dx != nullptr) {
+        GemmArgs input = gemm_args(grad, c.weights, c.dx, c);
+        if constexpr (AppliesPreviousDrelu) {
+          input.relu_mask_in = c.previous_mask;
+          input.bias_grad = c.previous_dbias;
+        }
+        input_grad_->run(input);
+      }
     } else if constexpr (L::kind == "maxpool" || L::kind == "avgpool") {
-      if (dx != nullptr)
-        pool_backward<L::kind == "maxpool">(L::geometry(batch_), x, dy, dx, stream);
+      if (c.dx != nullptr)
+        pool_backward<L::kind == "maxpool">(L::geometry(batch_), c.x, c.dy, c.dx, c.stream);
     } else if constexpr (L::kind == "relu") {
-      if (dx != nullptr)
-        activation_backward<Act::relu>(dy, y, dx, batch_ * L::output_shape::size, stream);
+      if (c.dx != nullptr)
+        activation_backward<Act::relu>(c.dy, c.y, c.dx, batch_ * L::output_shape::size, c.stream);
     }
   }
 
@@ -132,22 +250,20 @@ class LayerRunner {
     else
       return false;
   }
-  unsigned char* library(unsigned char* scratch) const {
-    return scratch + DeviceArena::padded_bytes<float>(batch_ * L::output_shape::size);
+  std::size_t dz_bytes() const {
+    return DeviceArena::padded_bytes<float>(batch_ * L::output_shape::size);
   }
-  std::size_t library_size(std::size_t scratch_size) const {
-    return scratch_size - DeviceArena::padded_bytes<float>(batch_ * L::output_shape::size);
-  }
+  unsigned char* library(unsigned char* scratch) const { return scratch + dz_bytes(); }
+  std::size_t library_size(std::size_t scratch_bytes) const { return scratch_bytes - dz_bytes(); }
   // The pointers every GEMM of the layer shares; callers add their epilogue's.
-  GemmArgs gemm_args(const float* a, const float* b, float* c, unsigned char* scratch,
-                     std::size_t scratch_size, cudaStream_t stream) const {
+  GemmArgs gemm_args(const float* a, const float* b, float* out, const LayerCall& c) const {
     GemmArgs args;
     args.a = a;
     args.b = b;
-    args.c = c;
-    args.workspace = library(scratch);
-    args.workspace_bytes = library_size(scratch_size);
-    args.stream = stream;
+    args.c = out;
+    args.workspace = library(c.scratch);
+    args.workspace_bytes = library_size(c.scratch_bytes);
+    args.stream = c.stream;
     return args;
   }
 
@@ -156,11 +272,12 @@ class LayerRunner {
   std::unique_ptr<GemmPlan> forward_, weight_grad_, input_grad_;
 };
 
-template <class List>
+template <class List, class Indices>
 struct runners;
-template <class... Ls>
-struct runners<TypeList<Ls...>> {
-  using type = std::tuple<LayerRunner<Ls>...>;
+template <class List, std::size_t... I>
+struct runners<List, std::index_sequence<I...>> {
+  using type = std::tuple<LayerRunner<type_at_t<I, List>, writes_relu_mask<List, I>(),
+                                      applies_previous_drelu<List, I>()>...>;
 };
 
 }  // namespace detail
@@ -170,93 +287,255 @@ class DeviceModel {
  public:
   using Net = Net_;
   using executed = typename Net::executed;
+  using layout = detail::device_layout<executed>;
   static constexpr std::size_t layer_count = executed::size;
   static constexpr std::size_t parameter_count = Net::parameter_count;
+  static constexpr std::size_t sample_size = Net::input_shape::size;
   static constexpr std::size_t classes = Net::output_shape::size;
 
-  // Copies the weights of `initial` to the GPU; every step then works on
-  // batches of exactly `batch` samples.
-  DeviceModel(const Model<Net, float>& initial, std::size_t batch, SGD::Options sgd)
-      : batch_(batch),
+  // Copies the weights of `initial` to the current GPU; steps then take
+  // batches of 1 to `max_batch` samples.
+  DeviceModel(const Model<Net, float>& initial, std::size_t max_batch, SGD::Options sgd,
+              DeviceModelOptions options = {})
+      : max_batch_(max_batch),
         sgd_(sgd),
-        runners_(make_runners(std::make_index_sequence<layer_count>{})),
-        arena_(plan_bytes(), "DeviceModel on cuda:" + std::to_string(current_device())),
-        loss_(batch) {
-    params_ = arena_.take<float>(parameter_count);
-    grads_ = arena_.take<float>(parameter_count);
-    velocity_ = arena_.take<float>(parameter_count);
+        options_(options),
+        graphs_(options.graphs),
+        loss_(max_batch),
+        snapshots_(2) {
+    LOOM_CHECK(max_batch >= 1, "DeviceModel: the largest batch must be at least 1 sample");
+    const std::string owner = "DeviceModel on cuda:" + std::to_string(current_device());
+    // The largest batch's plans size the shared scratch; smaller batches'
+    // algorithms are then held to what it leaves for the libraries.
+    auto first = make_plan(max_batch, std::numeric_limits<std::size_t>::max());
+    static_for<layer_count>([&](auto i) {
+      scratch_bytes_ = std::max(scratch_bytes_, std::get<i>(first->runners).scratch_bytes());
+    });
+    plans_.emplace(max_batch, std::move(first));
+
+    arena_ = std::make_unique<DeviceArena>(plan_bytes(), owner);
+    params_ = arena_->take<float>(layout::total);
+    grads_ = arena_->take<float>(layout::total);
+    velocity_ = arena_->take<float>(layout::total);
+    lr_ = arena_->take<float>(1);
+    totals_ = arena_->take<LossTotals>(1);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
-      if constexpr (!L::in_place) outputs_[i] = arena_.take<float>(batch * L::output_shape::size);
+      if constexpr (!L::in_place) outputs_[i] = arena_->take<float>(max_batch * L::output_shape::size);
+      if constexpr (detail::writes_relu_mask<executed, i>())
+        masks_[i] = arena_->take<unsigned char>(relu_mask_bytes(max_batch, L::output_shape::size));
     });
-    for (auto& buffer : grad_buffers_) buffer = arena_.take<float>(batch * largest_activation());
-    scratch_ = arena_.take<unsigned char>(scratch_bytes_);
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(params_, initial.parameters().data(),
-                                    parameter_count * sizeof(float), cudaMemcpyHostToDevice,
-                                    stream()));
-    LOOM_CUDA_CHECK(cudaMemsetAsync(velocity_, 0, parameter_count * sizeof(float), stream()));
+    for (auto& buffer : grad_buffers_) buffer = arena_->take<float>(max_batch * largest_activation());
+    for (auto& slot : inputs_)
+      slot = {arena_->take<float>(max_batch * sample_size), arena_->take<std::int32_t>(max_batch)};
+    scratch_ = arena_->take<unsigned char>(scratch_bytes_);
+
+    for (float* buffer : {params_, grads_, velocity_})
+      LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
+    copy_parameters(initial.parameters().data(), cudaMemcpyHostToDevice);
+    set_lr(sgd.lr);
+    reset_totals();
   }
 
-  // One SGD step on a device batch (images N x input, labels N). Returns the
-  // loss and correct-count sums; synchronises the stream to read them.
-  cpu::LossSums train_step(const float* images, const std::int32_t* labels) {
-    forward(images);
-    const auto sums = loss(labels, grad_buffers_[0]);
-    backward();
-    sgd_update(params_, grads_, velocity_, parameter_count, sgd_.lr, sgd_.momentum,
-               sgd_.weight_decay, sgd_.nesterov, stream());
-    return sums;
+  DeviceModel(const DeviceModel&) = delete;
+  DeviceModel& operator=(const DeviceModel&) = delete;
+
+  std::size_t max_batch() const { return max_batch_; }
+  cudaStream_t stream() const { return context_.stream.get(); }
+  const DeviceModelOptions& options() const { return options_; }
+
+  // Where a batch for `slot` (0 or 1) is written before train_step(slot, n)
+  // or evaluate_step(slot, n): images N x input, labels N.
+  const std::array<StagingSlot, 2>& input_slots() const { return inputs_; }
+
+  // Enqueue one SGD step on the n samples in input slot `slot`, and a copy
+  // of the totals after it for wait_totals(slot). Nothing waits for the host.
+  void train_step(int slot, std::size_t n) { step(true, slot, n); }
+  // Enqueue the loss of the n samples in `slot`, no update.
+  void evaluate_step(int slot, std::size_t n) { step(false, slot, n); }
+
+  // Waits for the last step enqueued on `slot` and returns the totals as
+  // they were after it.
+  LossTotals wait_totals(int slot) {
+    check_slot(slot);
+    done_[slot].synchronize();
+    return snapshots_.data()[slot];
   }
 
-  // Loss and correct-count sums of a device batch, no update.
-  cpu::LossSums evaluate(const float* images, const std::int32_t* labels) {
-    forward(images);
-    return loss(labels, nullptr);
+  // Enqueues zeroing the totals (and clearing a halt).
+  void reset_totals() {
+    LOOM_CUDA_CHECK(cudaMemsetAsync(totals_, 0, sizeof(LossTotals), stream()));
   }
 
+  // Every later update uses this learning rate (read on the device, so the
+  // captured steps need no new capture).
+  void set_lr(float lr) {
+    if (lr == lr_value_) return;
+    lr_value_ = lr;
+    LOOM_CUDA_CHECK(
+        cudaMemcpyAsync(lr_, &lr_value_, sizeof(float), cudaMemcpyHostToDevice, stream()));
+  }
+
+  // One step on a device batch of n samples anywhere in device memory (it is
+  // copied into input slot 0 first), waiting for its loss: for tests and
+  // one-off use. A halted step raises loom::Error.
+  cpu::LossSums train_step(const float* images, const std::int32_t* labels, std::size_t n) {
+    return blocking_step(true, images, labels, n);
+  }
+  cpu::LossSums evaluate(const float* images, const std::int32_t* labels, std::size_t n) {
+    return blocking_step(false, images, labels, n);
+  }
+  // The same without waiting: train_step(0, n) on data copied into slot 0.
+  void enqueue_train_step(const float* images, const std::int32_t* labels, std::size_t n) {
+    fill_slot(0, images, labels, n);
+    train_step(0, n);
+  }
+
+  // Waits for the stream and copies the weights into `host` (same network).
   void copy_parameters_to(Model<Net, float>& host) {
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(host.parameters().data(), params_,
-                                    parameter_count * sizeof(float), cudaMemcpyDeviceToHost,
-                                    stream()));
+    copy_parameters(host.parameters().data(), cudaMemcpyDeviceToHost);
     context_.stream.synchronize();
   }
+  // Replaces the device weights with `host`'s (enqueued).
+  void copy_parameters_from(const Model<Net, float>& host) {
+    copy_parameters(host.parameters().data(), cudaMemcpyHostToDevice);
+  }
 
-  cudaStream_t stream() { return context_.stream.get(); }
+  // Takes the weights and momentum of another model of the same network on
+  // the same GPU (e.g. one planned for smaller batches).
+  void copy_state_from(DeviceModel& other) {
+    other.context_.stream.synchronize();
+    for (auto [to, from] : {std::pair{params_, other.params_}, std::pair{velocity_, other.velocity_}})
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, layout::total * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream()));
+  }
+
+  // Graphs captured so far (0 with graphs off).
+  std::size_t graphs() const { return graphs_.graphs(); }
 
  private:
-  static int current_device() { return cuda::detail::current_device(); }
+  using runners_type =
+      typename detail::runners<executed, std::make_index_sequence<layer_count>>::type;
+  struct Plan {
+    runners_type runners;
+  };
 
+  static int current_device() { return gpu::detail::current_device(); }
   static constexpr std::size_t largest_activation() {
     return ::loom::detail::list_info<executed>::largest_activation;
   }
 
   template <std::size_t... I>
-  typename detail::runners<executed>::type make_runners(std::index_sequence<I...>) {
-    return {detail::LayerRunner<type_at_t<I, executed>>(context_, batch_)...};
+  std::unique_ptr<Plan> make_plan_impl(std::size_t n, std::size_t library_limit,
+                                       std::index_sequence<I...>) {
+    return std::unique_ptr<Plan>(
+        new Plan{runners_type{std::tuple_element_t<I, runners_type>(
+            context_, n, library_limit, options_.allow_tf32)...}});
+  }
+  std::unique_ptr<Plan> make_plan(std::size_t n, std::size_t library_limit) {
+    return make_plan_impl(n, library_limit, std::make_index_sequence<layer_count>{});
   }
 
-  std::size_t plan_bytes() {
-    std::size_t bytes = 3 * DeviceArena::padded_bytes<float>(parameter_count);
+  // Plans for a new batch size are made on first use, their algorithms held
+  // to the scratch the largest batch sized (dZ of a smaller batch is smaller).
+  Plan& plan(std::size_t n) {
+    auto found = plans_.find(n);
+    if (found != plans_.end()) return *found->second;
+    std::size_t smallest_room = scratch_bytes_;
+    static_for<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      smallest_room = std::min(smallest_room,
+                               scratch_bytes_ - DeviceArena::padded_bytes<float>(
+                                                    n * L::output_shape::size));
+    });
+    auto made = make_plan(n, smallest_room);
+    static_for<layer_count>([&](auto i) {
+      LOOM_CHECK(std::get<i>(made->runners).scratch_bytes() <= scratch_bytes_,
+                 "DeviceModel: layer ", i + 1, "'s algorithms for a batch of ", n, " need ",
+                 std::get<i>(made->runners).scratch_bytes(), " bytes of scratch but ",
+                 scratch_bytes_, " were planned for ", max_batch_);
+    });
+    return *plans_.emplace(n, std::move(made)).first->second;
+  }
+
+  std::size_t plan_bytes() const {
+    std::size_t bytes = 3 * DeviceArena::padded_bytes<float>(layout::total);
+    bytes += DeviceArena::padded_bytes<float>(1) + DeviceArena::padded_bytes<LossTotals>(1);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (!L::in_place)
-        bytes += DeviceArena::padded_bytes<float>(batch_ * L::output_shape::size);
-      scratch_bytes_ = std::max(scratch_bytes_, std::get<i>(runners_).scratch_bytes());
+        bytes += DeviceArena::padded_bytes<float>(max_batch_ * L::output_shape::size);
+      if constexpr (detail::writes_relu_mask<executed, i>())
+        bytes += DeviceArena::padded_bytes<unsigned char>(
+            relu_mask_bytes(max_batch_, L::output_shape::size));
     });
-    bytes += 2 * DeviceArena::padded_bytes<float>(batch_ * largest_activation());
+    bytes += 2 * DeviceArena::padded_bytes<float>(max_batch_ * largest_activation());
+    bytes += 2 * (DeviceArena::padded_bytes<float>(max_batch_ * sample_size) +
+                  DeviceArena::padded_bytes<std::int32_t>(max_batch_));
     bytes += DeviceArena::padded_bytes<unsigned char>(scratch_bytes_);
     return bytes;
   }
 
+  // Host flat buffer (the CPU Model's order) to or from the padded device one.
+  void copy_parameters(const float* host_src_or_dst, cudaMemcpyKind kind) {
+    constexpr auto& host_offsets = ::loom::detail::list_info<executed>::param_offsets;
+    float* host = const_cast<float*>(host_src_or_dst);
+    for (std::size_t i = 0; i < layer_count; ++i) {
+      const std::size_t at = host_offsets[i];
+      const auto copy = [&](std::size_t device_at, std::size_t host_at, std::size_t count) {
+        if (count == 0) return;
+        float* device = params_ + device_at;
+        if (kind == cudaMemcpyHostToDevice)
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(device, host + host_at, count * sizeof(float), kind,
+                                          stream()));
+        else
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(host + host_at, device, count * sizeof(float), kind,
+                                          stream()));
+      };
+      copy(layout::offsets.weight[i], at, layout::weights[i]);
+      copy(layout::offsets.bias[i], at + layout::weights[i], layout::biases[i]);
+    }
+    // A host-to-device copy from pageable memory has read its source on return.
+  }
+
+  void check_slot(int slot) const {
+    LOOM_CHECK(slot == 0 || slot == 1, "DeviceModel: input slot ", slot, " does not exist (0 or 1)");
+  }
+
+  void step(bool train, int slot, std::size_t n) {
+    check_slot(slot);
+    LOOM_CHECK(n >= 1 && n <= max_batch_, "DeviceModel: a batch of ", n,
+               " samples; this model was planned for 1 to ", max_batch_);
+    Plan& p = plan(n);
+    const std::size_t key = (n << 2) | (std::size_t{train} << 1) | static_cast<std::size_t>(slot);
+    graphs_.run(key, stream(), [&](cudaStream_t) { enqueue_step(p, train, slot, n); });
+    done_[slot].record(stream());
+  }
+
+  void enqueue_step(Plan& p, bool train, int slot, std::size_t n) {
+    const std::int32_t* labels = inputs_[slot].labels;
+    forward(p, inputs_[slot].images, n);
+    softmax_xent_async(output<layer_count - 1>(), labels, n, classes, n,
+                       train ? grad_buffers_[0] : nullptr, loss_, stream());
+    accumulate_loss(loss_, labels, n, train, totals_, stream());
+    if (train) {
+      backward(p, n);
+      sgd_update(params_, grads_, velocity_, layout::total, sgd_.lr, sgd_.momentum,
+                 sgd_.weight_decay, sgd_.nesterov, stream(), lr_, &totals_->halted);
+    }
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(snapshots_.data() + slot, totals_, sizeof(LossTotals),
+                                    cudaMemcpyDeviceToHost, stream()));
+  }
+
   template <std::size_t I>
-  const float* layer_input() const {
+  const float* input_of() const {
     if constexpr (I == 0)
       return input_;
     else
-      return layer_output<I - 1>();
+      return output<I - 1>();
   }
   template <std::size_t I>
-  float* layer_output() const {
+  float* output() const {
     constexpr int owner = ::loom::detail::list_info<executed>::output_owner[I];
     if constexpr (owner < 0)
       return const_cast<float*>(input_);
@@ -264,49 +543,90 @@ class DeviceModel {
       return outputs_[owner];
   }
 
-  void forward(const float* images) {
+  template <std::size_t I>
+  detail::LayerCall call() const {
+    detail::LayerCall c;
+    c.weights = params_ + layout::offsets.weight[I];
+    c.bias = params_ + layout::offsets.bias[I];
+    c.dweights = grads_ + layout::offsets.weight[I];
+    c.dbias = grads_ + layout::offsets.bias[I];
+    c.x = input_of<I>();
+    c.y = output<I>();
+    c.mask = masks_[I];
+    if constexpr (I > 0) {
+      c.previous_mask = masks_[I - 1];
+      c.previous_dbias = grads_ + layout::offsets.bias[I - 1];
+    }
+    c.scratch = scratch_;
+    c.scratch_bytes = scratch_bytes_;
+    c.stream = stream();
+    return c;
+  }
+
+  void forward(Plan& p, const float* images, std::size_t) {
     input_ = images;
-    static_for<layer_count>([&](auto i) {
-      std::get<i>(runners_).forward(params_ + offset(i), layer_input<i>(), layer_output<i>(),
-                                    scratch_, scratch_bytes_, stream());
-    });
+    static_for<layer_count>([&](auto i) { std::get<i>(p.runners).forward(call<i>()); });
   }
 
-  cpu::LossSums loss(const std::int32_t* labels, float* dlogits) {
-    return softmax_xent(layer_output<layer_count - 1>(), labels, batch_, classes, batch_, dlogits,
-                        loss_, stream());
-  }
-
-  void backward() {
+  void backward(Plan& p, std::size_t) {
     int current = 0;
     static_for_reverse<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
-      float* dx = i == 0 ? nullptr : grad_buffers_[1 - current];
-      std::get<i>(runners_).backward(params_ + offset(i), layer_input<i>(), layer_output<i>(),
-                                     grad_buffers_[current], dx, grads_ + offset(i), scratch_,
-                                     scratch_bytes_, stream());
+      detail::LayerCall c = call<i>();
+      c.dy = grad_buffers_[current];
+      c.dx = i == 0 ? nullptr : grad_buffers_[1 - current];
+      std::get<i>(p.runners).backward(c);
       if (!L::in_place) current = 1 - current;
     });
   }
 
-  static constexpr std::size_t offset(std::size_t i) {
-    return ::loom::detail::list_info<executed>::param_offsets[i];
+  void fill_slot(int slot, const float* images, const std::int32_t* labels, std::size_t n) {
+    LOOM_CHECK(n >= 1 && n <= max_batch_, "DeviceModel: a batch of ", n,
+               " samples; this model was planned for 1 to ", max_batch_);
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(inputs_[slot].images, images, n * sample_size * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, stream()));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(inputs_[slot].labels, labels, n * sizeof(std::int32_t),
+                                    cudaMemcpyDeviceToDevice, stream()));
+  }
+
+  cpu::LossSums blocking_step(bool train, const float* images, const std::int32_t* labels,
+                              std::size_t n) {
+    reset_totals();
+    fill_slot(0, images, labels, n);
+    step(train, 0, n);
+    const LossTotals totals = wait_totals(0);
+    if (totals.halted == halt_bad_label)
+      LOOM_FAIL("label ", totals.bad_label, " of sample ", totals.bad_row,
+                " is outside the network's ", classes, " classes");
+    if (totals.halted == halt_nonfinite_loss)
+      LOOM_FAIL("the training loss became ", totals.halt_loss,
+                "; the weights are kept from the step before");
+    return {totals.loss, static_cast<std::size_t>(totals.correct)};
   }
 
   DeviceContext context_;
-  std::size_t batch_;
+  std::size_t max_batch_;
   SGD::Options sgd_;
+  DeviceModelOptions options_;
+  StepGraphs graphs_;
+  std::map<std::size_t, std::unique_ptr<Plan>> plans_;
   std::size_t scratch_bytes_ = 0;
-  typename detail::runners<executed>::type runners_;
-  DeviceArena arena_;
+  std::unique_ptr<DeviceArena> arena_;
   SoftmaxXentWorkspace loss_;
+  PinnedBuffer<LossTotals> snapshots_;  // one per input slot
+  std::array<Event, 2> done_;
   float* params_ = nullptr;
   float* grads_ = nullptr;
   float* velocity_ = nullptr;
+  float* lr_ = nullptr;
+  float lr_value_ = 0.0f;
+  LossTotals* totals_ = nullptr;
   std::array<float*, layer_count> outputs_{};
+  std::array<void*, layer_count> masks_{};
   std::array<float*, 2> grad_buffers_{};
+  std::array<StagingSlot, 2> inputs_{};
   unsigned char* scratch_ = nullptr;
   const float* input_ = nullptr;
 };
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

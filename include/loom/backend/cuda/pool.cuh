@@ -14,7 +14,7 @@
 #include "check.hpp"
 #include "launch.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 namespace kernels {
 
@@ -87,4 +87,4 @@ void pool_backward(const cpu::PoolGeometry& g, const T* x, const T* dy, T* dx,
   LOOM_CUDA_LAUNCH_CHECK("pool_backward");
 }
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

@@ -14,7 +14,7 @@
 #include "check.hpp"
 #include "memory.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 namespace kernels {
 
@@ -75,6 +75,49 @@ __global__ void softmax_xent(const T* logits, const std::int32_t* labels, std::s
 
 }  // namespace kernels
 
+// What the loss steps since the last reset added up to, kept on the device
+// so that a step never waits for the host. `halted` is sticky: once set, the
+// steps after it add nothing and the SGD update skips (it reads the flag).
+struct LossTotals {
+  double loss = 0.0;  // sum of per-sample losses
+  unsigned long long correct = 0;
+  unsigned long long samples = 0;
+  unsigned long long steps = 0;
+  int halted = 0;  // a Halt
+  int bad_label = 0;
+  unsigned long long bad_row = 0;  // within the batch that halted
+  double halt_loss = 0.0;          // that batch's loss sum
+};
+
+enum Halt : int { halt_none = 0, halt_nonfinite_loss = 1, halt_bad_label = 2 };
+
+namespace kernels {
+
+// One thread: folds a batch's sums into the totals, or halts them.
+inline __global__ void accumulate_loss(const double* loss, const int* hits,
+                                       const unsigned long long* bad_row,
+                                       const std::int32_t* labels, std::size_t batch,
+                                       bool stop_on_nonfinite, LossTotals* totals) {
+  if (totals->halted != halt_none) return;
+  if (*bad_row != ~0ull) {
+    totals->halted = halt_bad_label;
+    totals->bad_row = *bad_row;
+    totals->bad_label = labels[*bad_row];
+    return;
+  }
+  if (stop_on_nonfinite && !isfinite(*loss)) {
+    totals->halted = halt_nonfinite_loss;
+    totals->halt_loss = *loss;
+    return;
+  }
+  totals->loss += *loss;
+  totals->correct += static_cast<unsigned long long>(*hits);
+  totals->samples += batch;
+  totals->steps += 1;
+}
+
+}  // namespace kernels
+
 // Buffers for up to `max_batch` rows, allocated once, so a step allocates nothing.
 class SoftmaxXentWorkspace {
  public:
@@ -93,9 +136,16 @@ class SoftmaxXentWorkspace {
     temp_ = DeviceBuffer<unsigned char>(std::max(loss_bytes, hit_bytes), "CUB reduction scratch");
   }
 
+  std::size_t max_batch() const { return max_batch_; }
+  // The last batch's sums and the first row whose label was out of range
+  // (all ones when none), on the device.
+  const double* loss_sum() const { return sums_.data(); }
+  const int* correct() const { return hits_.data(); }
+  const unsigned long long* bad_row() const { return bad_row_.data(); }
+
   template <class T>
-  friend cpu::LossSums softmax_xent(const T*, const std::int32_t*, std::size_t, std::size_t,
-                                    std::size_t, T*, SoftmaxXentWorkspace&, cudaStream_t);
+  friend void softmax_xent_async(const T*, const std::int32_t*, std::size_t, std::size_t,
+                                 std::size_t, T*, SoftmaxXentWorkspace&, cudaStream_t);
 
  private:
   std::size_t max_batch_;
@@ -107,19 +157,18 @@ class SoftmaxXentWorkspace {
   DeviceBuffer<unsigned char> temp_;
 };
 
-// logits and labels on the device; dlogits (optional) receives
-// d(mean loss over global_batch)/d(logits). Synchronises `stream` to return
-// the sums (the trainer needs the loss on the host to check it).
+// Enqueues the kernel and the reductions only (no host wait, nothing copied
+// from the host), so a CUDA graph can capture it: the sums land in
+// ws.loss_sum()/ws.correct(), a label outside [0, classes) in ws.bad_row().
+// dlogits (optional) receives d(mean loss over global_batch)/d(logits).
 template <class T>
-cpu::LossSums softmax_xent(const T* logits, const std::int32_t* labels, std::size_t batch,
-                           std::size_t classes, std::size_t global_batch, T* dlogits,
-                           SoftmaxXentWorkspace& ws, cudaStream_t stream) {
-  LOOM_CHECK(batch <= ws.max_batch_, "softmax_xent: ", batch, " rows but the workspace holds ",
-             ws.max_batch_);
-  if (batch == 0) return {};
-  const unsigned long long none = ~0ull;
-  LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(ws.bad_row_.data(), &none, sizeof none, cudaMemcpyHostToDevice, stream));
+void softmax_xent_async(const T* logits, const std::int32_t* labels, std::size_t batch,
+                        std::size_t classes, std::size_t global_batch, T* dlogits,
+                        SoftmaxXentWorkspace& ws, cudaStream_t stream) {
+  LOOM_CHECK(batch >= 1 && batch <= ws.max_batch_, "softmax_xent: ", batch,
+             " rows but the workspace holds 1 to ", ws.max_batch_);
+  // All ones: "no bad row" (atomicMin keeps the first bad one).
+  LOOM_CUDA_CHECK(cudaMemsetAsync(ws.bad_row_.data(), 0xff, sizeof(unsigned long long), stream));
   constexpr unsigned threads = 256;  // 8 rows per block
   const auto blocks = static_cast<unsigned>((batch + threads / 32 - 1) / (threads / 32));
   kernels::softmax_xent<T><<<blocks, threads, 0, stream>>>(
@@ -132,17 +181,36 @@ cpu::LossSums softmax_xent(const T* logits, const std::int32_t* labels, std::siz
   bytes = ws.temp_.size();
   LOOM_CUDA_CHECK(cub::DeviceReduce::Sum(ws.temp_.data(), bytes, ws.row_correct_.data(),
                                          ws.hits_.data(), static_cast<int>(batch), stream));
+}
+
+// Folds the last softmax_xent_async into `totals` (see LossTotals).
+inline void accumulate_loss(const SoftmaxXentWorkspace& ws, const std::int32_t* labels,
+                            std::size_t batch, bool stop_on_nonfinite, LossTotals* totals,
+                            cudaStream_t stream) {
+  kernels::accumulate_loss<<<1, 1, 0, stream>>>(ws.loss_sum(), ws.correct(), ws.bad_row(), labels,
+                                                batch, stop_on_nonfinite, totals);
+  LOOM_CUDA_LAUNCH_CHECK("accumulate_loss");
+}
+
+// softmax_xent_async, then waits for `stream` and returns the sums: for
+// tests and callers that want the loss of one batch now.
+template <class T>
+cpu::LossSums softmax_xent(const T* logits, const std::int32_t* labels, std::size_t batch,
+                           std::size_t classes, std::size_t global_batch, T* dlogits,
+                           SoftmaxXentWorkspace& ws, cudaStream_t stream) {
+  if (batch == 0) return {};
+  softmax_xent_async(logits, labels, batch, classes, global_batch, dlogits, ws, stream);
   double loss = 0.0;
   int hits = 0;
-  unsigned long long bad_row = none;
+  unsigned long long bad_row = 0;
   LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(&loss, ws.sums_.data(), sizeof loss, cudaMemcpyDeviceToHost, stream));
+      cudaMemcpyAsync(&loss, ws.loss_sum(), sizeof loss, cudaMemcpyDeviceToHost, stream));
   LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(&hits, ws.hits_.data(), sizeof hits, cudaMemcpyDeviceToHost, stream));
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(&bad_row, ws.bad_row_.data(), sizeof bad_row,
-                                  cudaMemcpyDeviceToHost, stream));
+      cudaMemcpyAsync(&hits, ws.correct(), sizeof hits, cudaMemcpyDeviceToHost, stream));
+  LOOM_CUDA_CHECK(
+      cudaMemcpyAsync(&bad_row, ws.bad_row(), sizeof bad_row, cudaMemcpyDeviceToHost, stream));
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (bad_row != none) {
+  if (bad_row != ~0ull) {
     std::int32_t label = 0;
     LOOM_CUDA_CHECK(cudaMemcpy(&label, labels + bad_row, sizeof label, cudaMemcpyDeviceToHost));
     LOOM_FAIL("label ", label, " of sample ", bad_row, " is outside the network's ", classes,
@@ -151,4 +219,4 @@ cpu::LossSums softmax_xent(const T* logits, const std::int32_t* labels, std::siz
   return {loss, static_cast<std::size_t>(hits)};
 }
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

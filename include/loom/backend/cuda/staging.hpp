@@ -15,7 +15,7 @@
 #include "memory.hpp"
 #include "stream.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 template <class T>
 class PinnedBuffer {
@@ -54,15 +54,33 @@ struct DeviceBatch {
   int slot = 0;
 };
 
+// Where a staged batch goes on the device: two of these, used in turn.
+struct StagingSlot {
+  float* images = nullptr;
+  std::int32_t* labels = nullptr;
+};
+
 class BatchStager {
  public:
+  // Stages into device buffers of its own.
   BatchStager(std::size_t max_batch, std::size_t sample_size)
       : max_batch_(max_batch), sample_size_(sample_size) {
     for (auto& slot : slots_) {
-      slot.host_images = PinnedBuffer<float>(max_batch * sample_size);
-      slot.host_labels = PinnedBuffer<std::int32_t>(max_batch);
-      slot.images = DeviceBuffer<float>(max_batch * sample_size, "staged batch images");
-      slot.labels = DeviceBuffer<std::int32_t>(max_batch, "staged batch labels");
+      pin(slot);
+      slot.own_images = DeviceBuffer<float>(max_batch * sample_size, "staged batch images");
+      slot.own_labels = DeviceBuffer<std::int32_t>(max_batch, "staged batch labels");
+      slot.device = {slot.own_images.data(), slot.own_labels.data()};
+    }
+  }
+
+  // Stages into the caller's buffers (each holding max_batch samples), e.g.
+  // the input slots a DeviceModel's captured steps read.
+  BatchStager(std::size_t max_batch, std::size_t sample_size,
+              const std::array<StagingSlot, 2>& destinations)
+      : max_batch_(max_batch), sample_size_(sample_size) {
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      pin(slots_[i]);
+      slots_[i].device = destinations[i];
     }
   }
 
@@ -80,13 +98,13 @@ class BatchStager {
     std::memcpy(slot.host_labels.data(), labels, n * sizeof(std::int32_t));
     // The device buffer is overwritten only after the step that read it.
     slot.consumed.wait_on(copy_.get());
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(slot.images.data(), slot.host_images.data(),
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(slot.device.images, slot.host_images.data(),
                                     n * sample_size_ * sizeof(float), cudaMemcpyHostToDevice,
                                     copy_.get()));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(slot.labels.data(), slot.host_labels.data(),
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(slot.device.labels, slot.host_labels.data(),
                                     n * sizeof(std::int32_t), cudaMemcpyHostToDevice, copy_.get()));
     slot.copied.record(copy_.get());
-    return {slot.images.data(), slot.labels.data(), n, index};
+    return {slot.device.images, slot.device.labels, n, index};
   }
 
   // Makes `compute` wait until the batch is on the device.
@@ -103,11 +121,17 @@ class BatchStager {
   struct Slot {
     PinnedBuffer<float> host_images;
     PinnedBuffer<std::int32_t> host_labels;
-    DeviceBuffer<float> images;
-    DeviceBuffer<std::int32_t> labels;
+    DeviceBuffer<float> own_images;
+    DeviceBuffer<std::int32_t> own_labels;
+    StagingSlot device;
     Event copied;
     Event consumed;
   };
+
+  void pin(Slot& slot) const {
+    slot.host_images = PinnedBuffer<float>(max_batch_ * sample_size_);
+    slot.host_labels = PinnedBuffer<std::int32_t>(max_batch_);
+  }
 
   std::size_t max_batch_;
   std::size_t sample_size_;
@@ -116,4 +140,4 @@ class BatchStager {
   int next_ = 0;
 };
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu

@@ -7,7 +7,7 @@
 
 #include "check.hpp"
 
-namespace loom::cuda {
+namespace loom::gpu {
 
 class Stream {
  public:
@@ -57,4 +57,4 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
-}  // namespace loom::cuda
+}  // namespace loom::gpu
