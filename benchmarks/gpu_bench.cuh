@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <loom/backend/cuda/check.hpp>
+#include <loom/core/error.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,6 +61,15 @@ StepTimes time_gpu_steps(cudaStream_t stream, int warmup, int steps, Step&& step
   const std::size_t n = ms.size();
   const double median = n % 2 ? ms[n / 2] : (ms[n / 2 - 1] + ms[n / 2]) / 2;
   return {median, stops.back().since(starts.front()) / steps};
+}
+
+// A timed run whose loss went non-finite skipped its updates: its figures
+// would not be a training step's. (Model: a gpu::DeviceModel.)
+template <class Model>
+void require_trained(Model& model, const char* what) {
+  const auto totals = model.wait_totals(0);
+  LOOM_CHECK(totals.halted == 0, what, ": the loss stopped being finite (", loss_text(totals.halt_loss),
+             ") during the timed steps, so later updates were skipped; the figures are void");
 }
 
 inline std::string gpu_name() {

@@ -33,6 +33,7 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
         const std::size_t first = static_cast<std::size_t>(s) % batches * batch;
         model.enqueue_train_step(images.data() + first * sample, labels.data() + first, batch);
       });
+  loom::bench::require_trained(model, "lenet_gpu_bench");
   const auto n = static_cast<double>(batch);
   return {{"benchmark", "lenet_train_step"},
           {"library", "loom"},

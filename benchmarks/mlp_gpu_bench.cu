@@ -113,6 +113,7 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
           const std::size_t first = static_cast<std::size_t>(s % 2) * batch;
           model.enqueue_train_step(images.data() + first * width, labels.data() + first, batch);
         });
+    loom::bench::require_trained(model, "mlp_gpu_bench");
     loom_ms = times.median_ms;
     lines.push_back({{"benchmark", name},
                      {"library", "loom"},

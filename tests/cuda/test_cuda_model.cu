@@ -20,10 +20,13 @@ namespace {
 
 using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
                          MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
-// Three Linear+ReLU layers in a row: two of them hand their ReLU mask to the
-// next layer's DRELU_BGRAD epilogue; the last keeps the separate dReLU.
+// Three Linear+ReLU layers in a row, each handing its ReLU mask to the next
+// Linear's DRELU_BGRAD epilogue.
 using Mlp = Sequential<Input<1, 28, 28>, Flatten, Linear<200>, ReLU, Linear<130>, ReLU, Linear<64>,
                        ReLU, Linear<10>>;
+// A Linear+ReLU with no Linear after it: the separate dReLU kernel and the
+// weight GEMM's bias-gradient (BGRADB) epilogue.
+using ReluLast = Sequential<Input<1, 28, 28>, Flatten, Linear<96>, ReLU, Linear<10>, ReLU>;
 // No ReLU between the input and the loss: a NaN pixel surely makes the loss
 // NaN (cuDNN's fused ReLU need not pass NaN on, as loom's own kernels do).
 using Logistic = Sequential<Input<1, 28, 28>, Flatten, Linear<10>>;
@@ -86,6 +89,12 @@ TEST_CASE("cuda model: Linear+ReLU chains (DRELU_BGRAD epilogues) follow the CPU
   Model<Mlp, float> cpu_model(0);
   const auto gpu = train_both(cpu_model, {64, 64, 64, 31}, {});
   test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "MLP weights after 4 steps");
+}
+
+TEST_CASE("cuda model: a Linear+ReLU without a Linear after it follows the CPU") {
+  Model<ReluLast, float> cpu_model(0);
+  const auto gpu = train_both(cpu_model, {64, 64, 20}, {});
+  test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "weights after 3 steps");
 }
 
 TEST_CASE("cuda model: a step replayed from a CUDA graph equals the step launched directly") {
@@ -181,7 +190,7 @@ TEST_CASE("cuda trainer: fit on a GPU follows fit on the CPU, step by step") {
 }
 
 TEST_CASE("cuda trainer: one epoch of LeNet on a GPU reaches 85% test accuracy") {
-  Trainer<LeNet> trainer(devices::all(), {.lr = 0.01f, .momentum = 0.9f}, {.seed = 0});
+  Trainer<LeNet> trainer({devices::all().front()}, {.lr = 0.01f, .momentum = 0.9f}, {.seed = 0});
   REQUIRE(trainer.devices().front().kind == Device::Kind::cuda);
   trainer.fit(fashion().train, {.epochs = 1, .batch_size = 32});
   const auto result = trainer.evaluate(fashion().test);

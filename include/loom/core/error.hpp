@@ -2,6 +2,7 @@
 // becomes an Error whose message says what went wrong, where, and what to do.
 #pragma once
 
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -25,6 +26,16 @@ template <class... Parts>
 }
 
 }  // namespace detail
+
+// A loss value for a message: "nan" for any NaN (its sign bit says nothing,
+// and a GPU may set it), else the number as streamed.
+inline std::string loss_text(double loss) {
+  if (std::isnan(loss)) return "nan";
+  std::ostringstream text;
+  text << loss;
+  return text.str();
+}
+
 }  // namespace loom
 
 // Throws loom::Error with the streamed message parts when `condition` is false.

@@ -117,6 +117,15 @@ constexpr bool writes_relu_mask() {
   }
 }
 
+// Whether layer I must pass a gradient to its input: some layer before it
+// has parameters (else the gradient would be computed and thrown away).
+template <class List, std::size_t I>
+constexpr bool needs_input_gradient() {
+  bool any = false;
+  static_for<I>([&](auto j) { any = any || type_at_t<j, List>::param_count > 0; });
+  return any;
+}
+
 // Layer I's input-gradient GEMM applies layer I-1's ReLU derivative.
 template <class List, std::size_t I>
 constexpr bool applies_previous_drelu() {
@@ -146,7 +155,7 @@ struct LayerCall {
 
 // How one executed layer runs on the GPU for one batch size. `library_limit`
 // caps the workspace its cuBLASLt and cuDNN algorithms may ask for.
-template <class L, bool WritesMask, bool AppliesPreviousDrelu>
+template <class L, bool WritesMask, bool AppliesPreviousDrelu, bool NeedsInputGradient>
 class LayerRunner {
  public:
   LayerRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
@@ -171,7 +180,7 @@ class LayerRunner {
       weight_grad_ = std::make_unique<GemmPlan>(
           context.blas, GemmShape{true, false, out_channels, in, batch, out_channels, in, in},
           WritesMask ? Epilogue::none : Epilogue::bgrad_a, options);
-      if constexpr (L::index > 1)
+      if constexpr (NeedsInputGradient)
         input_grad_ = std::make_unique<GemmPlan>(
             context.blas, GemmShape{false, false, batch, in, out_channels, out_channels, in, in},
             AppliesPreviousDrelu ? Epilogue::drelu_bgrad : Epilogue::none, options);
@@ -277,7 +286,8 @@ struct runners;
 template <class List, std::size_t... I>
 struct runners<List, std::index_sequence<I...>> {
   using type = std::tuple<LayerRunner<type_at_t<I, List>, writes_relu_mask<List, I>(),
-                                      applies_previous_drelu<List, I>()>...>;
+                                      applies_previous_drelu<List, I>(),
+                                      needs_input_gradient<List, I>()>...>;
 };
 
 }  // namespace detail
@@ -339,6 +349,8 @@ class DeviceModel {
 
   DeviceModel(const DeviceModel&) = delete;
   DeviceModel& operator=(const DeviceModel&) = delete;
+  // Steps still in flight read the arena: they finish before it goes.
+  ~DeviceModel() { LOOM_CUDA_RELEASE(cudaStreamSynchronize(context_.stream.get())); }
 
   std::size_t max_batch() const { return max_batch_; }
   cudaStream_t stream() const { return context_.stream.get(); }
@@ -408,6 +420,8 @@ class DeviceModel {
     for (auto [to, from] : {std::pair{params_, other.params_}, std::pair{velocity_, other.velocity_}})
       LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, layout::total * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream()));
+    // `other` may be destroyed as soon as this returns.
+    context_.stream.synchronize();
   }
 
   // Graphs captured so far (0 with graphs off).
@@ -574,7 +588,7 @@ class DeviceModel {
       using L = type_at_t<i, executed>;
       detail::LayerCall c = call<i>();
       c.dy = grad_buffers_[current];
-      c.dx = i == 0 ? nullptr : grad_buffers_[1 - current];
+      if constexpr (detail::needs_input_gradient<executed, i>()) c.dx = grad_buffers_[1 - current];
       std::get<i>(p.runners).backward(c);
       if (!L::in_place) current = 1 - current;
     });
@@ -599,7 +613,7 @@ class DeviceModel {
       LOOM_FAIL("label ", totals.bad_label, " of sample ", totals.bad_row,
                 " is outside the network's ", classes, " classes");
     if (totals.halted == halt_nonfinite_loss)
-      LOOM_FAIL("the training loss became ", totals.halt_loss,
+      LOOM_FAIL("the training loss became ", loss_text(totals.halt_loss),
                 "; the weights are kept from the step before");
     return {totals.loss, static_cast<std::size_t>(totals.correct)};
   }
@@ -619,7 +633,7 @@ class DeviceModel {
   float* grads_ = nullptr;
   float* velocity_ = nullptr;
   float* lr_ = nullptr;
-  float lr_value_ = 0.0f;
+  float lr_value_ = std::numeric_limits<float>::quiet_NaN();  // never equal: the first set_lr writes
   LossTotals* totals_ = nullptr;
   std::array<float*, layer_count> outputs_{};
   std::array<void*, layer_count> masks_{};

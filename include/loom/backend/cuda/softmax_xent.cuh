@@ -62,7 +62,8 @@ __global__ void softmax_xent(const T* logits, const std::int32_t* labels, std::s
     return;
   }
   if (lane == 0) {
-    row_loss[row] = -static_cast<double>(x[label] - best - log_total);
+    // Not a negation, which would give a NaN loss the sign bit ("-nan").
+    row_loss[row] = static_cast<double>(best + log_total - x[label]);
     row_correct[row] = best_index == static_cast<std::size_t>(label) ? 1 : 0;
   }
   if (dlogits == nullptr) return;

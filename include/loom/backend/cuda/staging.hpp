@@ -84,6 +84,11 @@ class BatchStager {
     }
   }
 
+  BatchStager(const BatchStager&) = delete;
+  BatchStager& operator=(const BatchStager&) = delete;
+  // A copy in flight reads the pinned buffers: it finishes before they go.
+  ~BatchStager() { LOOM_CUDA_RELEASE(cudaStreamSynchronize(copy_.get())); }
+
   // Starts copying a host batch to the device and returns where it will be.
   // Call consumed() once the step that reads it has been enqueued.
   DeviceBatch stage(const float* images, const std::int32_t* labels, std::size_t n) {
