@@ -25,7 +25,11 @@ if(TARGET loom_cuda)
             "${PROJECT_SOURCE_DIR}/cmake/LoomFindNvidiaLibrary.cmake"
           DESTINATION "${LOOM_INSTALL_CMAKEDIR}")
 endif()
+if(TARGET loom_mpi)
+  install(TARGETS loom_mpi EXPORT loomTargets)
+endif()
 set(LOOM_WITH_CUDA ${LOOM_ENABLE_CUDA})
+set(LOOM_WITH_MPI ${LOOM_ENABLE_MPI})
 install(EXPORT loomTargets
         NAMESPACE loom::
         DESTINATION "${LOOM_INSTALL_CMAKEDIR}")

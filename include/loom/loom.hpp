@@ -3,6 +3,8 @@
 #pragma once
 
 #include "backend/cpu/cpu.hpp"
+#include "comm/communicator.hpp"
+#include "comm/local_comm.hpp"
 #include "core/activation.hpp"
 #include "core/arena.hpp"
 #include "core/device.hpp"
@@ -17,6 +19,13 @@
 #include "net/model.hpp"
 #include "net/sequential.hpp"
 #include "optim/sgd.hpp"
+#include "parallel/buckets.hpp"
+#include "parallel/data_parallel.hpp"
 #include "parallel/single_device.hpp"
 #include "train/callbacks.hpp"
 #include "train/trainer.hpp"
+
+// With loom::mpi (Open MPI): dist::Environment and MpiComm.
+#if defined(LOOM_WITH_MPI)
+#include "comm/mpi.hpp"
+#endif

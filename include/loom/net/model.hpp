@@ -97,6 +97,14 @@ class Model {
   // gradients(): overwritten, or added to when accumulate is true (gradient
   // accumulation over micro-batches).
   void backward(bool accumulate = false) {
+    backward(accumulate, [](std::size_t) {});
+  }
+
+  // The same, calling done(i) as soon as executed layer i's gradients are
+  // final (layers in reverse order): data parallelism starts reducing them
+  // while the layers before are still back-propagating.
+  template <class OnLayerDone>
+  void backward(bool accumulate, OnLayerDone&& done) {
     LOOM_CHECK(batch_ > 0, "Model::backward called before forward");
     int current = 0;
     static_for_reverse<layer_count>([&](auto i) {
@@ -106,6 +114,7 @@ class Model {
       L::template backward<T>(layer_params<i>(), layer_input<i>(), layer_output<i>(), dy, dx,
                               layer_grads<i>(), workspace_, batch_, accumulate);
       if (!L::in_place) current = 1 - current;
+      done(std::size_t{i});
     });
   }
 

@@ -6,23 +6,24 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "../backend/cpu/threads.hpp"
+#include "../comm/communicator.hpp"
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../data/data.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "../optim/sgd.hpp"
+#include "../parallel/data_parallel.hpp"
 #include "../parallel/single_device.hpp"
 
 #if defined(__CUDACC__)
-#include <memory>
-#include <type_traits>
-
 #include "../backend/cuda/model.cuh"
 #include "../backend/cuda/staging.hpp"
 #endif
@@ -43,6 +44,10 @@ struct FitOptions {
   std::size_t batch_size = 64;
   bool shuffle = true;
   std::uint64_t seed = 0;  // data order: epoch e uses the permutation keyed by (seed, e)
+  // Batches per optimizer step: the gradients of this many batches are
+  // added up (and, with DataParallel, reduced once, on the last of them), so
+  // a step sees batch_size * accumulation_steps samples; the loss is their mean.
+  std::size_t accumulation_steps = 1;
 };
 
 struct EvalResult {
@@ -53,7 +58,7 @@ struct EvalResult {
 
 struct FitInfo {
   int epochs = 0;
-  std::size_t steps_per_epoch = 0;
+  std::size_t steps_per_epoch = 0;  // optimizer steps
   std::size_t samples_per_epoch = 0;
   std::size_t batch_size = 0;
 };
@@ -91,24 +96,42 @@ class Trainer {
       Net::output_shape::rank == 1,
       "Trainer: the network must end in a flat vector of class scores (end with Linear<classes>)");
 
+  // `processes`: for DataParallel across MPI processes, the world
+  // communicator (dist::Environment::world()); this process then trains one
+  // replica on its one device.
   Trainer(std::vector<Device> devices, typename Optimizer::Options options = {},
-          TrainerOptions trainer_options = {})
+          TrainerOptions trainer_options = {}, comm::Comm processes = {})
       : devices_(std::move(devices)),
         options_(trainer_options),
         model_(trainer_options.seed),
         optimizer_(options, Net::parameter_count) {
-    LOOM_CHECK(devices_.size() == Policy::devices_needed, Policy::name, " runs on ",
-               Policy::devices_needed, " device(s) but ", devices_.size(),
-               " were given; pass that many (e.g. devices::cpu(", Policy::devices_needed, "))");
+    if constexpr (Policy::devices_needed == 0)
+      LOOM_CHECK(!devices_.empty(), Policy::name,
+                 " needs at least one device; pass devices::all() or devices::cpu(n)");
+    else
+      LOOM_CHECK(devices_.size() == Policy::devices_needed, Policy::name, " runs on ",
+                 Policy::devices_needed, " device(s) but ", devices_.size(),
+                 " were given; pass that many (e.g. devices::cpu(", Policy::devices_needed, "))");
+    LOOM_CHECK(!processes || is_data_parallel<Policy>, Policy::name,
+               " does not run across processes yet; use DataParallel<> with a communicator");
+    for (const auto& device : devices_)
+      LOOM_CHECK(device.kind == devices_.front().kind, "devices ", devices_.front().name(), " and ",
+                 device.name(), " are of different kinds; give one kind");
     for (const auto& device : devices_) {
 #if defined(__CUDACC__)
       LOOM_CHECK(device.kind == Device::Kind::cpu || (std::is_same_v<Optimizer, SGD>), "device ",
                  device.name(), ": the CUDA backend trains with SGD only so far");
+      LOOM_CHECK(device.kind == Device::Kind::cpu || !is_data_parallel<Policy>, "device ",
+                 device.name(), ": ", Policy::name,
+                 " runs on CPU worker devices and MPI processes so far, not yet on GPUs");
 #else
       LOOM_CHECK(device.kind == Device::Kind::cpu, "device ", device.name(),
                  " needs the CUDA backend: compile with nvcc to use GPUs");
 #endif
     }
+    if constexpr (is_data_parallel<Policy>)
+      engine_ = std::make_unique<Engine>(devices_, std::move(processes), trainer_options.seed,
+                                         options);
   }
 
   template <class... Callbacks>
@@ -116,18 +139,25 @@ class Trainer {
     check_dataset(train, "fit");
     LOOM_CHECK(options.epochs >= 1, "fit: epochs must be >= 1, got ", options.epochs);
     LOOM_CHECK(options.batch_size >= 1, "fit: batch size must be >= 1");
+    LOOM_CHECK(options.accumulation_steps >= 1, "fit: accumulation_steps must be >= 1");
     data::Loader loader(
         train,
         {.batch_size = options.batch_size, .shuffle = options.shuffle, .seed = options.seed});
-    const FitInfo info{options.epochs, loader.batches_per_epoch(), train.count, options.batch_size};
+    const std::size_t k = options.accumulation_steps;
+    const FitInfo info{options.epochs, (loader.batches_per_epoch() + k - 1) / k, train.count,
+                       options.batch_size};
 #if defined(__CUDACC__)
     if (on_gpu()) {
+      LOOM_CHECK(k == 1, "fit: accumulation_steps > 1 is not supported on GPUs yet");
       fit_gpu(loader, options, info, callbacks...);
       return;
     }
 #endif
     cpu::set_threads(devices_.front().threads);
-    model_.reserve(options.batch_size);
+    if constexpr (is_data_parallel<Policy>)
+      engine_->reserve(options.batch_size);
+    else
+      model_.reserve(options.batch_size);
     (call_fit_begin(callbacks, info), ...);
 
     for (int epoch = 1; epoch <= options.epochs; ++epoch) {
@@ -136,13 +166,18 @@ class Trainer {
       StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
       double loss_sum = 0.0;
       std::size_t correct = 0;
+      std::size_t micro = 0, group_samples = 0;
       data::Batch batch{};
       while (loader.next(batch)) {
-        const auto sums = train_step(batch, epoch, step.step + 1);
+        if (micro == 0) group_samples = std::min(k * options.batch_size, train.count - step.samples);
+        const bool last = micro + 1 == k || step.samples + batch.size == train.count;
+        const auto sums = micro_step(batch, group_samples, micro > 0, last, epoch, step.step + 1);
+        step.samples += batch.size;
+        micro = last ? 0 : micro + 1;
+        if (!last) continue;
         loss_sum += sums.loss;
         correct += sums.correct;
         step.step += 1;
-        step.samples += batch.size;
         step.loss = loss_sum / static_cast<double>(step.samples);
         step.accuracy = static_cast<double>(correct) / static_cast<double>(step.samples);
         step.seconds = seconds_since(start);
@@ -169,7 +204,11 @@ class Trainer {
       correct = sums.correct;
     }
 #endif
-    if (!on_gpu()) {
+    if constexpr (is_data_parallel<Policy>) {
+      const auto sums = engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
+      loss_sum = sums.loss;
+      correct = sums.correct;
+    } else if (!on_gpu()) {
       if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
       cpu::set_threads(devices_.front().threads);
       const std::size_t sample = dataset.sample_size();
@@ -195,6 +234,7 @@ class Trainer {
   // the last fit(). (The GPU keeps its own momentum; optimizer().velocity()
   // is the CPU's.)
   Model<Net, float>& model() {
+    if constexpr (is_data_parallel<Policy>) return engine_->model();
 #if defined(__CUDACC__)
     if (gpu_) {
       cuda_device();
@@ -204,7 +244,19 @@ class Trainer {
 #endif
     return model_;
   }
-  const Model<Net, float>& model() const { return model_; }
+  const Model<Net, float>& model() const {
+    if constexpr (is_data_parallel<Policy>)
+      return engine_->model();
+    else
+      return model_;
+  }
+
+  // DataParallel's engine (the replicas and their communicators).
+  auto& data_parallel()
+    requires is_data_parallel<Policy>
+  {
+    return *engine_;
+  }
   const std::vector<Device>& devices() const { return devices_; }
   typename Optimizer::template State<float>& optimizer() { return optimizer_; }
 
@@ -291,9 +343,11 @@ class Trainer {
   }
 
   cpu::LossSums evaluate_gpu(const data::Dataset& dataset, std::size_t batch_size) {
-    auto& model = device_model(batch_size == 0 ? (gpu_ ? gpu_->max_batch() : 256) : batch_size);
+    // An existing model is kept (a fit may be running: this can be a
+    // callback's call), larger requests evaluated in pieces of its size.
+    auto& model = device_model(gpu_ ? gpu_->max_batch() : (batch_size == 0 ? 256 : batch_size));
     const std::size_t piece =
-        std::min(batch_size == 0 ? model.max_batch() : batch_size, model.max_batch());
+        batch_size == 0 ? model.max_batch() : std::min(batch_size, model.max_batch());
     const std::size_t sample = dataset.sample_size();
     model.reset_totals();
     int last = 0;
@@ -311,7 +365,7 @@ class Trainer {
 
   static void check_totals(const loom::gpu::LossTotals& totals, int epoch, std::size_t step) {
     if (totals.halted == loom::gpu::halt_nonfinite_loss)
-      LOOM_FAIL("the training loss became ", totals.halt_loss, " at epoch ", epoch,
+      LOOM_FAIL("the training loss became ", loss_text(totals.halt_loss), " at epoch ", epoch,
                 ", step ", step,
                 "; the weights are kept from the step before. Lower the learning rate or check "
                 "the input data");
@@ -321,18 +375,38 @@ class Trainer {
   }
 #endif
 
-  cpu::LossSums train_step(const data::Batch& batch, int epoch, std::size_t step) {
-    const float* logits = model_.forward(batch.images, batch.size);
-    const auto sums = Loss::evaluate<float>(logits, batch.labels, batch.size, classes, batch.size,
-                                            model_.output_gradient());
-    // Checked before the update, so the weights stay those of the last good step.
-    if (!std::isfinite(sums.loss))
-      LOOM_FAIL("the training loss became ", sums.loss, " at epoch ", epoch, ", step ", step,
+  // One batch of an optimizer step on the CPU (see FitOptions::accumulation_steps):
+  // returns the step's loss and correct-count sums once `last`.
+  cpu::LossSums micro_step(const data::Batch& batch, std::size_t group_samples, bool accumulate,
+                           bool last, int epoch, std::size_t step) {
+    cpu::LossSums sums;
+    if constexpr (is_data_parallel<Policy>) {
+      sums = engine_->micro_step(batch.images, batch.labels, batch.size, group_samples,
+                                 accumulate, last, optimizer_.options().lr);
+      if (!last) return {};
+      check_loss(sums.loss, epoch, step);  // the replicas skipped their update
+    } else {
+      const float* logits = model_.forward(batch.images, batch.size);
+      const auto batch_sums = Loss::evaluate<float>(logits, batch.labels, batch.size, classes,
+                                                    group_samples, model_.output_gradient());
+      if (!accumulate) pending_ = {};
+      pending_.loss += batch_sums.loss;
+      pending_.correct += batch_sums.correct;
+      model_.backward(accumulate);
+      if (!last) return {};
+      sums = pending_;
+      // Checked before the update, so the weights stay those of the last good step.
+      check_loss(sums.loss, epoch, step);
+      optimizer_.step(model_.parameters(), model_.gradients());
+    }
+    return sums;
+  }
+
+  static void check_loss(double loss, int epoch, std::size_t step) {
+    if (!std::isfinite(loss))
+      LOOM_FAIL("the training loss became ", loss_text(loss), " at epoch ", epoch, ", step ", step,
                 "; the weights are kept from the step before. Lower the learning rate or check "
                 "the input data");
-    model_.backward();
-    optimizer_.step(model_.parameters(), model_.gradients());
-    return sums;
   }
 
   void check_dataset(const data::Dataset& dataset, const char* what) const {
@@ -370,10 +444,16 @@ class Trainer {
       callback.on_epoch_end(info);
   }
 
+  struct NoEngine {};
+  using Engine = std::conditional_t<is_data_parallel<Policy>,
+                                    detail::DataParallelEngine<Net, Policy, Optimizer>, NoEngine>;
+
   std::vector<Device> devices_;
   TrainerOptions options_;
-  Model<Net, float> model_;
+  Model<Net, float> model_;  // the single device's (DataParallel's replicas are the engine's)
   typename Optimizer::template State<float> optimizer_;
+  cpu::LossSums pending_;  // the optimizer step's batches so far
+  std::unique_ptr<Engine> engine_;
 #if defined(__CUDACC__)
   std::unique_ptr<loom::gpu::DeviceModel<Net>> gpu_;
   std::unique_ptr<loom::gpu::BatchStager> stager_;

@@ -1,0 +1,146 @@
+// Communicators: a group of ranks that reduce, broadcast and exchange slices
+// of flat buffers. The `Communicator` concept is what policies are written
+// against; `Comm` holds any communicator behind one type, so a Trainer can
+// take an in-process, MPI or NCCL group alike.
+//
+// Every call is collective over the group (send/recv: over the pair) and
+// blocks until this rank's part is done. A failure is a loom::Error naming
+// the operation and the rank; a rank that fails calls abort() so that the
+// others' pending calls raise instead of waiting forever (LocalComm; MPI
+// jobs are ended by mpirun when a rank exits).
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace loom::comm {
+
+enum class ReduceOp { sum, average };
+
+inline const char* op_name(ReduceOp op) { return op == ReduceOp::sum ? "sum" : "average"; }
+
+// The element types collectives carry: gradients (float, double) and
+// bookkeeping (loss sums, counts, hashes).
+template <class T>
+concept Element = std::same_as<T, float> || std::same_as<T, double> ||
+                  std::same_as<T, std::uint64_t> || std::same_as<T, std::int32_t>;
+
+template <class C>
+concept Communicator =
+    requires(C& c, const C& cc, std::span<float> f, std::span<double> d,
+             std::span<std::uint64_t> u, ReduceOp op, int peer, const std::string& why) {
+      { cc.rank() } -> std::convertible_to<int>;
+      { cc.size() } -> std::convertible_to<int>;
+      c.all_reduce(f, op);
+      c.all_reduce(d, op);
+      c.all_reduce(u, op);
+      c.broadcast(f, peer);
+      c.broadcast(u, peer);
+      c.send(std::span<const float>(f), peer);
+      c.recv(f, peer);
+      c.barrier();
+      { c.split(peer, peer) } -> std::same_as<C>;
+      c.abort(why);
+      { cc.describe() } -> std::convertible_to<std::string>;
+    };
+
+template <class T>
+constexpr const char* element_name() {
+  if constexpr (std::same_as<T, float>)
+    return "float";
+  else if constexpr (std::same_as<T, double>)
+    return "double";
+  else if constexpr (std::same_as<T, std::uint64_t>)
+    return "uint64";
+  else if constexpr (std::same_as<T, std::int32_t>)
+    return "int32";
+  else
+    return "none";
+}
+
+// Any Communicator behind one type (shared: copies refer to the same group).
+class Comm {
+ public:
+  Comm() = default;
+  template <Communicator C>
+    requires(!std::same_as<std::remove_cvref_t<C>, Comm>)
+  explicit Comm(C communicator)
+      : self_(std::make_shared<Model<C>>(std::move(communicator))) {}
+
+  explicit operator bool() const { return self_ != nullptr; }
+  int rank() const { return self_->rank(); }
+  int size() const { return self_->size(); }
+  std::string describe() const { return self_->describe(); }
+
+  template <Element T>
+  void all_reduce(std::span<T> data, ReduceOp op) {
+    if constexpr (std::same_as<T, float>)
+      self_->all_reduce_f(data, op);
+    else if constexpr (std::same_as<T, double>)
+      self_->all_reduce_d(data, op);
+    else if constexpr (std::same_as<T, std::uint64_t>)
+      self_->all_reduce_u(data, op);
+    else
+      static_assert(std::same_as<T, float>, "Comm::all_reduce: float, double or uint64_t");
+  }
+  void broadcast(std::span<float> data, int root) { self_->broadcast_f(data, root); }
+  void broadcast(std::span<std::uint64_t> data, int root) { self_->broadcast_u(data, root); }
+  void send(std::span<const float> data, int peer) { self_->send(data, peer); }
+  void recv(std::span<float> data, int peer) { self_->recv(data, peer); }
+  void barrier() { self_->barrier(); }
+  Comm split(int color, int key) { return Comm(self_->split(color, key)); }
+  void abort(const std::string& why) { self_->abort(why); }
+
+ private:
+  struct Concept {
+    virtual ~Concept() = default;
+    virtual int rank() const = 0;
+    virtual int size() const = 0;
+    virtual std::string describe() const = 0;
+    virtual void all_reduce_f(std::span<float>, ReduceOp) = 0;
+    virtual void all_reduce_d(std::span<double>, ReduceOp) = 0;
+    virtual void all_reduce_u(std::span<std::uint64_t>, ReduceOp) = 0;
+    virtual void broadcast_f(std::span<float>, int) = 0;
+    virtual void broadcast_u(std::span<std::uint64_t>, int) = 0;
+    virtual void send(std::span<const float>, int) = 0;
+    virtual void recv(std::span<float>, int) = 0;
+    virtual void barrier() = 0;
+    virtual std::shared_ptr<Concept> split(int, int) = 0;
+    virtual void abort(const std::string&) = 0;
+  };
+
+  template <class C>
+  struct Model final : Concept {
+    explicit Model(C c) : comm(std::move(c)) {}
+    int rank() const override { return comm.rank(); }
+    int size() const override { return comm.size(); }
+    std::string describe() const override { return comm.describe(); }
+    void all_reduce_f(std::span<float> d, ReduceOp op) override { comm.all_reduce(d, op); }
+    void all_reduce_d(std::span<double> d, ReduceOp op) override { comm.all_reduce(d, op); }
+    void all_reduce_u(std::span<std::uint64_t> d, ReduceOp op) override {
+      comm.all_reduce(d, op);
+    }
+    void broadcast_f(std::span<float> d, int root) override { comm.broadcast(d, root); }
+    void broadcast_u(std::span<std::uint64_t> d, int root) override { comm.broadcast(d, root); }
+    void send(std::span<const float> d, int peer) override { comm.send(d, peer); }
+    void recv(std::span<float> d, int peer) override { comm.recv(d, peer); }
+    void barrier() override { comm.barrier(); }
+    std::shared_ptr<Concept> split(int color, int key) override {
+      return std::make_shared<Model<C>>(comm.split(color, key));
+    }
+    void abort(const std::string& why) override { comm.abort(why); }
+    C comm;
+  };
+
+  explicit Comm(std::shared_ptr<Concept> self) : self_(std::move(self)) {}
+
+  std::shared_ptr<Concept> self_;
+};
+
+}  // namespace loom::comm

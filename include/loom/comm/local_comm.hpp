@@ -1,0 +1,284 @@
+// LocalComm: ranks that are threads of one process (CPU worker devices).
+// Collectives meet at a barrier, then work on each other's buffers in place:
+// in all_reduce, rank r reduces the r-th slice of every rank's buffer in rank
+// order 0, 1, ..., n-1 and writes the result back to all of them, so the
+// result is the same bits on every rank and in every run, whatever the
+// threads' timing. A second barrier ends the call, after which no rank's
+// buffer is touched by another.
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "../core/error.hpp"
+#include "communicator.hpp"
+
+namespace loom::comm {
+
+namespace detail {
+
+// What the ranks of a LocalComm share.
+class LocalGroup {
+ public:
+  explicit LocalGroup(int size) : size_(size), slots_(static_cast<std::size_t>(size)) {}
+
+  struct Slot {
+    void* data = nullptr;
+    std::size_t count = 0;
+    const char* type = "none";  // element_name<T>()
+    const char* op = nullptr;
+    int root = 0;   // broadcast root, or split color
+    int key = 0;    // split key
+  };
+
+  int size() const { return size_; }
+
+  // Publishes this rank's slot and waits until every rank has published its
+  // own for the same operation; returns all slots.
+  const std::vector<Slot>& meet(int rank, const Slot& mine) {
+    {
+      std::lock_guard lock(mutex_);
+      slots_[static_cast<std::size_t>(rank)] = mine;
+    }
+    wait_all(rank, mine.op);
+    for (int r = 0; r < size_; ++r) {
+      const Slot& other = slots_[static_cast<std::size_t>(r)];
+      LOOM_CHECK(std::strcmp(other.op, mine.op) == 0, "LocalComm ", mine.op, " on rank ", rank,
+                 " of ", size_, ": rank ", r, " called ", other.op,
+                 " at the same time; every rank must make the same calls in the same order");
+    }
+    return slots_;
+  }
+
+  // A barrier; raises if a rank aborted the group.
+  void wait_all(int rank, const char* op) {
+    std::unique_lock lock(mutex_);
+    throw_if_aborted(rank, op);
+    const std::uint64_t generation = generation_;
+    if (++arrived_ == size_) {
+      arrived_ = 0;
+      ++generation_;
+      changed_.notify_all();
+      return;
+    }
+    changed_.wait(lock, [&] { return generation_ != generation || aborted_; });
+    if (generation_ == generation) throw_if_aborted(rank, op);
+  }
+
+  // Point to point: the sender waits until the receiver has copied.
+  void send(int from, int to, const void* data, std::size_t bytes) {
+    std::unique_lock lock(mutex_);
+    Mail& mail = mailbox_[{from, to}];
+    changed_.wait(lock, [&] { return !mail.full || aborted_; });
+    throw_if_aborted(from, "send");
+    mail = {data, bytes, true, false};
+    changed_.notify_all();
+    changed_.wait(lock, [&] { return mail.taken || aborted_; });
+    throw_if_aborted(from, "send");
+    mail = {};
+    changed_.notify_all();
+  }
+  void recv(int to, int from, void* data, std::size_t bytes) {
+    std::unique_lock lock(mutex_);
+    Mail& mail = mailbox_[{from, to}];
+    changed_.wait(lock, [&] { return (mail.full && !mail.taken) || aborted_; });
+    throw_if_aborted(to, "recv");
+    if (mail.bytes != bytes) {
+      // The sender waits for this copy: end its wait too.
+      aborted_ = true;
+      abort_message_ = "rank " + std::to_string(from) + " sent " + std::to_string(mail.bytes) +
+                       " bytes to rank " + std::to_string(to) + ", which expected " +
+                       std::to_string(bytes);
+      changed_.notify_all();
+      throw_if_aborted(to, "recv");
+    }
+    std::memcpy(data, mail.data, bytes);
+    mail.taken = true;
+    changed_.notify_all();
+  }
+
+  void abort(int rank, const std::string& why) {
+    std::lock_guard lock(mutex_);
+    if (!aborted_) {
+      aborted_ = true;
+      abort_message_ = "rank " + std::to_string(rank) + " aborted the group: " + why;
+    }
+    changed_.notify_all();
+  }
+
+  // The group a split makes for `color`, made by its first member.
+  std::shared_ptr<LocalGroup> split_group(std::uint64_t split, int color, int members) {
+    std::lock_guard lock(mutex_);
+    auto& group = splits_[{split, color}];
+    if (!group) group = std::make_shared<LocalGroup>(members);
+    return group;
+  }
+  std::uint64_t generation() {
+    std::lock_guard lock(mutex_);
+    return generation_;
+  }
+
+ private:
+  struct Mail {
+    const void* data = nullptr;
+    std::size_t bytes = 0;
+    bool full = false;
+    bool taken = false;
+  };
+
+  void throw_if_aborted(int rank, const char* op) const {
+    if (aborted_)
+      LOOM_FAIL("LocalComm ", op, " on rank ", rank, " of ", size_, " stopped: ", abort_message_);
+  }
+
+  int size_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<Slot> slots_;
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+  bool aborted_ = false;
+  std::string abort_message_;
+  std::map<std::pair<int, int>, Mail> mailbox_;
+  std::map<std::pair<std::uint64_t, int>, std::shared_ptr<LocalGroup>> splits_;
+};
+
+}  // namespace detail
+
+class LocalComm {
+ public:
+  // n communicators of one group, one per worker thread (rank i = element i).
+  static std::vector<LocalComm> create(int n) {
+    LOOM_CHECK(n >= 1, "LocalComm::create(", n, "): a group needs at least one rank");
+    auto group = std::make_shared<detail::LocalGroup>(n);
+    std::vector<LocalComm> ranks;
+    for (int r = 0; r < n; ++r) ranks.push_back(LocalComm(group, r));
+    return ranks;
+  }
+
+  int rank() const { return rank_; }
+  int size() const { return group_->size(); }
+  std::string describe() const {
+    return "LocalComm rank " + std::to_string(rank_) + " of " + std::to_string(size());
+  }
+
+  template <Element T>
+  void all_reduce(std::span<T> data, ReduceOp op) {
+    const auto& slots = group_->meet(rank_, slot(data.data(), data.size(), element_name<T>(), "all_reduce"));
+    check_same_buffers(slots, "all_reduce");
+    const std::size_t n = data.size();
+    const auto ranks = static_cast<std::size_t>(size());
+    const std::size_t begin = n * static_cast<std::size_t>(rank_) / ranks;
+    const std::size_t end = n * static_cast<std::size_t>(rank_ + 1) / ranks;
+    for (std::size_t j = begin; j < end; ++j) {
+      T total = static_cast<const T*>(slots[0].data)[j];
+      for (std::size_t r = 1; r < ranks; ++r) total += static_cast<const T*>(slots[r].data)[j];
+      if (op == ReduceOp::average) total /= static_cast<T>(ranks);
+      for (std::size_t r = 0; r < ranks; ++r) static_cast<T*>(slots[r].data)[j] = total;
+    }
+    group_->wait_all(rank_, "all_reduce");
+  }
+
+  template <Element T>
+  void broadcast(std::span<T> data, int root) {
+    check_peer(root, "broadcast");
+    Slot mine = slot(data.data(), data.size(), element_name<T>(), "broadcast");
+    mine.root = root;
+    const auto& slots = group_->meet(rank_, mine);
+    check_same_buffers(slots, "broadcast");
+    for (const auto& other : slots)
+      LOOM_CHECK(other.root == root, "LocalComm broadcast on rank ", rank_, " of ", size(),
+                 ": ranks name different roots (", root, " and ", other.root, ")");
+    if (rank_ != root && !data.empty())
+      std::memcpy(data.data(), slots[static_cast<std::size_t>(root)].data, data.size_bytes());
+    group_->wait_all(rank_, "broadcast");
+  }
+
+  template <Element T>
+  void send(std::span<const T> data, int peer) {
+    check_peer(peer, "send");
+    group_->send(rank_, peer, data.data(), data.size_bytes());
+  }
+  template <Element T>
+  void recv(std::span<T> data, int peer) {
+    check_peer(peer, "recv");
+    group_->recv(rank_, peer, data.data(), data.size_bytes());
+  }
+
+  void barrier() {
+    group_->meet(rank_, slot(nullptr, 0, "none", "barrier"));
+    group_->wait_all(rank_, "barrier");
+  }
+
+  // Ranks calling with the same color form a new group, ranked by (key, rank).
+  LocalComm split(int color, int key) {
+    const std::uint64_t split = group_->generation();
+    Slot mine = slot(nullptr, 0, "none", "split");
+    mine.root = color;
+    mine.key = key;
+    const auto slots = group_->meet(rank_, mine);  // a copy: the next meet reuses the slots
+    std::vector<std::tuple<int, int>> members;  // (key, rank) of my color
+    for (int r = 0; r < size(); ++r)
+      if (slots[static_cast<std::size_t>(r)].root == color)
+        members.emplace_back(slots[static_cast<std::size_t>(r)].key, r);
+    std::sort(members.begin(), members.end());
+    const int new_rank = static_cast<int>(
+        std::find(members.begin(), members.end(), std::tuple{key, rank_}) - members.begin());
+    auto group = group_->split_group(split, color, static_cast<int>(members.size()));
+    group_->wait_all(rank_, "split");
+    return LocalComm(std::move(group), new_rank);
+  }
+
+  // Makes every pending and later call of the group raise a loom::Error that
+  // carries `why`, instead of waiting for this rank.
+  void abort(const std::string& why) { group_->abort(rank_, why); }
+
+ private:
+  using Slot = detail::LocalGroup::Slot;
+
+  LocalComm(std::shared_ptr<detail::LocalGroup> group, int rank)
+      : group_(std::move(group)), rank_(rank) {}
+
+  static Slot slot(const void* data, std::size_t count, const char* type, const char* op) {
+    Slot s;
+    s.data = const_cast<void*>(data);
+    s.count = count;
+    s.type = type;
+    s.op = op;
+    return s;
+  }
+
+  void check_same_buffers(const std::vector<Slot>& slots, const char* op) const {
+    const Slot& mine = slots[static_cast<std::size_t>(rank_)];
+    for (int r = 0; r < size(); ++r) {
+      const Slot& other = slots[static_cast<std::size_t>(r)];
+      LOOM_CHECK(other.count == mine.count && std::strcmp(other.type, mine.type) == 0, "LocalComm ",
+                 op, " on rank ", rank_, " of ", size(), ": rank ", r, " passed ", other.count, " ",
+                 other.type, " but this rank ", mine.count, " ", mine.type,
+                 "; every rank must pass a buffer of the same type and length");
+    }
+  }
+
+  void check_peer(int peer, const char* op) const {
+    LOOM_CHECK(peer >= 0 && peer < size(), "LocalComm ", op, " on rank ", rank_, " of ", size(),
+               ": rank ", peer, " does not exist");
+  }
+
+  std::shared_ptr<detail::LocalGroup> group_;
+  int rank_;
+};
+
+static_assert(Communicator<LocalComm>);
+
+}  // namespace loom::comm

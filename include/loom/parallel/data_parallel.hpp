@@ -1,0 +1,441 @@
+// DataParallel<BucketBytes>: one replica of the network per device, each
+// global batch split over them, the gradients summed so every replica takes
+// the same optimizer step. Written against comm::Comm: the replicas are
+// worker threads of one process (devices::cpu(n), LocalComm) or one per MPI
+// process (MpiComm, see comm/mpi.hpp).
+//
+// Exactness: a rank holding n_r of a global batch of N samples scales its
+// loss gradient by 1/N (not 1/n_r), so the summed gradient is the global
+// mean whatever the split, and a rank with no samples adds zeros. Initial
+// weights are broadcast from rank 0.
+//
+// Overlap: backward reports each layer as it finishes; a gradient bucket
+// (BucketPlan: compile-time slices of the flat gradient buffer in reverse
+// layer order) goes to the replica's communication thread as soon as its
+// lowest layer is done, so its all-reduce runs while the layers before it
+// are still back-propagating.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "../backend/cpu/threads.hpp"
+#include "../comm/communicator.hpp"
+#include "../comm/local_comm.hpp"
+#include "../core/device.hpp"
+#include "../core/error.hpp"
+#include "../data/dataset.hpp"
+#include "../loss/softmax_cross_entropy.hpp"
+#include "../net/model.hpp"
+#include "buckets.hpp"
+
+namespace loom {
+
+// 1 MiB: LeNet's gradients (1.7 MB) in two buckets, the 1.6 MB first
+// Linear's reduced while the convolutions back-propagate (measured in
+// benchmarks/RESULTS.md against 256 KiB and 4 MiB).
+inline constexpr std::size_t default_bucket_bytes = std::size_t{1} << 20;
+
+template <std::size_t BucketBytes = default_bucket_bytes>
+struct DataParallel {
+  static constexpr std::size_t devices_needed = 0;  // any number, at least one
+  static constexpr const char* name = "DataParallel";
+  static constexpr std::size_t bucket_bytes = BucketBytes;
+};
+
+template <class Policy>
+inline constexpr bool is_data_parallel = false;
+template <std::size_t B>
+inline constexpr bool is_data_parallel<DataParallel<B>> = true;
+
+// The samples of a global batch of n that rank r of `ranks` takes:
+// contiguous, and the first n % ranks ranks take one more than the others.
+struct BatchShare {
+  std::size_t first = 0;
+  std::size_t count = 0;
+};
+constexpr BatchShare batch_share(std::size_t n, std::size_t ranks, std::size_t rank) {
+  const std::size_t base = n / ranks, extra = n % ranks;
+  return {rank * base + std::min(rank, extra), base + (rank < extra ? 1 : 0)};
+}
+
+// When one step's backward ran and each bucket's all-reduce (rank 0).
+struct StepTimeline {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point backward_begin, backward_end;
+  std::vector<Clock::time_point> reduce_begin, reduce_end;  // per bucket, in plan order
+};
+
+namespace detail {
+
+// __PRETTY_FUNCTION__ names T: the same string in every rank built from
+// the same source, whatever the process.
+template <class T>
+constexpr std::string_view type_name() {
+  return __PRETTY_FUNCTION__;
+}
+
+inline std::uint64_t fnv1a(std::string_view text, std::uint64_t hash = 1469598103934665603ull) {
+  for (const char c : text) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return hash;
+}
+
+template <class Net, class Policy, class Optimizer>
+class DataParallelEngine {
+ public:
+  using Plan = BucketPlan<Net, Policy::bucket_bytes, float>;
+  using OptimizerState = typename Optimizer::template State<float>;
+  static constexpr std::size_t classes = Net::output_shape::size;
+  static constexpr std::size_t sample_size = Net::input_shape::size;
+
+  // One replica per device, ranks of a LocalComm; or, with `processes` (an
+  // MPI world), one device here and the replicas are the processes.
+  DataParallelEngine(const std::vector<Device>& devices, comm::Comm processes, std::uint64_t seed,
+                     typename Optimizer::Options options)
+      : threads_(devices.front().threads) {
+    std::vector<comm::Comm> comms;
+    if (processes) {
+      LOOM_CHECK(devices.size() == 1, Policy::name, " over ", processes.size(),
+                 " processes takes one device per process, but this one was given ",
+                 devices.size(), "; pass dist::Environment::devices()");
+      comms.push_back(processes);
+    } else {
+      for (auto& local : comm::LocalComm::create(static_cast<int>(devices.size())))
+        comms.emplace_back(std::move(local));
+    }
+    for (auto& c : comms)
+      replicas_.push_back(std::make_unique<Replica>(seed, options, std::move(c)));
+    for (auto& r : replicas_) {
+      Replica* replica = r.get();
+      replica->worker = std::thread([this, replica] { work(*replica); });
+      replica->communicator = std::thread([replica] { communicate(*replica); });
+    }
+    // Every rank checks it runs the same program, then takes rank 0's weights.
+    try {
+      run({.kind = Job::start});
+    } catch (...) {
+      shutdown();  // no destructor runs for a constructor that throws
+      throw;
+    }
+  }
+
+  DataParallelEngine(const DataParallelEngine&) = delete;
+  DataParallelEngine& operator=(const DataParallelEngine&) = delete;
+  ~DataParallelEngine() { shutdown(); }
+
+  int world() const { return replicas_.front()->comm.size(); }
+  std::size_t local_replicas() const { return replicas_.size(); }
+  Model<Net, float>& model() { return replicas_.front()->model; }
+  const Model<Net, float>& model() const { return replicas_.front()->model; }
+  Model<Net, float>& replica_model(std::size_t i) { return replicas_.at(i)->model; }
+  const StepTimeline& last_timeline() const { return replicas_.front()->timeline; }
+
+  // Sizes each replica for its share of global batches of up to `batch`.
+  void reserve(std::size_t batch) {
+    const std::size_t most = batch_share(batch, static_cast<std::size_t>(world()), 0).count;
+    for (auto& r : replicas_) r->model.reserve(std::max<std::size_t>(most, 1));
+  }
+
+  // One micro-batch of an optimizer step. group_samples: the samples of all
+  // the step's micro-batches (the loss is their mean); accumulate: add to
+  // the gradients of earlier micro-batches; last: reduce and update.
+  // Returns the step's global loss and correct-count sums when `last`;
+  // a non-finite loss skips the update on every rank (checked by the caller).
+  cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
+                           std::size_t group_samples, bool accumulate, bool last, float lr) {
+    run({.kind = Job::train,
+         .images = images,
+         .labels = labels,
+         .n = n,
+         .group_samples = group_samples,
+         .accumulate = accumulate,
+         .last = last,
+         .lr = lr});
+    const auto& stats = replicas_.front()->stats;
+    return {stats[0], static_cast<std::size_t>(stats[1])};
+  }
+
+  // Loss and correct-count sums over a data set, each rank taking its share.
+  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
+    run({.kind = Job::evaluate, .n = batch, .dataset = &dataset});
+    const auto& stats = replicas_.front()->stats;
+    return {stats[0], static_cast<std::size_t>(stats[1])};
+  }
+
+ private:
+  struct Job {
+    enum Kind { start, train, evaluate } kind = train;
+    const float* images = nullptr;
+    const std::int32_t* labels = nullptr;
+    std::size_t n = 0;
+    std::size_t group_samples = 0;
+    bool accumulate = false;
+    bool last = true;
+    float lr = 0.0f;
+    const data::Dataset* dataset = nullptr;
+  };
+
+  struct Replica {
+    static constexpr int stop = -2;
+    static constexpr int stats_item = -1;
+
+    Replica(std::uint64_t seed, typename Optimizer::Options options, comm::Comm c)
+        : model(seed), optimizer(options, Net::parameter_count), comm(std::move(c)) {
+      timeline.reduce_begin.resize(Plan::count);
+      timeline.reduce_end.resize(Plan::count);
+    }
+
+    void post(int item) {
+      {
+        std::lock_guard lock(mutex);
+        queue.push_back(item);
+        ++posted;
+      }
+      changed.notify_all();
+    }
+    // Waits until the communication thread has done everything posted.
+    void drain() {
+      std::unique_lock lock(mutex);
+      changed.wait(lock, [&] { return done == posted; });
+      if (error) std::rethrow_exception(std::exchange(error, nullptr));
+    }
+
+    Model<Net, float> model;
+    OptimizerState optimizer;
+    comm::Comm comm;
+    std::array<double, 2> stats{};  // loss sum, correct count (this step, then global)
+    StepTimeline timeline;
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::deque<int> queue;
+    std::size_t posted = 0, done = 0;
+    std::exception_ptr error;
+    std::thread worker, communicator;
+  };
+
+  void shutdown() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& r : replicas_) {
+      r->post(Replica::stop);
+      if (r->worker.joinable()) r->worker.join();
+      if (r->communicator.joinable()) r->communicator.join();
+    }
+  }
+
+  // Hands a job to every replica's worker and waits for all of them.
+  void run(const Job& job) {
+    LOOM_CHECK(!failed_, Policy::name,
+               ": an earlier step failed and left the replicas apart; make a new Trainer");
+    cpu::set_threads(threads_);
+    std::unique_lock lock(mutex_);
+    job_ = job;
+    running_ = replicas_.size();
+    errors_.clear();
+    ++job_id_;
+    wake_.notify_all();
+    finished_.wait(lock, [&] { return running_ == 0; });
+    if (errors_.empty()) return;
+    failed_ = true;
+    // The first rank's own error, not the "aborted" echoes in the others.
+    std::exception_ptr first = errors_.front();
+    for (const auto& error : errors_) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        if (std::string_view(e.what()).find("aborted the group") == std::string_view::npos) {
+          first = error;
+          break;
+        }
+      } catch (...) {
+      }
+    }
+    std::rethrow_exception(first);
+  }
+
+  void work(Replica& replica) {
+    std::uint64_t seen = 0;
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || job_id_ != seen; });
+        if (stop_) return;
+        seen = job_id_;
+        job = job_;
+      }
+      try {
+        if (job.kind == Job::start)
+          start(replica);
+        else if (job.kind == Job::train)
+          train(replica, job);
+        else
+          evaluate(replica, job);
+      } catch (const std::exception& error) {
+        replica.comm.abort(error.what());
+        record(std::current_exception());
+      } catch (...) {
+        replica.comm.abort("unknown error");
+        record(std::current_exception());
+      }
+      {
+        std::lock_guard lock(mutex_);
+        if (--running_ == 0) finished_.notify_all();
+      }
+    }
+  }
+
+  void record(std::exception_ptr error) {
+    std::lock_guard lock(mutex_);
+    errors_.push_back(std::move(error));
+  }
+
+  static std::string identity() {
+    return std::string(type_name<Net>()) + " | " + std::string(type_name<Policy>()) + " | " +
+           std::string(type_name<Optimizer>());
+  }
+
+  void start(Replica& replica) {
+    auto& c = replica.comm;
+    const auto ranks = static_cast<std::size_t>(c.size());
+    std::vector<std::uint64_t> hashes(ranks, 0);
+    const std::uint64_t mine = fnv1a(identity(), Net::parameter_count);
+    hashes[static_cast<std::size_t>(c.rank())] = mine;
+    c.all_reduce(std::span<std::uint64_t>(hashes), comm::ReduceOp::sum);
+    for (std::size_t r = 0; r < ranks; ++r)
+      LOOM_CHECK(hashes[r] == mine, "rank ", r, " of ", ranks,
+                 " trains a different network, policy or optimizer than rank ", c.rank(),
+                 " (identity hash ", hashes[r], " vs ", mine, "); rank ", c.rank(), " runs ",
+                 identity(), ". Start every rank from the same program");
+    c.broadcast(replica.model.parameters(), 0);
+  }
+
+  void train(Replica& replica, const Job& job) {
+    const auto ranks = static_cast<std::size_t>(replica.comm.size());
+    const auto share = batch_share(job.n, ranks, static_cast<std::size_t>(replica.comm.rank()));
+    if (!job.accumulate) replica.stats = {};
+    auto& model = replica.model;
+    std::size_t next_bucket = 0;
+    const auto post_ready = [&](std::size_t layer) {
+      while (next_bucket < Plan::count && Plan::buckets[next_bucket].ready_after == layer)
+        replica.post(static_cast<int>(next_bucket++));
+    };
+    if (share.count > 0) {
+      const float* logits = model.forward(job.images + share.first * sample_size, share.count);
+      const auto sums = SoftmaxCrossEntropy::evaluate<float>(
+          logits, job.labels + share.first, share.count, classes, job.group_samples,
+          model.output_gradient());
+      replica.stats[0] += sums.loss;
+      replica.stats[1] += static_cast<double>(sums.correct);
+      replica.timeline.backward_begin = StepTimeline::Clock::now();
+      if (job.last)
+        model.backward(job.accumulate, post_ready);
+      else
+        model.backward(job.accumulate);
+      replica.timeline.backward_end = StepTimeline::Clock::now();
+    } else if (!job.accumulate) {
+      std::fill(model.gradients().begin(), model.gradients().end(), 0.0f);
+    }
+    if (!job.last) return;
+    while (next_bucket < Plan::count) replica.post(static_cast<int>(next_bucket++));
+    replica.post(Replica::stats_item);
+    replica.drain();
+    // Every rank holds the same global sums, so all skip or all update.
+    if (!std::isfinite(replica.stats[0])) return;
+    if (replica.optimizer.options().lr != job.lr) replica.optimizer.set_lr(job.lr);
+    replica.optimizer.step(model.parameters(), model.gradients());
+  }
+
+  void evaluate(Replica& replica, const Job& job) {
+    const auto& data = *job.dataset;
+    const auto share = batch_share(data.count, static_cast<std::size_t>(replica.comm.size()),
+                                   static_cast<std::size_t>(replica.comm.rank()));
+    std::array<double, 2> sums{};
+    const std::size_t sample = data.sample_size();
+    for (std::size_t done = 0; done < share.count; done += job.n) {
+      const std::size_t first = share.first + done;
+      const std::size_t n = std::min(job.n, share.count - done);
+      const float* logits = replica.model.forward(data.images.data() + first * sample, n);
+      const auto s = SoftmaxCrossEntropy::evaluate<float>(logits, data.labels.data() + first, n,
+                                                          classes, n, nullptr);
+      sums[0] += s.loss;
+      sums[1] += static_cast<double>(s.correct);
+    }
+    replica.comm.all_reduce(std::span<double>(sums), comm::ReduceOp::sum);
+    replica.stats = sums;
+  }
+
+  static void communicate(Replica& replica) {
+    for (;;) {
+      int item = 0;
+      {
+        std::unique_lock lock(replica.mutex);
+        replica.changed.wait(lock, [&] { return !replica.queue.empty(); });
+        item = replica.queue.front();
+        replica.queue.pop_front();
+      }
+      if (item == Replica::stop) return;
+      // After a failure the rest of the step's items are only counted.
+      bool skip = false;
+      {
+        std::lock_guard lock(replica.mutex);
+        skip = replica.error != nullptr;
+      }
+      if (!skip) {
+        try {
+          if (item == Replica::stats_item) {
+            replica.comm.all_reduce(std::span<double>(replica.stats), comm::ReduceOp::sum);
+          } else {
+            const auto& bucket = Plan::buckets[static_cast<std::size_t>(item)];
+            auto& t = replica.timeline;
+            t.reduce_begin[static_cast<std::size_t>(item)] = StepTimeline::Clock::now();
+            replica.comm.all_reduce(replica.model.gradients().subspan(bucket.begin, bucket.size()),
+                                    comm::ReduceOp::sum);
+            t.reduce_end[static_cast<std::size_t>(item)] = StepTimeline::Clock::now();
+          }
+        } catch (const std::exception& error) {
+          replica.comm.abort(error.what());
+          std::lock_guard lock(replica.mutex);
+          replica.error = std::current_exception();
+        }
+      }
+      {
+        std::lock_guard lock(replica.mutex);
+        ++replica.done;
+      }
+      replica.changed.notify_all();
+    }
+  }
+
+  int threads_;
+  std::vector<std::unique_ptr<Replica>> replicas_;
+  std::mutex mutex_;
+  std::condition_variable wake_, finished_;
+  Job job_;
+  std::uint64_t job_id_ = 0;
+  std::size_t running_ = 0;
+  bool stop_ = false;
+  bool failed_ = false;
+  std::vector<std::exception_ptr> errors_;
+};
+
+}  // namespace detail
+}  // namespace loom

@@ -1,0 +1,136 @@
+// The multi-process path, run by CTest under `mpiexec -np 2`: MpiComm's
+// collectives, DataParallel across processes against single-device training,
+// and ranks that disagree on the network. Every rank runs every test case in
+// the same order (they are collective); CTest's timeout turns a hang into a
+// failure.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+#include <loom/loom.hpp>
+#include <vector>
+
+#include "fashion_test.hpp"
+#include "loom_test.hpp"
+
+using namespace loom;
+namespace test = loom::test;
+
+namespace {
+
+dist::Environment* environment = nullptr;
+
+using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
+                         MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
+using Logistic = Sequential<Input<1, 28, 28>, Flatten, Linear<10>>;
+const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+
+}  // namespace
+
+TEST_CASE("mpi: two ranks, one node") {
+  REQUIRE(environment->size() == 2);
+  REQUIRE(environment->local_size() == 2);
+  REQUIRE(environment->local_rank() == environment->rank());
+  const auto devices = environment->devices();
+  REQUIRE(devices.size() == 1);
+  REQUIRE(devices[0].kind == Device::Kind::cpu);
+}
+
+TEST_CASE("mpi: all_reduce, broadcast, send/recv and split between processes") {
+  auto world = environment->world();
+  const int r = world.rank();
+  std::vector<float> f{1.0f + r, 10.0f * (r + 1)};
+  world.all_reduce(std::span<float>(f), comm::ReduceOp::sum);
+  REQUIRE(f == std::vector<float>{3.0f, 30.0f});
+  std::vector<double> d{2.0 * r, 1.0};
+  world.all_reduce(std::span<double>(d), comm::ReduceOp::average);
+  REQUIRE(d == std::vector<double>{1.0, 1.0});
+  std::vector<std::uint64_t> u{std::uint64_t(r) << 40, 1};
+  world.all_reduce(std::span<std::uint64_t>(u), comm::ReduceOp::sum);
+  REQUIRE(u == std::vector<std::uint64_t>{std::uint64_t{1} << 40, 2});
+
+  std::vector<float> shared(5, 0.0f);
+  if (r == 1) shared = test::random_vector<float>(5, 3);
+  world.broadcast(std::span<float>(shared), 1);
+  test::require_equal(shared, test::random_vector<float>(5, 3), "broadcast from rank 1");
+
+  std::vector<float> got(3);
+  const std::vector<float> mine{float(r), float(r) + 0.25f, -1.0f};
+  if (r == 0) {
+    world.send(std::span<const float>(mine), 1);
+    world.recv(std::span<float>(got), 1);
+  } else {
+    world.recv(std::span<float>(got), 0);
+    world.send(std::span<const float>(mine), 0);
+  }
+  const float other = float(1 - r);
+  REQUIRE(got == std::vector<float>{other, other + 0.25f, -1.0f});
+  world.barrier();
+
+  auto alone = world.split(r, 0);  // one group per rank
+  REQUIRE(alone.size() == 1);
+  REQUIRE(alone.rank() == 0);
+  std::vector<float> x{5.0f};
+  alone.all_reduce(std::span<float>(x), comm::ReduceOp::sum);
+  REQUIRE(x[0] == 5.0f);
+}
+
+TEST_CASE("mpi: a message of the wrong length is a loom::Error naming the call and ranks") {
+  auto world = environment->world();
+  if (world.rank() == 0) {
+    const std::vector<float> four(4, 1.0f);
+    world.send(std::span<const float>(four), 1);
+  } else {
+    std::vector<float> five(5);
+    REQUIRE_THROWS_WITH(world.recv(std::span<float>(five), 0),
+                        Catch::Contains("MPI_Recv on rank 1 of 2: rank 0 sent 4 values but 5 "
+                                        "were expected"));
+  }
+  world.barrier();  // both ranks go on together
+}
+
+TEST_CASE("mpi: DataParallel over 2 processes reaches the single-device weights") {
+  const auto part = test::head(test::fashion().train, 490);  // 8 steps of 60, then 10
+  const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
+  Trainer<LeNet, DataParallel<>> distributed(environment->devices(), sgd, {.seed = 7},
+                                             comm::Comm(environment->world()));
+  distributed.fit(part, fit);
+  Trainer<LeNet> single(devices::cpu(1), sgd, {.seed = 7});
+  single.fit(part, fit);
+  test::require_close(distributed.model().parameters(), single.model().parameters(),
+                      {1e-6, 1e-4}, "weights after one epoch");
+  // The replicas are the same bits on both ranks.
+  std::vector<float> from_rank_0(distributed.model().parameters().begin(),
+                                 distributed.model().parameters().end());
+  auto world = environment->world();
+  world.broadcast(std::span<float>(from_rank_0), 0);
+  test::require_equal(distributed.model().parameters(), from_rank_0, "rank 0's replica");
+  const auto a = distributed.evaluate(test::fashion().test);
+  const auto b = single.evaluate(test::fashion().test);
+  REQUIRE(a.loss == Approx(b.loss).epsilon(1e-5));
+  REQUIRE(a.accuracy == Approx(b.accuracy).margin(2e-4));
+}
+
+TEST_CASE("mpi: ranks that train different networks stop with a clear error, not a hang") {
+  const auto make = [] {
+    if (environment->rank() == 0)
+      Trainer<LeNet, DataParallel<>> trainer(environment->devices(), sgd, {},
+                                             comm::Comm(environment->world()));
+    else
+      Trainer<Logistic, DataParallel<>> trainer(environment->devices(), sgd, {},
+                                                comm::Comm(environment->world()));
+  };
+  REQUIRE_THROWS_WITH(make(), Catch::Contains("trains a different network, policy or optimizer "
+                                              "than rank " +
+                                              std::to_string(environment->rank())) &&
+                                  Catch::Contains("Start every rank from the same program"));
+}
+
+int main(int argc, char** argv) {
+  try {
+    dist::Environment env(argc, argv);
+    environment = &env;
+    return Catch::Session().run(argc, argv);
+  } catch (const Error& error) {
+    std::fprintf(stderr, "%s\n", error.what());
+    return 1;
+  }
+}

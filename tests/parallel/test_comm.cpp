@@ -1,0 +1,178 @@
+// LocalComm: the collectives between worker threads of one process, their
+// fixed reduction order, and how misuse and a failing rank end as errors.
+#include <loom/loom.hpp>
+#include <atomic>
+#include <functional>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "loom_test.hpp"
+
+using namespace loom;
+namespace test = loom::test;
+
+namespace {
+
+// Runs body(comm) on one thread per rank; returns each rank's error text
+// ("" when it returned normally).
+std::vector<std::string> on_ranks(int n, const std::function<void(comm::LocalComm&)>& body) {
+  auto comms = comm::LocalComm::create(n);
+  std::vector<std::string> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        body(comms[static_cast<std::size_t>(r)]);
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+}  // namespace
+
+TEST_CASE("LocalComm: all_reduce sums in rank order, the same bits on every rank") {
+  for (int n : {1, 2, 3, 4}) {
+    constexpr std::size_t length = 1001;  // not a multiple of the rank count
+    std::vector<std::vector<float>> data(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r)
+      data[static_cast<std::size_t>(r)] = test::random_vector<float>(length, 10 + r, -1e3, 1e3);
+    std::vector<float> expected(length);
+    for (std::size_t j = 0; j < length; ++j) {
+      float total = data[0][j];
+      for (int r = 1; r < n; ++r) total += data[static_cast<std::size_t>(r)][j];
+      expected[j] = total;
+    }
+    auto results = data;
+    const auto errors = on_ranks(n, [&](comm::LocalComm& c) {
+      c.all_reduce(std::span<float>(results[static_cast<std::size_t>(c.rank())]),
+                   comm::ReduceOp::sum);
+    });
+    for (int r = 0; r < n; ++r) {
+      INFO(n << " ranks, rank " << r);
+      REQUIRE(errors[static_cast<std::size_t>(r)].empty());
+      test::require_equal(results[static_cast<std::size_t>(r)], expected, "reduced");
+    }
+  }
+}
+
+TEST_CASE("LocalComm: average, double and uint64 reductions, broadcast, barrier") {
+  std::vector<std::vector<double>> mean(3, std::vector<double>(5));
+  std::vector<std::vector<std::uint64_t>> counts(3, std::vector<std::uint64_t>(2));
+  std::vector<std::vector<float>> shared(3, std::vector<float>(7, 0.0f));
+  std::atomic<int> before_barrier{0};
+  std::vector<int> seen_at_barrier(3);
+  const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    for (std::size_t j = 0; j < 5; ++j) mean[r][j] = static_cast<double>(r * 10 + j);
+    c.all_reduce(std::span<double>(mean[r]), comm::ReduceOp::average);
+    counts[r] = {r + 1, 100 * (r + 1)};
+    c.all_reduce(std::span<std::uint64_t>(counts[r]), comm::ReduceOp::sum);
+    if (r == 2) shared[r] = test::random_vector<float>(7, 99);
+    c.broadcast(std::span<float>(shared[r]), 2);
+    before_barrier += 1;
+    c.barrier();
+    seen_at_barrier[r] = before_barrier.load();
+  });
+  for (std::size_t r = 0; r < 3; ++r) {
+    REQUIRE(errors[r].empty());
+    for (std::size_t j = 0; j < 5; ++j) REQUIRE(mean[r][j] == 10.0 + static_cast<double>(j));
+    REQUIRE(counts[r] == std::vector<std::uint64_t>{6, 600});
+    test::require_equal(shared[r], test::random_vector<float>(7, 99), "broadcast from rank 2");
+    REQUIRE(seen_at_barrier[r] == 3);
+  }
+}
+
+TEST_CASE("LocalComm: send/recv pairs and split into subgroups") {
+  std::vector<std::vector<float>> got(4, std::vector<float>(3, 0.0f));
+  std::vector<int> sub_rank(4), sub_size(4);
+  std::vector<std::vector<float>> sub_sum(4, std::vector<float>(1));
+  const auto errors = on_ranks(4, [&](comm::LocalComm& c) {
+    const int r = c.rank();
+    const std::vector<float> mine{float(r), float(r) + 0.5f, float(r) * 2};
+    // A ring: each rank sends to the next and receives from the previous.
+    if (r % 2 == 0) {
+      c.send(std::span<const float>(mine), (r + 1) % 4);
+      c.recv(std::span<float>(got[static_cast<std::size_t>(r)]), (r + 3) % 4);
+    } else {
+      c.recv(std::span<float>(got[static_cast<std::size_t>(r)]), (r + 3) % 4);
+      c.send(std::span<const float>(mine), (r + 1) % 4);
+    }
+    // Even and odd ranks; keys reverse the order inside each group.
+    auto sub = c.split(r % 2, -r);
+    sub_rank[static_cast<std::size_t>(r)] = sub.rank();
+    sub_size[static_cast<std::size_t>(r)] = sub.size();
+    sub_sum[static_cast<std::size_t>(r)][0] = float(r);
+    sub.all_reduce(std::span<float>(sub_sum[static_cast<std::size_t>(r)]), comm::ReduceOp::sum);
+  });
+  for (int r = 0; r < 4; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    REQUIRE(errors[i].empty());
+    const float from = float((r + 3) % 4);
+    REQUIRE(got[i] == std::vector<float>{from, from + 0.5f, from * 2});
+    REQUIRE(sub_size[i] == 2);
+    REQUIRE(sub_rank[i] == (r < 2 ? 1 : 0));  // key -r: the higher rank comes first
+    REQUIRE(sub_sum[i][0] == (r % 2 == 0 ? 2.0f : 4.0f));
+  }
+}
+
+TEST_CASE("LocalComm: mismatched buffers are an error on every rank, not a hang") {
+  const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
+    std::vector<float> data(c.rank() == 1 ? 9 : 8, 1.0f);
+    c.all_reduce(std::span<float>(data), comm::ReduceOp::sum);
+  });
+  for (int r = 0; r < 3; ++r) {
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    REQUIRE_THAT(e, Catch::Contains("LocalComm all_reduce on rank " + std::to_string(r) + " of 3"));
+    REQUIRE_THAT(e, Catch::Contains(r == 1 ? "rank 0 passed 8 float but this rank 9 float"
+                                           : "rank 1 passed 9 float but this rank 8 float"));
+    REQUIRE_THAT(e, Catch::Contains("every rank must pass a buffer of the same type and length"));
+  }
+  const auto sizes = on_ranks(2, [&](comm::LocalComm& c) {
+    std::vector<float> data(c.rank() == 0 ? 4 : 5);
+    if (c.rank() == 0)
+      c.send(std::span<const float>(data), 1);
+    else
+      c.recv(std::span<float>(data), 0);
+  });
+  REQUIRE_THAT(sizes[1], Catch::Contains("LocalComm recv on rank 1 of 2") &&
+                             Catch::Contains("rank 0 sent 16 bytes to rank 1, which expected 20"));
+  REQUIRE_THAT(sizes[0], Catch::Contains("LocalComm send on rank 0 of 2 stopped"));
+}
+
+TEST_CASE("LocalComm: a rank that fails aborts the group; the others' calls raise its reason") {
+  const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
+    if (c.rank() == 2) {
+      c.abort("the data file is corrupt");
+      throw std::runtime_error("rank 2 failed");
+    }
+    std::vector<float> data(4, 1.0f);
+    c.all_reduce(std::span<float>(data), comm::ReduceOp::sum);
+  });
+  REQUIRE(errors[2] == "rank 2 failed");
+  for (int r : {0, 1})
+    REQUIRE_THAT(errors[static_cast<std::size_t>(r)],
+                 Catch::Contains("LocalComm all_reduce on rank " + std::to_string(r) +
+                                 " of 3 stopped: rank 2 aborted the group: the data file is corrupt"));
+}
+
+TEST_CASE("Comm holds any Communicator; ops and ranks pass through") {
+  STATIC_REQUIRE(comm::Communicator<comm::LocalComm>);
+  auto locals = comm::LocalComm::create(2);
+  std::vector<comm::Comm> held{comm::Comm(locals[0]), comm::Comm(locals[1])};
+  std::vector<std::vector<float>> data{{1.0f, 2.0f}, {3.0f, 5.0f}};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      held[static_cast<std::size_t>(r)].all_reduce(std::span<float>(data[static_cast<std::size_t>(r)]),
+                                                   comm::ReduceOp::average);
+    });
+  for (auto& t : threads) t.join();
+  REQUIRE(data[0] == std::vector<float>{2.0f, 3.5f});
+  REQUIRE(data[1] == std::vector<float>{2.0f, 3.5f});
+  REQUIRE(held[1].rank() == 1);
+  REQUIRE(held[1].describe() == "LocalComm rank 1 of 2");
+}
