@@ -25,6 +25,11 @@
 #include "train/callbacks.hpp"
 #include "train/trainer.hpp"
 
+// Compiled by nvcc: NCCL's communicator too.
+#if defined(__CUDACC__)
+#include "comm/nccl_comm.hpp"
+#endif
+
 // With loom::mpi (Open MPI): dist::Environment and MpiComm.
 #if defined(LOOM_WITH_MPI)
 #include "comm/mpi.hpp"

@@ -1,11 +1,13 @@
 // The CUDA runtime pieces a training step stands on: the plan-sized device
-// arena, batch staging through pinned memory on a copy stream, and step
-// capture as a CUDA graph (replay must equal direct execution, bit for bit).
+// arena, batch staging through pinned memory on a copy stream, step capture
+// as a CUDA graph (replay must equal direct execution, bit for bit), and
+// NCCL's communicator (one rank here: NCCL refuses two ranks on one GPU).
 #include <loom/backend/cuda/arena.hpp>
 #include <loom/backend/cuda/graph.hpp>
 #include <loom/backend/cuda/sgd.cuh>
 #include <loom/backend/cuda/staging.hpp>
 #include <loom/backend/cuda/stream.hpp>
+#include <loom/comm/nccl_comm.hpp>
 #include <vector>
 
 #include "cuda_test.hpp"
@@ -80,6 +82,31 @@ TEST_CASE("cuda runtime: a step replayed from a CUDA graph equals the step run d
     return test::to_host(w);
   };
   test::require_equal(run(true), run(false), "weights after 4 steps");
+}
+
+TEST_CASE("cuda nccl: a one-rank NcclComm reduces, broadcasts, splits; a bad peer is an error") {
+  auto ranks = loom::comm::NcclComm::create_local({0});
+  REQUIRE(ranks.size() == 1);
+  auto& comm = ranks[0];
+  REQUIRE(comm.rank() == 0);
+  REQUIRE(comm.size() == 1);
+  const auto host = test::random_vector<float>(1000, 5);
+  auto data = test::to_device(host);
+  const std::span<float> device(data.data(), data.size());
+  comm.all_reduce(device, loom::comm::ReduceOp::sum);
+  test::require_equal(test::to_host(data), host, "sum over one rank");
+  comm.all_reduce(device, loom::comm::ReduceOp::average);
+  test::require_equal(test::to_host(data), host, "average over one rank");
+  comm.broadcast(device, 0);
+  comm.barrier();
+  test::require_equal(test::to_host(data), host, "broadcast from rank 0");
+  auto alone = comm.split(0, 0);
+  REQUIRE(alone.size() == 1);
+  REQUIRE_THROWS_WITH(comm.send(std::span<const float>(data.data(), 4), 1),
+                      Catch::Contains("ncclSend on NcclComm rank 0 of 1 on cuda:0: rank 1 does "
+                                      "not exist"));
+  REQUIRE_THROWS_WITH(loom::comm::NcclComm::create_local({0, 0}),
+                      Catch::Contains("ncclCommInitAll over 2 GPU(s) failed"));
 }
 
 LOOM_CUDA_TEST_MAIN

@@ -216,6 +216,14 @@ class Environment {
   int local_size() const { return local_size_; }
   comm::MpiComm world() const { return *world_; }
 
+  // Ends every rank of the job with `code` (MPI_Abort). For a program's
+  // error path: a rank that fails alone must not wait in MPI_Finalize for
+  // ranks that wait in a collective for it. loom itself never calls it.
+  [[noreturn]] void abort(int code) const {
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::abort();  // MPI_Abort does not return; this only satisfies [[noreturn]]
+  }
+
   // This rank's device: GPU local_rank (modulo the GPUs present) where there
   // are GPUs, else the CPU with the node's cores shared among its ranks.
   std::vector<Device> devices() const {

@@ -2,6 +2,7 @@
 // budget; a CUDA device is one GPU, used when the program is compiled by nvcc.
 #pragma once
 
+#include <concepts>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +27,17 @@ struct Device {
     return (kind == Kind::cpu ? "cpu:" : "cuda:") + std::to_string(index);
   }
 };
+
+// What a policy needs to know of a device: its kind, its index among its
+// kind, the threads it may use, and a name for messages.
+template <class D>
+concept DeviceDescription = requires(const D& d) {
+  { d.kind } -> std::convertible_to<Device::Kind>;
+  { d.index } -> std::convertible_to<int>;
+  { d.threads } -> std::convertible_to<int>;
+  { d.name() } -> std::convertible_to<std::string>;
+};
+static_assert(DeviceDescription<Device>);
 
 namespace devices {
 

@@ -46,10 +46,12 @@
 
 namespace loom {
 
-// 1 MiB: LeNet's gradients (1.7 MB) in two buckets, the 1.6 MB first
-// Linear's reduced while the convolutions back-propagate (measured in
-// benchmarks/RESULTS.md against 256 KiB and 4 MiB).
-inline constexpr std::size_t default_bucket_bytes = std::size_t{1} << 20;
+// 64 KiB, measured (benchmarks/data_parallel_bench, LeNet, batch 256, 2
+// workers; benchmarks/RESULTS.md): LeNet's gradients go in three buckets
+// (both Linears, conv2, conv1) and 96-97 % of the all-reduce time is hidden
+// under backward, against 84-91 % with 1 MiB (two buckets: conv2 waits for
+// the end) and 0 % with 4 MiB (one bucket), at the same step time.
+inline constexpr std::size_t default_bucket_bytes = std::size_t{64} << 10;
 
 template <std::size_t BucketBytes = default_bucket_bytes>
 struct DataParallel {
@@ -74,7 +76,8 @@ constexpr BatchShare batch_share(std::size_t n, std::size_t ranks, std::size_t r
   return {rank * base + std::min(rank, extra), base + (rank < extra ? 1 : 0)};
 }
 
-// When one step's backward ran and each bucket's all-reduce (rank 0).
+// When one replica's backward ran in a step, and each bucket's all-reduce
+// (from the call, so a wait for slower ranks counts in it).
 struct StepTimeline {
   using Clock = std::chrono::steady_clock;
   Clock::time_point backward_begin, backward_end;
@@ -143,7 +146,8 @@ class DataParallelEngine {
   Model<Net, float>& model() { return replicas_.front()->model; }
   const Model<Net, float>& model() const { return replicas_.front()->model; }
   Model<Net, float>& replica_model(std::size_t i) { return replicas_.at(i)->model; }
-  const StepTimeline& last_timeline() const { return replicas_.front()->timeline; }
+  // When the last step's backward and reductions ran on local replica i.
+  const StepTimeline& last_timeline(std::size_t i = 0) const { return replicas_.at(i)->timeline; }
 
   // Sizes each replica for its share of global batches of up to `batch`.
   void reserve(std::size_t batch) {
@@ -335,6 +339,9 @@ class DataParallelEngine {
     auto& model = replica.model;
     std::size_t next_bucket = 0;
     const auto post_ready = [&](std::size_t layer) {
+      // Stamped before the last buckets are posted: once posted, the
+      // communication thread may take this thread's core.
+      if (layer == 0) replica.timeline.backward_end = StepTimeline::Clock::now();
       while (next_bucket < Plan::count && Plan::buckets[next_bucket].ready_after == layer)
         replica.post(static_cast<int>(next_bucket++));
     };
@@ -346,11 +353,12 @@ class DataParallelEngine {
       replica.stats[0] += sums.loss;
       replica.stats[1] += static_cast<double>(sums.correct);
       replica.timeline.backward_begin = StepTimeline::Clock::now();
-      if (job.last)
+      if (job.last) {
         model.backward(job.accumulate, post_ready);
-      else
+      } else {
         model.backward(job.accumulate);
-      replica.timeline.backward_end = StepTimeline::Clock::now();
+        replica.timeline.backward_end = StepTimeline::Clock::now();
+      }
     } else if (!job.accumulate) {
       std::fill(model.gradients().begin(), model.gradients().end(), 0.0f);
     }

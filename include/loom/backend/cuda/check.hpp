@@ -25,9 +25,11 @@ inline int current_device() {
 inline bool succeeded(cudaError_t status) { return status == cudaSuccess; }
 inline bool succeeded(cublasStatus_t status) { return status == CUBLAS_STATUS_SUCCESS; }
 inline bool succeeded(cudnnStatus_t status) { return status == CUDNN_STATUS_SUCCESS; }
+inline bool succeeded(ncclResult_t status) { return status == ncclSuccess; }
 inline const char* describe(cudaError_t status) { return cudaGetErrorString(status); }
 inline const char* describe(cublasStatus_t status) { return cublasGetStatusString(status); }
 inline const char* describe(cudnnStatus_t status) { return cudnnGetErrorString(status); }
+inline const char* describe(ncclResult_t status) { return ncclGetErrorString(status); }
 
 // For calls that release a resource from a destructor or an unwinding error
 // path, where throwing would terminate the program or hide the first error:

@@ -1,0 +1,203 @@
+// NcclComm: one rank per GPU, through NCCL. Several GPUs of one process
+// (create_local: ncclCommInitAll; drive each rank from its own thread), or
+// one GPU per process (create: rank 0's ncclUniqueId broadcast over another
+// communicator, e.g. MpiComm, then ncclCommInitRank).
+//
+// Buffers are device memory on the rank's GPU. The Communicator calls
+// enqueue on the rank's stream and wait for it (the concept's blocking
+// meaning); the *_async forms only enqueue, for overlapping a bucket's
+// reduction with backward on another stream. Every NCCL status is checked;
+// a failure names the call, the rank and NCCL's last error text.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../backend/cuda/check.hpp"
+#include "../backend/cuda/memory.hpp"
+#include "../backend/cuda/stream.hpp"
+#include "../core/error.hpp"
+#include "communicator.hpp"
+
+namespace loom::comm {
+
+namespace detail {
+
+template <class T>
+ncclDataType_t nccl_type() {
+  if constexpr (std::is_same_v<T, float>)
+    return ncclFloat32;
+  else if constexpr (std::is_same_v<T, double>)
+    return ncclFloat64;
+  else if constexpr (std::is_same_v<T, std::uint64_t>)
+    return ncclUint64;
+  else
+    return ncclInt32;
+}
+
+}  // namespace detail
+
+class NcclComm {
+ public:
+  // One rank per device in `devices` (CUDA ordinals), all in this process.
+  static std::vector<NcclComm> create_local(const std::vector<int>& devices) {
+    LOOM_CHECK(!devices.empty(), "NcclComm::create_local: no devices given");
+    std::vector<ncclComm_t> raw(devices.size());
+    const ncclResult_t status =
+        ncclCommInitAll(raw.data(), static_cast<int>(devices.size()), devices.data());
+    LOOM_CHECK(status == ncclSuccess, "ncclCommInitAll over ", devices.size(),
+               " GPU(s) failed: ", ncclGetErrorString(status),
+               " (NCCL refuses two ranks on one GPU: \"Duplicate GPU detected\")");
+    std::vector<NcclComm> ranks;
+    for (std::size_t i = 0; i < devices.size(); ++i) ranks.push_back(NcclComm(raw[i], devices[i]));
+    return ranks;
+  }
+
+  // This process's rank on `device`, one of bootstrap.size() ranks: rank 0
+  // makes the NCCL id and bootstrap broadcasts it.
+  static NcclComm create(Comm& bootstrap, int device) {
+    ncclUniqueId id{};
+    static_assert(sizeof(id) % sizeof(std::uint64_t) == 0);
+    std::vector<std::uint64_t> words(sizeof(id) / sizeof(std::uint64_t), 0);
+    if (bootstrap.rank() == 0) {
+      LOOM_NCCL_CHECK(ncclGetUniqueId(&id));
+      std::memcpy(words.data(), &id, sizeof(id));
+    }
+    bootstrap.broadcast(std::span<std::uint64_t>(words), 0);
+    std::memcpy(&id, words.data(), sizeof(id));
+    LOOM_CUDA_CHECK(cudaSetDevice(device));
+    ncclComm_t raw = nullptr;
+    const ncclResult_t status = ncclCommInitRank(&raw, bootstrap.size(), id, bootstrap.rank());
+    LOOM_CHECK(status == ncclSuccess, "ncclCommInitRank for rank ", bootstrap.rank(), " of ",
+               bootstrap.size(), " on cuda:", device, " failed: ", ncclGetErrorString(status));
+    return NcclComm(raw, device);
+  }
+
+  int rank() const { return state_->rank; }
+  int size() const { return state_->size; }
+  int device() const { return state_->device; }
+  cudaStream_t stream() const { return state_->stream.get(); }
+  ncclComm_t get() const { return state_->comm; }
+  std::string describe() const {
+    return "NcclComm rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+           " on cuda:" + std::to_string(device());
+  }
+
+  template <Element T>
+  void all_reduce_async(T* data, std::size_t count, ReduceOp op, cudaStream_t stream) {
+    check(ncclAllReduce(data, data, count, detail::nccl_type<T>(),
+                        op == ReduceOp::sum ? ncclSum : ncclAvg, get(), stream),
+          "ncclAllReduce");
+  }
+  template <Element T>
+  void all_reduce(std::span<T> data, ReduceOp op) {
+    on_device();
+    all_reduce_async(data.data(), data.size(), op, stream());
+    wait("ncclAllReduce");
+  }
+
+  template <Element T>
+  void broadcast(std::span<T> data, int root) {
+    check_peer(root, "ncclBroadcast");
+    on_device();
+    check(ncclBroadcast(data.data(), data.data(), data.size(), detail::nccl_type<T>(), root, get(),
+                        stream()),
+          "ncclBroadcast");
+    wait("ncclBroadcast");
+  }
+
+  template <Element T>
+  void send(std::span<const T> data, int peer) {
+    check_peer(peer, "ncclSend");
+    on_device();
+    check(ncclSend(data.data(), data.size(), detail::nccl_type<T>(), peer, get(), stream()),
+          "ncclSend");
+    wait("ncclSend");
+  }
+  template <Element T>
+  void recv(std::span<T> data, int peer) {
+    check_peer(peer, "ncclRecv");
+    on_device();
+    check(ncclRecv(data.data(), data.size(), detail::nccl_type<T>(), peer, get(), stream()),
+          "ncclRecv");
+    wait("ncclRecv");
+  }
+
+  // An all-reduce of one value in device memory: returns when every rank came.
+  void barrier() {
+    on_device();
+    all_reduce_async(state_->token.data(), 1, ReduceOp::sum, stream());
+    wait("barrier (ncclAllReduce of one value)");
+  }
+
+  NcclComm split(int color, int key) {
+    on_device();
+    ncclComm_t made = nullptr;
+    check(ncclCommSplit(get(), color, key, &made, nullptr), "ncclCommSplit");
+    LOOM_CHECK(made != nullptr, describe(), ": ncclCommSplit gave no communicator for color ",
+               color);
+    return NcclComm(made, device());
+  }
+
+  // Ends the communicator's pending operations (on every rank that shares it).
+  void abort(const std::string&) {
+    if (!state_->aborted) {
+      state_->aborted = true;
+      LOOM_CUDA_RELEASE(ncclCommAbort(state_->comm));
+    }
+  }
+
+ private:
+  struct State {
+    ncclComm_t comm = nullptr;
+    int rank = 0, size = 0, device = 0;
+    bool aborted = false;
+    gpu::Stream stream;
+    gpu::DeviceBuffer<std::int32_t> token;
+    State(ncclComm_t c, int d) : comm(c), device(d), token(1, "NcclComm barrier token") {}
+    ~State() {
+      if (!aborted) LOOM_CUDA_RELEASE(ncclCommDestroy(comm));
+    }
+  };
+
+  NcclComm(ncclComm_t comm, int device) {
+    LOOM_CUDA_CHECK(cudaSetDevice(device));
+    state_ = std::make_shared<State>(comm, device);
+    LOOM_NCCL_CHECK(ncclCommUserRank(comm, &state_->rank));
+    LOOM_NCCL_CHECK(ncclCommCount(comm, &state_->size));
+    LOOM_CUDA_CHECK(cudaMemset(state_->token.data(), 0, sizeof(std::int32_t)));
+  }
+
+  void on_device() const { LOOM_CUDA_CHECK(cudaSetDevice(device())); }
+
+  void check(ncclResult_t status, const char* call) const {
+    if (status != ncclSuccess)
+      LOOM_FAIL(call, " failed on ", describe(), ": ", ncclGetErrorString(status), " (",
+                ncclGetLastError(get()), ")");
+  }
+  void wait(const char* call) const {
+    const cudaError_t status = cudaStreamSynchronize(stream());
+    if (status != cudaSuccess) LOOM_FAIL(call, " failed on ", describe(), ": ", cudaGetErrorString(status));
+    ncclResult_t async = ncclSuccess;
+    check(ncclCommGetAsyncError(get(), &async), "ncclCommGetAsyncError");
+    check(async, call);
+  }
+  void check_peer(int peer, const char* call) const {
+    LOOM_CHECK(peer >= 0 && peer < size(), call, " on ", describe(), ": rank ", peer,
+               " does not exist");
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+static_assert(Communicator<NcclComm>);
+
+}  // namespace loom::comm
