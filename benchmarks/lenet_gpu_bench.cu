@@ -5,6 +5,12 @@
 // in the format of benchmarks/pytorch/lenet.py, so scripts/gpu-check sets
 // them side by side. Each step starts with a device-to-device copy of its
 // batch into the model's input slot (~3 MB at batch 1024), counted in the time.
+//
+// Then DataParallel on the GPUs: one epoch through the Trainer (batches
+// staged from host memory) with DataParallel<> on GPU 0 (one NCCL rank: the
+// policy's cost; more GPUs take one process each, under mpirun) against
+// SingleDevice, as "lenet_fit_epoch" lines ("library":"loom" is DataParallel,
+// "loom-single-device" its peer).
 #include <iostream>
 #include <loom/backend/cuda/model.cuh>
 
@@ -50,6 +56,30 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
           {"precision", "fp32"}};
 }
 
+template <class Policy>
+nlohmann::json fit_epoch(const loom::data::Dataset& train, std::size_t batch, const char* library) {
+  const std::vector<loom::Device> gpu{loom::devices::gpus().front()};
+  loom::Trainer<loom::bench::LeNet, Policy> trainer(gpu, {.lr = 0.01f, .momentum = 0.9f});
+  // A first epoch captures the graphs; the second is timed.
+  trainer.fit(train, {.epochs = 1, .batch_size = batch});
+  double seconds = 0.0;
+  struct Time {
+    double* seconds;
+    void on_epoch_end(const loom::EpochInfo& e) { *seconds = e.seconds; }
+  };
+  trainer.fit(train, {.epochs = 1, .batch_size = batch, .seed = 1}, Time{&seconds});
+  return {{"benchmark", "lenet_fit_epoch"},
+          {"library", library},
+          {"policy", Policy::name},
+          {"backend", "cuda"},
+          {"batch", batch},
+          {"epoch_s", seconds},
+          {"images_per_s", static_cast<double>(train.count) / seconds},
+          {"data", "fashion-mnist"},
+          {"device", loom::bench::gpu_name()},
+          {"precision", "fp32"}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -64,6 +94,11 @@ int main(int argc, char** argv) {
     const auto train = loom::data::fashion_mnist(options.data_dir).train;
     for (const std::size_t batch : options.batches)
       std::cout << measure(train, batch, options).dump() << std::endl;
+    for (const std::size_t batch : options.batches) {
+      std::cout << fit_epoch<loom::DataParallel<>>(train, batch, "loom").dump() << std::endl;
+      std::cout << fit_epoch<loom::SingleDevice>(train, batch, "loom-single-device").dump()
+                << std::endl;
+    }
   } catch (const loom::Error& error) {
     std::cerr << error.what() << '\n';
     return 1;

@@ -128,7 +128,8 @@ int main(int argc, char** argv) {
     const Device first = devices::all().front();
     if (first.kind == Device::Kind::cuda) {
       LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
-                 ": DataParallel runs on CPU worker devices so far, not yet on GPUs");
+                 ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,
+                 " lenet_fashion_mnist");
       train<SingleDevice>(o, data, {first}, {}, out);
     } else if (o.devices == 1) {
       train<SingleDevice>(o, data, {first}, {}, out);

@@ -221,4 +221,47 @@ TEST_CASE("cuda trainer: a label outside the classes is a loom::Error naming the
                           Catch::Contains("label 11 of a sample is outside the network's 10 classes"));
 }
 
+TEST_CASE("cuda DataParallel: an NCCL rank on one GPU follows single-device training") {
+  const std::vector<Device> gpus{devices::gpus().front()};
+  const auto part = head(fashion().train, 1000);  // 15 batches of 64, then 40
+  const FitOptions fit{.epochs = 2, .batch_size = 64, .seed = 9};
+  const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+  Trainer<LeNet> single({gpus.front()}, sgd, {.seed = 4});
+  single.fit(part, fit);
+  Trainer<LeNet, DataParallel<>> parallel(gpus, sgd, {.seed = 4});
+  std::vector<StepInfo> steps;
+  struct Record {
+    std::vector<StepInfo>* steps;
+    void on_step(const StepInfo& s) { steps->push_back(s); }
+  };
+  parallel.fit(part, fit, Record{&steps});
+  REQUIRE(steps.size() == 32);
+  REQUIRE(steps.back().samples == 1000);
+  // The same arithmetic: a one-rank all-reduce leaves the gradients as they are.
+  test::require_close(parallel.model().parameters(), single.model().parameters(), {1e-7, 1e-6},
+                      "weights after 2 epochs");
+  const auto a = parallel.evaluate(fashion().test, 500);
+  const auto b = single.evaluate(fashion().test);
+  REQUIRE(a.samples == 10000);
+  REQUIRE(a.loss == Approx(b.loss).epsilon(1e-4));
+  REQUIRE(std::abs(a.accuracy - b.accuracy) <= 0.002);
+}
+
+TEST_CASE("cuda DataParallel: a NaN loss halts every rank at the same step") {
+  auto part = head(fashion().train, 256);
+  part.images[5 * 32 * 784 + 3] = std::numeric_limits<float>::quiet_NaN();  // step 6
+  Trainer<Logistic, DataParallel<>> trainer({devices::gpus().front()}, {.lr = 0.01f}, {.seed = 1});
+  REQUIRE_THROWS_WITH(trainer.fit(part, {.epochs = 1, .batch_size = 32, .shuffle = false}),
+                      Catch::Contains("the training loss became nan") &&
+                          Catch::Contains("at epoch 1, step 6"));
+}
+
+TEST_CASE("cuda DataParallel: several GPUs in one process are refused with what to do instead") {
+  const std::vector<Device> two{devices::gpus().front(), devices::gpus().front()};
+  Trainer<Logistic, DataParallel<>> trainer(two, {.lr = 0.01f});
+  REQUIRE_THROWS_WITH(trainer.fit(head(fashion().train, 64), {.epochs = 1}),
+                      Catch::Contains("DataParallel over 2 GPUs of one process is not supported "
+                                      "yet; start one process per GPU (mpirun -np 2)"));
+}
+
 LOOM_CUDA_TEST_MAIN

@@ -224,11 +224,16 @@ class Environment {
     std::abort();  // MPI_Abort does not return; this only satisfies [[noreturn]]
   }
 
-  // This rank's device: GPU local_rank (modulo the GPUs present) where there
-  // are GPUs, else the CPU with the node's cores shared among its ranks.
+  // This rank's device: GPU local_rank where there are GPUs (NCCL takes one
+  // per rank), else the CPU with the node's cores shared among its ranks.
   std::vector<Device> devices() const {
     const auto gpus = devices::gpus();
-    if (!gpus.empty()) return {gpus[static_cast<std::size_t>(local_rank_) % gpus.size()]};
+    if (!gpus.empty()) {
+      LOOM_CHECK(static_cast<std::size_t>(local_size_) <= gpus.size(), local_size_,
+                 " ranks run on this node but it has ", gpus.size(),
+                 " GPU(s); NCCL takes one GPU per rank: start at most that many here");
+      return {gpus[static_cast<std::size_t>(local_rank_)]};
+    }
     const int threads = std::max(1, devices::hardware_threads() / local_size_);
     return {Device{Device::Kind::cpu, local_rank_, threads}};
   }

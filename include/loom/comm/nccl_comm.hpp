@@ -93,6 +93,7 @@ class NcclComm {
 
   template <Element T>
   void all_reduce_async(T* data, std::size_t count, ReduceOp op, cudaStream_t stream) {
+    LOOM_CHECK(!state_->aborted, describe(), ": the communicator was aborted");
     check(ncclAllReduce(data, data, count, detail::nccl_type<T>(),
                         op == ReduceOp::sum ? ncclSum : ncclAvg, get(), stream),
           "ncclAllReduce");
@@ -147,11 +148,14 @@ class NcclComm {
     return NcclComm(made, device());
   }
 
-  // Ends the communicator's pending operations (on every rank that shares it).
+  // Ends this rank's pending NCCL operations and frees the communicator;
+  // every later call raises. (The other ranks are not told: under mpirun the
+  // failing process's exit ends them.)
   void abort(const std::string&) {
     if (!state_->aborted) {
       state_->aborted = true;
       LOOM_CUDA_RELEASE(ncclCommAbort(state_->comm));
+      state_->comm = nullptr;
     }
   }
 
@@ -176,12 +180,15 @@ class NcclComm {
     LOOM_CUDA_CHECK(cudaMemset(state_->token.data(), 0, sizeof(std::int32_t)));
   }
 
-  void on_device() const { LOOM_CUDA_CHECK(cudaSetDevice(device())); }
+  void on_device() const {
+    LOOM_CHECK(!state_->aborted, describe(), ": the communicator was aborted");
+    LOOM_CUDA_CHECK(cudaSetDevice(device()));
+  }
 
   void check(ncclResult_t status, const char* call) const {
     if (status != ncclSuccess)
       LOOM_FAIL(call, " failed on ", describe(), ": ", ncclGetErrorString(status), " (",
-                ncclGetLastError(get()), ")");
+                get() != nullptr ? ncclGetLastError(get()) : "aborted", ")");
   }
   void wait(const char* call) const {
     const cudaError_t status = cudaStreamSynchronize(stream());

@@ -98,6 +98,26 @@ inline std::uint64_t fnv1a(std::string_view text, std::uint64_t hash = 146959810
   return hash;
 }
 
+// Every rank of `c` checks that all run the same network, policy and
+// optimizer types (a hash of their names), before any other collective:
+// ranks built from different programs get this error, not a hang.
+template <class Net, class Policy, class Optimizer>
+void check_same_program(comm::Comm& c) {
+  const std::string identity = std::string(type_name<Net>()) + " | " +
+                               std::string(type_name<Policy>()) + " | " +
+                               std::string(type_name<Optimizer>());
+  const auto ranks = static_cast<std::size_t>(c.size());
+  std::vector<std::uint64_t> hashes(ranks, 0);
+  const std::uint64_t mine = fnv1a(identity, Net::parameter_count);
+  hashes[static_cast<std::size_t>(c.rank())] = mine;
+  c.all_reduce(std::span<std::uint64_t>(hashes), comm::ReduceOp::sum);
+  for (std::size_t r = 0; r < ranks; ++r)
+    LOOM_CHECK(hashes[r] == mine, "rank ", r, " of ", ranks,
+               " trains a different network, policy or optimizer than rank ", c.rank(),
+               " (identity hash ", hashes[r], " vs ", mine, "); rank ", c.rank(), " runs ",
+               identity, ". Start every rank from the same program");
+}
+
 template <class Net, class Policy, class Optimizer>
 class DataParallelEngine {
  public:
@@ -312,24 +332,9 @@ class DataParallelEngine {
     errors_.push_back(std::move(error));
   }
 
-  static std::string identity() {
-    return std::string(type_name<Net>()) + " | " + std::string(type_name<Policy>()) + " | " +
-           std::string(type_name<Optimizer>());
-  }
-
   void start(Replica& replica) {
-    auto& c = replica.comm;
-    const auto ranks = static_cast<std::size_t>(c.size());
-    std::vector<std::uint64_t> hashes(ranks, 0);
-    const std::uint64_t mine = fnv1a(identity(), Net::parameter_count);
-    hashes[static_cast<std::size_t>(c.rank())] = mine;
-    c.all_reduce(std::span<std::uint64_t>(hashes), comm::ReduceOp::sum);
-    for (std::size_t r = 0; r < ranks; ++r)
-      LOOM_CHECK(hashes[r] == mine, "rank ", r, " of ", ranks,
-                 " trains a different network, policy or optimizer than rank ", c.rank(),
-                 " (identity hash ", hashes[r], " vs ", mine, "); rank ", c.rank(), " runs ",
-                 identity(), ". Start every rank from the same program");
-    c.broadcast(replica.model.parameters(), 0);
+    check_same_program<Net, Policy, Optimizer>(replica.comm);
+    replica.comm.broadcast(replica.model.parameters(), 0);
   }
 
   void train(Replica& replica, const Job& job) {

@@ -121,17 +121,18 @@ class Trainer {
 #if defined(__CUDACC__)
       LOOM_CHECK(device.kind == Device::Kind::cpu || (std::is_same_v<Optimizer, SGD>), "device ",
                  device.name(), ": the CUDA backend trains with SGD only so far");
-      LOOM_CHECK(device.kind == Device::Kind::cpu || !is_data_parallel<Policy>, "device ",
-                 device.name(), ": ", Policy::name,
-                 " runs on CPU worker devices and MPI processes so far, not yet on GPUs");
 #else
       LOOM_CHECK(device.kind == Device::Kind::cpu, "device ", device.name(),
                  " needs the CUDA backend: compile with nvcc to use GPUs");
 #endif
     }
-    if constexpr (is_data_parallel<Policy>)
-      engine_ = std::make_unique<Engine>(devices_, std::move(processes), trainer_options.seed,
-                                         options);
+    if constexpr (is_data_parallel<Policy>) {
+      if (devices_.front().kind == Device::Kind::cpu)
+        engine_ = std::make_unique<Engine>(devices_, std::move(processes), trainer_options.seed,
+                                           options);
+      else
+        processes_ = std::move(processes);
+    }
   }
 
   template <class... Callbacks>
@@ -204,21 +205,23 @@ class Trainer {
       correct = sums.correct;
     }
 #endif
-    if constexpr (is_data_parallel<Policy>) {
-      const auto sums = engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
-      loss_sum = sums.loss;
-      correct = sums.correct;
-    } else if (!on_gpu()) {
-      if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
-      cpu::set_threads(devices_.front().threads);
-      const std::size_t sample = dataset.sample_size();
-      for (std::size_t first = 0; first < dataset.count; first += batch_size) {
-        const std::size_t n = std::min(batch_size, dataset.count - first);
-        const float* logits = model_.forward(dataset.images.data() + first * sample, n);
-        const auto sums =
-            Loss::evaluate<float>(logits, dataset.labels.data() + first, n, classes, n, nullptr);
-        loss_sum += sums.loss;
-        correct += sums.correct;
+    if (!on_gpu()) {
+      if constexpr (is_data_parallel<Policy>) {
+        const auto sums = engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
+        loss_sum = sums.loss;
+        correct = sums.correct;
+      } else {
+        if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
+        cpu::set_threads(devices_.front().threads);
+        const std::size_t sample = dataset.sample_size();
+        for (std::size_t first = 0; first < dataset.count; first += batch_size) {
+          const std::size_t n = std::min(batch_size, dataset.count - first);
+          const float* logits = model_.forward(dataset.images.data() + first * sample, n);
+          const auto sums = Loss::evaluate<float>(logits, dataset.labels.data() + first, n,
+                                                  classes, n, nullptr);
+          loss_sum += sums.loss;
+          correct += sums.correct;
+        }
       }
     }
     EvalResult result;
@@ -234,11 +237,12 @@ class Trainer {
   // the last fit(). (The GPU keeps its own momentum; optimizer().velocity()
   // is the CPU's.)
   Model<Net, float>& model() {
-    if constexpr (is_data_parallel<Policy>) return engine_->model();
+    if constexpr (is_data_parallel<Policy>)
+      if (!on_gpu()) return engine_->model();
 #if defined(__CUDACC__)
-    if (gpu_) {
-      cuda_device();
-      gpu_->copy_parameters_to(model_);
+    if (!gpus_.empty()) {
+      gpus_.front().use();
+      gpus_.front().model->copy_parameters_to(model_);
       host_changed_ = true;
     }
 #endif
@@ -246,15 +250,16 @@ class Trainer {
   }
   const Model<Net, float>& model() const {
     if constexpr (is_data_parallel<Policy>)
-      return engine_->model();
-    else
-      return model_;
+      if (!on_gpu()) return engine_->model();
+    return model_;
   }
 
-  // DataParallel's engine (the replicas and their communicators).
+  // DataParallel's engine on CPU devices (the replicas and their communicators).
   auto& data_parallel()
     requires is_data_parallel<Policy>
   {
+    LOOM_CHECK(engine_ != nullptr, "Trainer::data_parallel(): the engine is the CPU devices'; on "
+               "GPUs the replicas are DeviceModels");
     return *engine_;
   }
   const std::vector<Device>& devices() const { return devices_; }
@@ -264,43 +269,118 @@ class Trainer {
   bool on_gpu() const { return devices_.front().kind == Device::Kind::cuda; }
 
 #if defined(__CUDACC__)
-  void cuda_device() const { LOOM_CUDA_CHECK(cudaSetDevice(devices_.front().index)); }
+  // One DeviceModel (and its stager) per GPU: the SingleDevice's, or
+  // DataParallel's replicas, each an NcclComm rank.
+  struct GpuReplica {
+    Device device;
+    std::unique_ptr<loom::gpu::DeviceModel<Net>> model;
+    std::unique_ptr<loom::gpu::BatchStager> stager;
+    int rank = 0;
+    void use() const { LOOM_CUDA_CHECK(cudaSetDevice(device.index)); }
+  };
 
-  // The device model and its stager, planned for batches up to `batch`
-  // (made again, weights and momentum carried over, when a larger one comes).
-  loom::gpu::DeviceModel<Net>& device_model(std::size_t batch) {
-    cuda_device();
-    if (!gpu_ || gpu_->max_batch() < batch) {
-      auto made = std::make_unique<loom::gpu::DeviceModel<Net>>(
-          model_, batch, optimizer_.options(),
-          loom::gpu::DeviceModelOptions{.graphs = options_.cuda_graphs,
-                                         .allow_tf32 = options_.allow_tf32});
-      if (gpu_) made->copy_state_from(*gpu_);
-      stager_.reset();
-      gpu_ = std::move(made);
-      stager_ = std::make_unique<loom::gpu::BatchStager>(gpu_->max_batch(), Net::input_shape::size,
-                                                          gpu_->input_slots());
+  int gpu_world() const { return nccl_.empty() ? 1 : nccl_.front().size(); }
+
+  // DataParallel: this process's NCCL rank, made once (after checking that
+  // every process runs the same program).
+  void ensure_nccl() {
+    if constexpr (is_data_parallel<Policy>) {
+      if (nccl_.empty()) {
+        // One thread drives this process's replicas, and NCCL's calls for
+        // several GPUs from one thread must be grouped, which a captured
+        // step's cannot be: one GPU per process.
+        LOOM_CHECK(devices_.size() == 1, Policy::name, " over ", devices_.size(),
+                   " GPUs of one process is not supported yet; start one process per GPU "
+                   "(mpirun -np ", devices_.size(), ") and give each its own, "
+                   "dist::Environment::devices()");
+        if (processes_) {
+          LOOM_CHECK(devices_.size() == 1, Policy::name, " over ", processes_.size(),
+                     " processes takes one GPU per process, but this one was given ",
+                     devices_.size());
+          detail::check_same_program<Net, Policy, Optimizer>(processes_);
+          nccl_.push_back(comm::NcclComm::create(processes_, devices_.front().index));
+        } else {
+          std::vector<int> ordinals;
+          for (const auto& d : devices_) ordinals.push_back(d.index);
+          nccl_ = comm::NcclComm::create_local(ordinals);
+        }
+      }
     }
-    if (host_changed_) {
-      gpu_->copy_parameters_from(model_);
-      host_changed_ = false;
-    }
-    return *gpu_;
   }
 
-  // Stages the host batch into the model's next input slot and enqueues a
-  // step on it; returns the slot.
+  // The replicas, planned for global batches up to `batch` (made again,
+  // weights and momentum carried over, when a larger one comes).
+  std::vector<GpuReplica>& gpu_replicas(std::size_t batch) {
+    ensure_nccl();
+    const std::size_t share =
+        batch_share(batch, static_cast<std::size_t>(gpu_world()), 0).count;
+    if (gpus_.empty() || gpus_.front().model->max_batch() < share) {
+      std::vector<GpuReplica> made;
+      for (std::size_t r = 0; r < devices_.size(); ++r) {
+        GpuReplica replica{devices_[r], nullptr, nullptr, nccl_.empty() ? 0 : nccl_[r].rank()};
+        replica.use();
+        replica.model = std::make_unique<loom::gpu::DeviceModel<Net>>(
+            model_, std::max<std::size_t>(share, 1), optimizer_.options(),
+            loom::gpu::DeviceModelOptions{
+                .graphs = options_.cuda_graphs,
+                .allow_tf32 = options_.allow_tf32,
+                .data_parallel = nccl_.empty() ? nullptr : &nccl_[r],
+                .bucket_bytes = bucket_bytes()});
+        if (!gpus_.empty()) replica.model->copy_state_from(*gpus_[r].model);
+        replica.stager = std::make_unique<loom::gpu::BatchStager>(
+            replica.model->max_batch(), Net::input_shape::size, replica.model->input_slots());
+        made.push_back(std::move(replica));
+      }
+      gpus_ = std::move(made);
+    }
+    if (host_changed_) {
+      for (auto& replica : gpus_) {
+        replica.use();
+        replica.model->copy_parameters_from(model_);
+      }
+      host_changed_ = false;
+    }
+    return gpus_;
+  }
+
+  // Stages each replica's share of the host batch into its model's next
+  // input slot and enqueues a step on it; returns the slot (the same on all).
   int enqueue_gpu_step(const float* images, const std::int32_t* labels, std::size_t n,
                        bool train) {
-    auto& model = *gpu_;
-    const auto staged = stager_->stage(images, labels, n);
-    stager_->ready(staged, model.stream());
-    if (train)
-      model.train_step(staged.slot, n);
-    else
-      model.evaluate_step(staged.slot, n);
-    stager_->consumed(staged, model.stream());
-    return staged.slot;
+    int slot = 0;
+    const std::size_t sample = Net::input_shape::size;
+    for (auto& replica : gpus_) {
+      replica.use();
+      const auto share = batch_share(n, static_cast<std::size_t>(gpu_world()),
+                                     static_cast<std::size_t>(replica.rank));
+      auto& model = *replica.model;
+      const auto staged = replica.stager->stage(images + share.first * sample,
+                                                labels + share.first, share.count);
+      replica.stager->ready(staged, model.stream());
+      if (train)
+        model.train_step(staged.slot, share.count, n);
+      else
+        model.evaluate_step(staged.slot, share.count, n);
+      replica.stager->consumed(staged, model.stream());
+      slot = staged.slot;
+    }
+    return slot;
+  }
+
+  // Every replica's totals after its last step on `slot`; the sums are
+  // global (all ranks hold the same), a bad label's details are its rank's.
+  loom::gpu::LossTotals wait_gpu_totals(int slot) {
+    loom::gpu::LossTotals first{};
+    for (std::size_t r = 0; r < gpus_.size(); ++r) {
+      gpus_[r].use();
+      const auto totals = gpus_[r].model->wait_totals(slot);
+      if (r == 0) first = totals;
+      if (totals.halted == loom::gpu::halt_bad_label && totals.bad_row != ~0ull) {
+        first.bad_label = totals.bad_label;
+        first.bad_row = totals.bad_row;
+      }
+    }
+    return first;
   }
 
   // The loss of a step is read on the host one step late: step k's totals are
@@ -308,15 +388,18 @@ class Trainer {
   template <class... Callbacks>
   void fit_gpu(data::Loader& loader, const FitOptions& options, const FitInfo& info,
                Callbacks&... callbacks) {
-    auto& model = device_model(options.batch_size);
+    auto& replicas = gpu_replicas(options.batch_size);
     (call_fit_begin(callbacks, info), ...);
     for (int epoch = 1; epoch <= options.epochs; ++epoch) {
       loader.start_epoch(static_cast<std::size_t>(epoch - 1));
       const auto start = std::chrono::steady_clock::now();
       StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
-      model.reset_totals();
+      for (auto& replica : replicas) {
+        replica.use();
+        replica.model->reset_totals();
+      }
       const auto report = [&](int slot) {
-        const auto totals = model.wait_totals(slot);
+        const auto totals = wait_gpu_totals(slot);
         check_totals(totals, epoch, step.step + 1);
         step.step += 1;
         step.samples = totals.samples;
@@ -328,50 +411,90 @@ class Trainer {
       int pending = -1;
       data::Batch batch{};
       while (loader.next(batch)) {
-        model.set_lr(optimizer_.options().lr);
+        for (auto& replica : replicas) {
+          replica.use();
+          replica.model->set_lr(optimizer_.options().lr);
+        }
         const int slot = enqueue_gpu_step(batch.images, batch.labels, batch.size, true);
         if (pending >= 0) report(pending);
         pending = slot;
       }
       if (pending >= 0) report(pending);
       // Before the callbacks: Evaluate and a user's on_epoch_end see this epoch's weights.
-      gpu_->copy_parameters_to(model_);
+      replicas.front().use();
+      replicas.front().model->copy_parameters_to(model_);
       [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
                                             step.accuracy, step.samples,   seconds_since(start)};
       (call_epoch_end(callbacks, done), ...);
     }
   }
 
+  static constexpr std::size_t bucket_bytes() {
+    if constexpr (is_data_parallel<Policy>)
+      return Policy::bucket_bytes;
+    else
+      return default_bucket_bytes;
+  }
+
+  // With DataParallel this is collective: every rank must call it.
   cpu::LossSums evaluate_gpu(const data::Dataset& dataset, std::size_t batch_size) {
-    // An existing model is kept (a fit may be running: this can be a
-    // callback's call), larger requests evaluated in pieces of its size.
-    auto& model = device_model(gpu_ ? gpu_->max_batch() : (batch_size == 0 ? 256 : batch_size));
-    const std::size_t piece =
-        batch_size == 0 ? model.max_batch() : std::min(batch_size, model.max_batch());
+    // Existing replicas are kept (a fit may be running: this can be a
+    // callback's call); larger requests are evaluated in pieces of their size.
+    ensure_nccl();
+    const auto world = static_cast<std::size_t>(gpu_world());
+    auto& replicas =
+        gpu_replicas(gpus_.empty() ? (batch_size == 0 ? 256 : batch_size) * world
+                                   : gpus_.front().model->max_batch() * world);
+    const std::size_t most = replicas.front().model->max_batch();
+    const std::size_t piece = batch_size == 0 ? most : std::min(batch_size, most);
     const std::size_t sample = dataset.sample_size();
-    model.reset_totals();
-    int last = 0;
-    for (std::size_t first = 0; first < dataset.count; first += piece) {
-      const std::size_t n = std::min(piece, dataset.count - first);
-      last = enqueue_gpu_step(dataset.images.data() + first * sample,
-                              dataset.labels.data() + first, n, false);
+    for (auto& replica : replicas) {
+      replica.use();
+      replica.model->reset_totals();
     }
-    const auto totals = model.wait_totals(last);
+    // Every rank takes the same number of steps (they are collective); a
+    // rank whose share has run out takes empty ones.
+    const std::size_t steps = (batch_share(dataset.count, world, 0).count + piece - 1) / piece;
+    int last = 0;
+    const auto step_of = [&](std::size_t rank, std::size_t j) {
+      const auto share = batch_share(dataset.count, world, rank);
+      const std::size_t done = std::min(share.count, j * piece);
+      return std::pair{share.first + done, std::min(piece, share.count - done)};
+    };
+    for (std::size_t j = 0; j < steps; ++j) {
+      std::size_t global = 0;  // over every rank, this process's or not
+      for (std::size_t r = 0; r < world; ++r) global += step_of(r, j).second;
+      for (auto& replica : replicas) {
+        replica.use();
+        const auto [first, n] = step_of(static_cast<std::size_t>(replica.rank), j);
+        const auto staged = replica.stager->stage(dataset.images.data() + first * sample,
+                                                  dataset.labels.data() + first, n);
+        replica.stager->ready(staged, replica.model->stream());
+        replica.model->evaluate_step(staged.slot, n, global);
+        replica.stager->consumed(staged, replica.model->stream());
+        last = staged.slot;
+      }
+    }
+    const auto totals = wait_gpu_totals(last);
     if (totals.halted == loom::gpu::halt_bad_label)
       LOOM_FAIL("evaluate: dataset '", dataset.name, "': label ", totals.bad_label,
                 " of a sample is outside the network's ", classes, " classes");
     return {totals.loss, static_cast<std::size_t>(totals.correct)};
   }
 
-  static void check_totals(const loom::gpu::LossTotals& totals, int epoch, std::size_t step) {
+  void check_totals(const loom::gpu::LossTotals& totals, int epoch, std::size_t step) const {
     if (totals.halted == loom::gpu::halt_nonfinite_loss)
       LOOM_FAIL("the training loss became ", loss_text(totals.halt_loss), " at epoch ", epoch,
                 ", step ", step,
                 "; the weights are kept from the step before. Lower the learning rate or check "
                 "the input data");
+    if (totals.halted == loom::gpu::halt_bad_label && totals.bad_row == ~0ull)
+      LOOM_FAIL("a label in step ", step, " of epoch ", epoch, " is outside the network's ",
+                classes, " classes (in another rank's share of the batch)");
     if (totals.halted == loom::gpu::halt_bad_label)
-      LOOM_FAIL("label ", totals.bad_label, " of sample ", totals.bad_row, " in step ", step,
-                " of epoch ", epoch, " is outside the network's ", classes, " classes");
+      LOOM_FAIL("label ", totals.bad_label, " of sample ", totals.bad_row,
+                gpu_world() > 1 ? " of this rank's share" : "", " in step ", step, " of epoch ",
+                epoch, " is outside the network's ", classes, " classes");
   }
 #endif
 
@@ -454,9 +577,10 @@ class Trainer {
   typename Optimizer::template State<float> optimizer_;
   cpu::LossSums pending_;  // the optimizer step's batches so far
   std::unique_ptr<Engine> engine_;
+  comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
 #if defined(__CUDACC__)
-  std::unique_ptr<loom::gpu::DeviceModel<Net>> gpu_;
-  std::unique_ptr<loom::gpu::BatchStager> stager_;
+  std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica
+  std::vector<GpuReplica> gpus_;      // after nccl_: destroyed first
   bool host_changed_ = false;  // model() handed out the weights since the device last had them
 #endif
 };

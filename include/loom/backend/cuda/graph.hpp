@@ -15,6 +15,7 @@
 
 namespace loom::gpu {
 
+template <class Key = std::size_t>
 class StepGraphs {
  public:
   explicit StepGraphs(bool capture = true) : capture_(capture) {}
@@ -28,7 +29,7 @@ class StepGraphs {
   // replayed after. step must only enqueue work on `stream` (no host
   // synchronisation, no allocation), as capture requires.
   template <class Step>
-  void run(std::size_t key, cudaStream_t stream, Step&& step) {
+  void run(const Key& key, cudaStream_t stream, Step&& step) {
     if (!capture_) {
       step(stream);
       return;
@@ -60,7 +61,7 @@ class StepGraphs {
 
  private:
   bool capture_;
-  std::map<std::size_t, cudaGraphExec_t> graphs_;
+  std::map<Key, cudaGraphExec_t> graphs_;
 };
 
 }  // namespace loom::gpu

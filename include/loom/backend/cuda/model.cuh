@@ -36,6 +36,7 @@
 #include <tuple>
 #include <utility>
 
+#include "../../comm/nccl_comm.hpp"
 #include "../../core/meta.hpp"
 #include "../../net/model.hpp"
 #include "../../optim/sgd.hpp"
@@ -44,6 +45,7 @@
 #include "epilogue.cuh"
 #include "gemm.hpp"
 #include "graph.hpp"
+#include "../../parallel/buckets.hpp"
 #include "pool.cuh"
 #include "sgd.cuh"
 #include "softmax_xent.cuh"
@@ -66,6 +68,14 @@ struct DeviceModelOptions {
   // TF32 tensor-core math for GEMMs and convolutions: faster, inputs rounded
   // to a 10-bit mantissa. Off, results match the CPU backend to FP32 rounding.
   bool allow_tf32 = false;
+  // Data parallelism: this model is one rank of `data_parallel` (which must
+  // outlive it). Each step then sums the ranks' loss statistics before it
+  // decides to update, and all-reduces the gradients in buckets of about
+  // `bucket_bytes` (slices of the flat gradient buffer in reverse layer
+  // order) on a communication stream, each as soon as backward has produced
+  // it; the update waits for the last.
+  comm::NcclComm* data_parallel = nullptr;
+  std::size_t bucket_bytes = std::size_t{64} << 10;
 };
 
 namespace detail {
@@ -329,6 +339,7 @@ class DeviceModel {
     velocity_ = arena_->take<float>(layout::total);
     lr_ = arena_->take<float>(1);
     totals_ = arena_->take<LossTotals>(1);
+    stats_ = arena_->take<double>(3);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (!L::in_place) outputs_[i] = arena_->take<float>(max_batch * L::output_shape::size);
@@ -345,6 +356,13 @@ class DeviceModel {
     copy_parameters(initial.parameters().data(), cudaMemcpyHostToDevice);
     set_lr(sgd.lr);
     reset_totals();
+    if (auto* comm = options.data_parallel) {
+      buckets_ = plan_buckets(options.bucket_bytes);
+      bucket_ready_.resize(buckets_.size());
+      // Every rank starts from rank 0's weights.
+      LOOM_CUDA_CHECK(cudaStreamSynchronize(stream()));
+      comm->broadcast(std::span<float>(params_, layout::total), 0);
+    }
   }
 
   DeviceModel(const DeviceModel&) = delete;
@@ -362,9 +380,15 @@ class DeviceModel {
 
   // Enqueue one SGD step on the n samples in input slot `slot`, and a copy
   // of the totals after it for wait_totals(slot). Nothing waits for the host.
-  void train_step(int slot, std::size_t n) { step(true, slot, n); }
+  // With data parallelism n is this rank's share (0 allowed) of a global
+  // batch of global_n samples, whose mean loss the step minimises.
+  void train_step(int slot, std::size_t n, std::size_t global_n = 0) {
+    step(true, slot, n, global(n, global_n));
+  }
   // Enqueue the loss of the n samples in `slot`, no update.
-  void evaluate_step(int slot, std::size_t n) { step(false, slot, n); }
+  void evaluate_step(int slot, std::size_t n, std::size_t global_n = 0) {
+    step(false, slot, n, global(n, global_n));
+  }
 
   // Waits for the last step enqueued on `slot` and returns the totals as
   // they were after it.
@@ -399,6 +423,7 @@ class DeviceModel {
   }
   // The same without waiting: train_step(0, n) on data copied into slot 0.
   void enqueue_train_step(const float* images, const std::int32_t* labels, std::size_t n) {
+    refuse_when_parallel("enqueue_train_step");
     fill_slot(0, images, labels, n);
     train_step(0, n);
   }
@@ -474,7 +499,8 @@ class DeviceModel {
 
   std::size_t plan_bytes() const {
     std::size_t bytes = 3 * DeviceArena::padded_bytes<float>(layout::total);
-    bytes += DeviceArena::padded_bytes<float>(1) + DeviceArena::padded_bytes<LossTotals>(1);
+    bytes += DeviceArena::padded_bytes<float>(1) + DeviceArena::padded_bytes<LossTotals>(1) +
+             DeviceArena::padded_bytes<double>(3);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (!L::in_place)
@@ -512,33 +538,108 @@ class DeviceModel {
     // A host-to-device copy from pageable memory has read its source on return.
   }
 
+  // With data parallelism a step needs the global batch size: each rank
+  // scales its gradient by it, and the ranks' gradients are summed.
+  std::size_t global(std::size_t n, std::size_t global_n) const {
+    LOOM_CHECK(global_n > 0 || options_.data_parallel == nullptr,
+               "DeviceModel: one rank of data parallelism takes a step with its share and the "
+               "global batch size: train_step(slot, n, global_n)");
+    return global_n == 0 ? n : global_n;
+  }
+  void refuse_when_parallel(const char* call) const {
+    LOOM_CHECK(options_.data_parallel == nullptr, "DeviceModel::", call,
+               " is for one device; a rank of data parallelism steps with train_step(slot, n, "
+               "global_n) on every rank");
+  }
+
   void check_slot(int slot) const {
     LOOM_CHECK(slot == 0 || slot == 1, "DeviceModel: input slot ", slot, " does not exist (0 or 1)");
   }
 
-  void step(bool train, int slot, std::size_t n) {
+  void step(bool train, int slot, std::size_t n, std::size_t global_n) {
     check_slot(slot);
-    LOOM_CHECK(n >= 1 && n <= max_batch_, "DeviceModel: a batch of ", n,
-               " samples; this model was planned for 1 to ", max_batch_);
-    Plan& p = plan(n);
-    const std::size_t key = (n << 2) | (std::size_t{train} << 1) | static_cast<std::size_t>(slot);
-    graphs_.run(key, stream(), [&](cudaStream_t) { enqueue_step(p, train, slot, n); });
+    const bool parallel = options_.data_parallel != nullptr;
+    LOOM_CHECK((n >= 1 || parallel) && n <= max_batch_ && n <= global_n, "DeviceModel: a batch of ",
+               n, " samples (of ", global_n, "); this model was planned for ",
+               parallel ? "0" : "1", " to ", max_batch_);
+    Plan* p = n > 0 ? &plan(n) : nullptr;
+    graphs_.run(std::tuple{train, n, global_n, slot}, stream(),
+                [&](cudaStream_t) { enqueue_step(p, train, slot, n, global_n); });
     done_[slot].record(stream());
   }
 
-  void enqueue_step(Plan& p, bool train, int slot, std::size_t n) {
+  void enqueue_step(Plan* p, bool train, int slot, std::size_t n, std::size_t global_n) {
     const std::int32_t* labels = inputs_[slot].labels;
-    forward(p, inputs_[slot].images, n);
-    softmax_xent_async(output<layer_count - 1>(), labels, n, classes, n,
-                       train ? grad_buffers_[0] : nullptr, loss_, stream());
-    accumulate_loss(loss_, labels, n, train, totals_, stream());
+    if (n > 0) {
+      forward(*p, inputs_[slot].images, n);
+      softmax_xent_async(output<layer_count - 1>(), labels, n, classes, global_n,
+                         train ? grad_buffers_[0] : nullptr, loss_, stream());
+    }
+    if (auto* comm = options_.data_parallel) {
+      kernels::local_loss_stats<<<1, 1, 0, stream()>>>(loss_.loss_sum(), loss_.correct(),
+                                                       loss_.bad_row(), n > 0, stats_);
+      LOOM_CUDA_LAUNCH_CHECK("local_loss_stats");
+      comm->all_reduce_async(stats_, 3, comm::ReduceOp::sum, stream());
+      kernels::accumulate_global_loss<<<1, 1, 0, stream()>>>(stats_, loss_.bad_row(), labels, n > 0,
+                                                             global_n, train, totals_);
+      LOOM_CUDA_LAUNCH_CHECK("accumulate_global_loss");
+    } else {
+      accumulate_loss(loss_, labels, n, train, totals_, stream());
+    }
     if (train) {
-      backward(p, n);
+      std::size_t next = 0;  // the next bucket to reduce
+      const auto reduce_ready = [&](std::size_t layer) {
+        for (; next < buckets_.size() && buckets_[next].ready_after == layer; ++next)
+          reduce_bucket(next);
+      };
+      if (n > 0) {
+        backward(*p, n, reduce_ready);
+      } else {
+        // No samples here: a zero gradient, so the sum is the others'.
+        LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout::total * sizeof(float), stream()));
+      }
+      if (options_.data_parallel != nullptr && !buckets_.empty()) {
+        while (next < buckets_.size()) reduce_bucket(next++);
+        // Joins the communication stream back (a capture must end on one stream).
+        reduced_.record(comm_stream_.get());
+        reduced_.wait_on(stream());
+      }
       sgd_update(params_, grads_, velocity_, layout::total, sgd_.lr, sgd_.momentum,
                  sgd_.weight_decay, sgd_.nesterov, stream(), lr_, &totals_->halted);
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(snapshots_.data() + slot, totals_, sizeof(LossTotals),
                                     cudaMemcpyDeviceToHost, stream()));
+  }
+
+  // Bucket b's gradients are final on the compute stream: the communication
+  // stream waits for that point only, then sums them over the ranks.
+  void reduce_bucket(std::size_t b) {
+    const auto& bucket = buckets_[b];
+    bucket_ready_[b].record(stream());
+    bucket_ready_[b].wait_on(comm_stream_.get());
+    options_.data_parallel->all_reduce_async(grads_ + bucket.begin, bucket.size(),
+                                             comm::ReduceOp::sum, comm_stream_.get());
+  }
+
+  // Gradient buckets over the padded device layout: executed layers with
+  // parameters, in reverse order, closed once they hold bucket_bytes.
+  static std::vector<GradientBucket> plan_buckets(std::size_t bucket_bytes) {
+    std::vector<GradientBucket> out;
+    const std::size_t target = std::max<std::size_t>(bucket_bytes / sizeof(float), 1);
+    std::size_t open_end = 0, open_size = 0, lowest = 0;
+    for (std::size_t i = layer_count; i-- > 0;) {
+      const std::size_t size = layout::round_up(layout::weights[i]) + layout::round_up(layout::biases[i]);
+      if (layout::weights[i] + layout::biases[i] == 0) continue;
+      if (open_size == 0) open_end = layout::offsets.weight[i] + size;
+      open_size += size;
+      lowest = i;
+      if (open_size >= target) {
+        out.push_back({layout::offsets.weight[i], open_end, i});
+        open_size = 0;
+      }
+    }
+    if (open_size > 0) out.push_back({layout::offsets.weight[lowest], open_end, lowest});
+    return out;
   }
 
   template <std::size_t I>
@@ -582,7 +683,8 @@ class DeviceModel {
     static_for<layer_count>([&](auto i) { std::get<i>(p.runners).forward(call<i>()); });
   }
 
-  void backward(Plan& p, std::size_t) {
+  template <class OnLayerDone>
+  void backward(Plan& p, std::size_t, OnLayerDone&& done) {
     int current = 0;
     static_for_reverse<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
@@ -591,6 +693,7 @@ class DeviceModel {
       if constexpr (detail::needs_input_gradient<executed, i>()) c.dx = grad_buffers_[1 - current];
       std::get<i>(p.runners).backward(c);
       if (!L::in_place) current = 1 - current;
+      done(std::size_t{i});
     });
   }
 
@@ -605,9 +708,10 @@ class DeviceModel {
 
   cpu::LossSums blocking_step(bool train, const float* images, const std::int32_t* labels,
                               std::size_t n) {
+    refuse_when_parallel(train ? "train_step(images, labels, n)" : "evaluate");
     reset_totals();
     fill_slot(0, images, labels, n);
-    step(train, 0, n);
+    step(train, 0, n, n);
     const LossTotals totals = wait_totals(0);
     if (totals.halted == halt_bad_label)
       LOOM_FAIL("label ", totals.bad_label, " of sample ", totals.bad_row,
@@ -622,13 +726,19 @@ class DeviceModel {
   std::size_t max_batch_;
   SGD::Options sgd_;
   DeviceModelOptions options_;
-  StepGraphs graphs_;
+  // (train, samples here, global batch, input slot)
+  StepGraphs<std::tuple<bool, std::size_t, std::size_t, int>> graphs_;
   std::map<std::size_t, std::unique_ptr<Plan>> plans_;
   std::size_t scratch_bytes_ = 0;
   std::unique_ptr<DeviceArena> arena_;
   SoftmaxXentWorkspace loss_;
   PinnedBuffer<LossTotals> snapshots_;  // one per input slot
   std::array<Event, 2> done_;
+  Stream comm_stream_;
+  std::vector<GradientBucket> buckets_;
+  std::vector<Event> bucket_ready_;
+  Event reduced_;
+  double* stats_ = nullptr;  // loss, correct, bad-label flag: summed over the ranks
   float* params_ = nullptr;
   float* grads_ = nullptr;
   float* velocity_ = nullptr;

@@ -117,6 +117,44 @@ inline __global__ void accumulate_loss(const double* loss, const int* hits,
   totals->steps += 1;
 }
 
+// Data parallelism: this rank's loss sum, correct count and "a label was
+// bad" (0 or 1) as doubles, to be summed over the ranks. A rank with no
+// samples this step contributes zeros.
+inline __global__ void local_loss_stats(const double* loss, const int* hits,
+                                        const unsigned long long* bad_row, bool has_samples,
+                                        double* stats) {
+  stats[0] = has_samples ? *loss : 0.0;
+  stats[1] = has_samples ? static_cast<double>(*hits) : 0.0;
+  stats[2] = has_samples && *bad_row != ~0ull ? 1.0 : 0.0;
+}
+
+// Folds the ranks' summed stats into the totals: every rank sees the same
+// sums, so all halt or none does. The bad row and label are this rank's
+// when it had one (else bad_row stays all ones: another rank had it).
+inline __global__ void accumulate_global_loss(const double* stats,
+                                              const unsigned long long* bad_row,
+                                              const std::int32_t* labels, bool has_samples,
+                                              std::size_t global_batch, bool stop_on_nonfinite,
+                                              LossTotals* totals) {
+  if (totals->halted != halt_none) return;
+  if (stats[2] > 0.0) {
+    totals->halted = halt_bad_label;
+    const bool mine = has_samples && *bad_row != ~0ull;
+    totals->bad_row = mine ? *bad_row : ~0ull;
+    totals->bad_label = mine ? labels[*bad_row] : 0;
+    return;
+  }
+  if (stop_on_nonfinite && !isfinite(stats[0])) {
+    totals->halted = halt_nonfinite_loss;
+    totals->halt_loss = stats[0];
+    return;
+  }
+  totals->loss += stats[0];
+  totals->correct += static_cast<unsigned long long>(stats[1]);
+  totals->samples += global_batch;
+  totals->steps += 1;
+}
+
 }  // namespace kernels
 
 // Buffers for up to `max_batch` rows, allocated once, so a step allocates nothing.
