@@ -127,7 +127,39 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
                      {"data", "random"},
                      {"device", loom::bench::gpu_name()}});
   }
-  // The model's memory is back before the peak's operands take theirs.
+  {
+    // The same step as one NCCL rank of DataParallel (gradient buckets
+    // all-reduced on a communication stream): the policy's cost on a GPU,
+    // paired with the plain step above as "loom-single-device".
+    int device = 0;
+    LOOM_CUDA_CHECK(cudaGetDevice(&device));
+    auto ranks = loom::comm::NcclComm::create_local({device});
+    loom::Model<Mlp, float> initial(0);
+    loom::gpu::DeviceModel<Mlp> model(initial, batch, {.lr = 1e-3f, .momentum = 0.9f},
+                                      {.allow_tf32 = tf32, .data_parallel = &ranks.front()});
+    for (const auto& slot : model.input_slots()) {
+      LOOM_CUDA_CHECK(cudaMemcpy(slot.images, images.data(), batch * width * sizeof(float),
+                                 cudaMemcpyDeviceToDevice));
+      LOOM_CUDA_CHECK(cudaMemcpy(slot.labels, labels.data(), batch * sizeof(std::int32_t),
+                                 cudaMemcpyDeviceToDevice));
+    }
+    const auto times =
+        loom::bench::time_gpu_steps(model.stream(), options.warmup, options.steps, [&](int s) {
+          model.train_step(s % 2, batch, batch);
+        });
+    loom::bench::require_trained(model, "mlp_gpu_bench (DataParallel)");
+    const std::string dp = name + "_data_parallel";
+    for (const auto& [library, ms] : {std::pair{"loom", times.median_ms},
+                                      std::pair{"loom-single-device", loom_ms}})
+      lines.push_back({{"benchmark", dp},
+                       {"library", library},
+                       {"batch", batch},
+                       {"median_step_ms", ms},
+                       {"images_per_s", 1000.0 * static_cast<double>(batch) / ms},
+                       {"precision", precision},
+                       {"ranks", 1}});
+  }
+  // The models' memory is back before the peak's operands take theirs.
   loom::gpu::DeviceBuffer<float> a(batch * width, "GEMM peak A");
   loom::gpu::DeviceBuffer<float> b(width * std::max(batch, width), "GEMM peak B");
   loom::gpu::DeviceBuffer<float> c(width * std::max(batch, width), "GEMM peak C");

@@ -256,6 +256,30 @@ TEST_CASE("cuda DataParallel: a NaN loss halts every rank at the same step") {
                           Catch::Contains("at epoch 1, step 6"));
 }
 
+TEST_CASE("cuda trainer: gradient accumulation on a GPU equals one step on the whole batch") {
+  const auto part = head(fashion().train, 290);  // 4 steps of 60, then 50 (20 + 20 + 10)
+  const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+  const std::vector<Device> gpu{devices::gpus().front()};
+  Trainer<LeNet> whole(gpu, sgd, {.seed = 6});
+  whole.fit(part, {.epochs = 1, .batch_size = 60, .seed = 6});
+  Trainer<LeNet> accumulated(gpu, sgd, {.seed = 6});
+  std::vector<StepInfo> steps;
+  struct Record {
+    std::vector<StepInfo>* steps;
+    void on_step(const StepInfo& s) { steps->push_back(s); }
+  };
+  accumulated.fit(part, {.epochs = 1, .batch_size = 20, .seed = 6, .accumulation_steps = 3},
+                  Record{&steps});
+  REQUIRE(steps.size() == 5);
+  REQUIRE(steps.back().samples == 290);
+  test::require_close(accumulated.model().parameters(), whole.model().parameters(), {1e-6, 1e-4},
+                      "3 x 20 against 60");
+  Trainer<LeNet, DataParallel<>> parallel(gpu, sgd, {.seed = 6});
+  parallel.fit(part, {.epochs = 1, .batch_size = 20, .seed = 6, .accumulation_steps = 3});
+  test::require_close(parallel.model().parameters(), whole.model().parameters(), {1e-6, 1e-4},
+                      "DataParallel, 3 x 20 against 60");
+}
+
 TEST_CASE("cuda DataParallel: several GPUs in one process are refused with what to do instead") {
   const std::vector<Device> two{devices::gpus().front(), devices::gpus().front()};
   Trainer<Logistic, DataParallel<>> trainer(two, {.lr = 0.01f});

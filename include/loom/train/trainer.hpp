@@ -149,7 +149,6 @@ class Trainer {
                        options.batch_size};
 #if defined(__CUDACC__)
     if (on_gpu()) {
-      LOOM_CHECK(k == 1, "fit: accumulation_steps > 1 is not supported on GPUs yet");
       fit_gpu(loader, options, info, callbacks...);
       return;
     }
@@ -310,11 +309,14 @@ class Trainer {
 
   // The replicas, planned for global batches up to `batch` (made again,
   // weights and momentum carried over, when a larger one comes).
-  std::vector<GpuReplica>& gpu_replicas(std::size_t batch) {
+  std::vector<GpuReplica>& gpu_replicas(std::size_t batch, bool accumulation = false) {
     ensure_nccl();
     const std::size_t share =
         batch_share(batch, static_cast<std::size_t>(gpu_world()), 0).count;
-    if (gpus_.empty() || gpus_.front().model->max_batch() < share) {
+    if (gpus_.empty() || gpus_.front().model->max_batch() < share ||
+        (accumulation && !gpus_.front().model->options().gradient_accumulation)) {
+      const bool keep_accumulation =
+          accumulation || (!gpus_.empty() && gpus_.front().model->options().gradient_accumulation);
       std::vector<GpuReplica> made;
       for (std::size_t r = 0; r < devices_.size(); ++r) {
         GpuReplica replica{devices_[r], nullptr, nullptr, nccl_.empty() ? 0 : nccl_[r].rank()};
@@ -325,7 +327,8 @@ class Trainer {
                 .graphs = options_.cuda_graphs,
                 .allow_tf32 = options_.allow_tf32,
                 .data_parallel = nccl_.empty() ? nullptr : &nccl_[r],
-                .bucket_bytes = bucket_bytes()});
+                .bucket_bytes = bucket_bytes(),
+                .gradient_accumulation = keep_accumulation});
         if (!gpus_.empty()) replica.model->copy_state_from(*gpus_[r].model);
         replica.stager = std::make_unique<loom::gpu::BatchStager>(
             replica.model->max_batch(), Net::input_shape::size, replica.model->input_slots());
@@ -345,8 +348,11 @@ class Trainer {
 
   // Stages each replica's share of the host batch into its model's next
   // input slot and enqueues a step on it; returns the slot (the same on all).
+  // A training batch belongs to an optimizer step over group_n samples (see
+  // FitOptions::accumulation_steps).
   int enqueue_gpu_step(const float* images, const std::int32_t* labels, std::size_t n,
-                       bool train) {
+                       bool train, std::size_t group_n = 0, bool accumulate = false,
+                       bool last = true) {
     int slot = 0;
     const std::size_t sample = Net::input_shape::size;
     for (auto& replica : gpus_) {
@@ -358,7 +364,8 @@ class Trainer {
                                                 labels + share.first, share.count);
       replica.stager->ready(staged, model.stream());
       if (train)
-        model.train_step(staged.slot, share.count, n);
+        model.train_micro_step(staged.slot, share.count, n, group_n == 0 ? n : group_n,
+                               accumulate, last);
       else
         model.evaluate_step(staged.slot, share.count, n);
       replica.stager->consumed(staged, model.stream());
@@ -388,7 +395,8 @@ class Trainer {
   template <class... Callbacks>
   void fit_gpu(data::Loader& loader, const FitOptions& options, const FitInfo& info,
                Callbacks&... callbacks) {
-    auto& replicas = gpu_replicas(options.batch_size);
+    const std::size_t k = options.accumulation_steps;
+    auto& replicas = gpu_replicas(options.batch_size, k > 1);
     (call_fit_begin(callbacks, info), ...);
     for (int epoch = 1; epoch <= options.epochs; ++epoch) {
       loader.start_epoch(static_cast<std::size_t>(epoch - 1));
@@ -408,16 +416,25 @@ class Trainer {
         step.seconds = seconds_since(start);
         (call_step(callbacks, step), ...);
       };
+      // The optimizer step whose totals are still to be read, by its slot:
+      // read once the next batch is enqueued (on the other slot), before a
+      // later one could reuse this slot.
       int pending = -1;
+      std::size_t micro = 0, group = 0, seen = 0;
       data::Batch batch{};
       while (loader.next(batch)) {
+        if (micro == 0) group = std::min(k * options.batch_size, info.samples_per_epoch - seen);
+        const bool last = micro + 1 == k || seen + batch.size == info.samples_per_epoch;
         for (auto& replica : replicas) {
           replica.use();
           replica.model->set_lr(optimizer_.options().lr);
         }
-        const int slot = enqueue_gpu_step(batch.images, batch.labels, batch.size, true);
-        if (pending >= 0) report(pending);
-        pending = slot;
+        const int slot = enqueue_gpu_step(batch.images, batch.labels, batch.size, true, group,
+                                          micro > 0, last);
+        seen += batch.size;
+        micro = last ? 0 : micro + 1;
+        if (pending >= 0) report(std::exchange(pending, -1));
+        if (last) pending = slot;
       }
       if (pending >= 0) report(pending);
       // Before the callbacks: Evaluate and a user's on_epoch_end see this epoch's weights.

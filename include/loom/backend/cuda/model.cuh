@@ -76,6 +76,9 @@ struct DeviceModelOptions {
   // it; the update waits for the last.
   comm::NcclComm* data_parallel = nullptr;
   std::size_t bucket_bytes = std::size_t{64} << 10;
+  // Room for gradient accumulation (train_micro_step): one more buffer the
+  // size of the parameters.
+  bool gradient_accumulation = false;
 };
 
 namespace detail {
@@ -340,6 +343,7 @@ class DeviceModel {
     lr_ = arena_->take<float>(1);
     totals_ = arena_->take<LossTotals>(1);
     stats_ = arena_->take<double>(3);
+    if (options.gradient_accumulation) accum_ = arena_->take<float>(layout::total);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (!L::in_place) outputs_[i] = arena_->take<float>(max_batch * L::output_shape::size);
@@ -383,11 +387,26 @@ class DeviceModel {
   // With data parallelism n is this rank's share (0 allowed) of a global
   // batch of global_n samples, whose mean loss the step minimises.
   void train_step(int slot, std::size_t n, std::size_t global_n = 0) {
-    step(true, slot, n, global(n, global_n));
+    const std::size_t all = global(n, global_n);
+    step({.train = true, .n = n, .global = all, .group = all, .slot = slot});
+  }
+  // Gradient accumulation: one batch of an optimizer step over group_n
+  // samples (the loss is their mean). accumulate: add to the gradients of
+  // the step's earlier batches; last: (reduce and) update. Needs
+  // DeviceModelOptions::gradient_accumulation.
+  void train_micro_step(int slot, std::size_t n, std::size_t global_n, std::size_t group_n,
+                        bool accumulate, bool last) {
+    LOOM_CHECK(accum_ != nullptr || (!accumulate && last),
+               "DeviceModel: gradient accumulation needs DeviceModelOptions::gradient_accumulation");
+    LOOM_CHECK(group_n >= global_n, "DeviceModel: a batch of ", global_n,
+               " samples in an optimizer step over ", group_n);
+    step({.train = true, .n = n, .global = global(n, global_n), .group = group_n,
+          .accumulate = accumulate, .last = last, .slot = slot});
   }
   // Enqueue the loss of the n samples in `slot`, no update.
   void evaluate_step(int slot, std::size_t n, std::size_t global_n = 0) {
-    step(false, slot, n, global(n, global_n));
+    const std::size_t all = global(n, global_n);
+    step({.train = false, .n = n, .global = all, .group = all, .slot = slot});
   }
 
   // Waits for the last step enqueued on `slot` and returns the totals as
@@ -501,6 +520,7 @@ class DeviceModel {
     std::size_t bytes = 3 * DeviceArena::padded_bytes<float>(layout::total);
     bytes += DeviceArena::padded_bytes<float>(1) + DeviceArena::padded_bytes<LossTotals>(1) +
              DeviceArena::padded_bytes<double>(3);
+    if (options_.gradient_accumulation) bytes += DeviceArena::padded_bytes<float>(layout::total);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (!L::in_place)
@@ -556,23 +576,37 @@ class DeviceModel {
     LOOM_CHECK(slot == 0 || slot == 1, "DeviceModel: input slot ", slot, " does not exist (0 or 1)");
   }
 
-  void step(bool train, int slot, std::size_t n, std::size_t global_n) {
-    check_slot(slot);
+  // What a captured step depends on.
+  struct StepShape {
+    bool train = true;
+    std::size_t n = 0;        // samples here
+    std::size_t global = 0;   // samples of this batch on every rank
+    std::size_t group = 0;    // samples of the optimizer step (the loss's denominator)
+    bool accumulate = false;  // add to the step's earlier gradients
+    bool last = true;         // the step's last batch: reduce and update
+    int slot = 0;
+    auto key() const { return std::tuple{train, n, global, group, accumulate, last, slot}; }
+  };
+
+  void step(const StepShape& s) {
+    check_slot(s.slot);
     const bool parallel = options_.data_parallel != nullptr;
-    LOOM_CHECK((n >= 1 || parallel) && n <= max_batch_ && n <= global_n, "DeviceModel: a batch of ",
-               n, " samples (of ", global_n, "); this model was planned for ",
-               parallel ? "0" : "1", " to ", max_batch_);
-    Plan* p = n > 0 ? &plan(n) : nullptr;
-    graphs_.run(std::tuple{train, n, global_n, slot}, stream(),
-                [&](cudaStream_t) { enqueue_step(p, train, slot, n, global_n); });
-    done_[slot].record(stream());
+    LOOM_CHECK((s.n >= 1 || parallel) && s.n <= max_batch_ && s.n <= s.global,
+               "DeviceModel: a batch of ", s.n, " samples (of ", s.global,
+               "); this model was planned for ", parallel ? "0" : "1", " to ", max_batch_);
+    Plan* p = s.n > 0 ? &plan(s.n) : nullptr;
+    graphs_.run(s.key(), stream(), [&](cudaStream_t) { enqueue_step(p, s); });
+    done_[s.slot].record(stream());
   }
 
-  void enqueue_step(Plan* p, bool train, int slot, std::size_t n, std::size_t global_n) {
+  void enqueue_step(Plan* p, const StepShape& s) {
+    const bool train = s.train;
+    const int slot = s.slot;
+    const std::size_t n = s.n, global_n = s.global;
     const std::int32_t* labels = inputs_[slot].labels;
     if (n > 0) {
       forward(*p, inputs_[slot].images, n);
-      softmax_xent_async(output<layer_count - 1>(), labels, n, classes, global_n,
+      softmax_xent_async(output<layer_count - 1>(), labels, n, classes, s.group,
                          train ? grad_buffers_[0] : nullptr, loss_, stream());
     }
     if (auto* comm = options_.data_parallel) {
@@ -587,10 +621,12 @@ class DeviceModel {
       accumulate_loss(loss_, labels, n, train, totals_, stream());
     }
     if (train) {
-      std::size_t next = 0;  // the next bucket to reduce
+      const bool parallel = options_.data_parallel != nullptr;
+      std::size_t next = 0;  // the next bucket to reduce (the last batch only)
       const auto reduce_ready = [&](std::size_t layer) {
+        if (!parallel || !s.last) return;
         for (; next < buckets_.size() && buckets_[next].ready_after == layer; ++next)
-          reduce_bucket(next);
+          reduce_bucket(next, s.accumulate);
       };
       if (n > 0) {
         backward(*p, n, reduce_ready);
@@ -598,14 +634,25 @@ class DeviceModel {
         // No samples here: a zero gradient, so the sum is the others'.
         LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout::total * sizeof(float), stream()));
       }
-      if (options_.data_parallel != nullptr && !buckets_.empty()) {
-        while (next < buckets_.size()) reduce_bucket(next++);
-        // Joins the communication stream back (a capture must end on one stream).
-        reduced_.record(comm_stream_.get());
-        reduced_.wait_on(stream());
+      if (!s.last) {
+        // Kept for the step's last batch (the first copies, the others add).
+        if (s.accumulate)
+          add_into(accum_, grads_, layout::total, stream());
+        else
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(accum_, grads_, layout::total * sizeof(float),
+                                          cudaMemcpyDeviceToDevice, stream()));
+      } else {
+        if (parallel && !buckets_.empty()) {
+          while (next < buckets_.size()) reduce_bucket(next++, s.accumulate);
+          // Joins the communication stream back (a capture must end on one stream).
+          reduced_.record(comm_stream_.get());
+          reduced_.wait_on(stream());
+        } else if (s.accumulate) {
+          add_into(grads_, accum_, layout::total, stream());
+        }
+        sgd_update(params_, grads_, velocity_, layout::total, sgd_.lr, sgd_.momentum,
+                   sgd_.weight_decay, sgd_.nesterov, stream(), lr_, &totals_->halted);
       }
-      sgd_update(params_, grads_, velocity_, layout::total, sgd_.lr, sgd_.momentum,
-                 sgd_.weight_decay, sgd_.nesterov, stream(), lr_, &totals_->halted);
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(snapshots_.data() + slot, totals_, sizeof(LossTotals),
                                     cudaMemcpyDeviceToHost, stream()));
@@ -613,8 +660,10 @@ class DeviceModel {
 
   // Bucket b's gradients are final on the compute stream: the communication
   // stream waits for that point only, then sums them over the ranks.
-  void reduce_bucket(std::size_t b) {
+  // With accumulate, the step's earlier batches' gradients are added first.
+  void reduce_bucket(std::size_t b, bool accumulate) {
     const auto& bucket = buckets_[b];
+    if (accumulate) add_into(grads_ + bucket.begin, accum_ + bucket.begin, bucket.size(), stream());
     bucket_ready_[b].record(stream());
     bucket_ready_[b].wait_on(comm_stream_.get());
     options_.data_parallel->all_reduce_async(grads_ + bucket.begin, bucket.size(),
@@ -711,7 +760,7 @@ class DeviceModel {
     refuse_when_parallel(train ? "train_step(images, labels, n)" : "evaluate");
     reset_totals();
     fill_slot(0, images, labels, n);
-    step(train, 0, n, n);
+    step({.train = train, .n = n, .global = n, .group = n, .slot = 0});
     const LossTotals totals = wait_totals(0);
     if (totals.halted == halt_bad_label)
       LOOM_FAIL("label ", totals.bad_label, " of sample ", totals.bad_row,
@@ -727,7 +776,7 @@ class DeviceModel {
   SGD::Options sgd_;
   DeviceModelOptions options_;
   // (train, samples here, global batch, input slot)
-  StepGraphs<std::tuple<bool, std::size_t, std::size_t, int>> graphs_;
+  StepGraphs<std::tuple<bool, std::size_t, std::size_t, std::size_t, bool, bool, int>> graphs_;
   std::map<std::size_t, std::unique_ptr<Plan>> plans_;
   std::size_t scratch_bytes_ = 0;
   std::unique_ptr<DeviceArena> arena_;
@@ -739,6 +788,7 @@ class DeviceModel {
   std::vector<Event> bucket_ready_;
   Event reduced_;
   double* stats_ = nullptr;  // loss, correct, bad-label flag: summed over the ranks
+  float* accum_ = nullptr;   // gradients of an optimizer step's earlier batches
   float* params_ = nullptr;
   float* grads_ = nullptr;
   float* velocity_ = nullptr;

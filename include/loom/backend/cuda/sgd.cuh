@@ -34,7 +34,23 @@ __global__ void sgd_update(T* weights, const T* grads, T* velocity, std::size_t 
   }
 }
 
+template <class T>
+__global__ void add_into(T* destination, const T* source, std::size_t count) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride)
+    destination[i] += source[i];
+}
+
 }  // namespace kernels
+
+// destination += source, elementwise (gradient accumulation).
+template <class T>
+void add_into(T* destination, const T* source, std::size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  kernels::add_into<T><<<grid_blocks(count), block_threads, 0, stream>>>(destination, source, count);
+  LOOM_CUDA_LAUNCH_CHECK("add_into");
+}
 
 template <class T>
 void sgd_update(T* weights, const T* grads, T* velocity, std::size_t count, T lr, T momentum,
