@@ -82,6 +82,20 @@ double gemm_peak_tflops(std::size_t batch, bool tf32, const Options& options,
   return best;
 }
 
+// The two input batches, one per input slot of the model: each step then
+// trains on its slot without a copy (slot s % 2 at step s).
+template <class Model>
+void fill_slots(Model& model, const loom::gpu::DeviceBuffer<float>& images,
+                const loom::gpu::DeviceBuffer<std::int32_t>& labels, std::size_t batch) {
+  for (std::size_t s = 0; s < 2; ++s) {
+    const auto& slot = model.input_slots()[s];
+    LOOM_CUDA_CHECK(cudaMemcpy(slot.images, images.data() + s * batch * width,
+                               batch * width * sizeof(float), cudaMemcpyDeviceToDevice));
+    LOOM_CUDA_CHECK(cudaMemcpy(slot.labels, labels.data() + s * batch,
+                               batch * sizeof(std::int32_t), cudaMemcpyDeviceToDevice));
+  }
+}
+
 std::vector<nlohmann::json> measure(const std::string& precision, const Options& options) {
   const bool tf32 = precision == "tf32";
   const std::size_t batch = options.batch;
@@ -108,11 +122,10 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
     loom::Model<Mlp, float> initial(0);
     loom::gpu::DeviceModel<Mlp> model(initial, batch, {.lr = 1e-3f, .momentum = 0.9f},
                                       {.allow_tf32 = tf32});
-    const auto times =
-        loom::bench::time_gpu_steps(model.stream(), options.warmup, options.steps, [&](int s) {
-          const std::size_t first = static_cast<std::size_t>(s % 2) * batch;
-          model.enqueue_train_step(images.data() + first * width, labels.data() + first, batch);
-        });
+    fill_slots(model, images, labels, batch);
+    const auto times = loom::bench::time_gpu_steps(
+        model.stream(), options.warmup, options.steps,
+        [&](int s) { model.train_step(s % 2, batch); });
     loom::bench::require_trained(model, "mlp_gpu_bench");
     loom_ms = times.median_ms;
     lines.push_back({{"benchmark", name},
@@ -137,12 +150,7 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
     loom::Model<Mlp, float> initial(0);
     loom::gpu::DeviceModel<Mlp> model(initial, batch, {.lr = 1e-3f, .momentum = 0.9f},
                                       {.allow_tf32 = tf32, .data_parallel = &ranks.front()});
-    for (const auto& slot : model.input_slots()) {
-      LOOM_CUDA_CHECK(cudaMemcpy(slot.images, images.data(), batch * width * sizeof(float),
-                                 cudaMemcpyDeviceToDevice));
-      LOOM_CUDA_CHECK(cudaMemcpy(slot.labels, labels.data(), batch * sizeof(std::int32_t),
-                                 cudaMemcpyDeviceToDevice));
-    }
+    fill_slots(model, images, labels, batch);
     const auto times =
         loom::bench::time_gpu_steps(model.stream(), options.warmup, options.steps, [&](int s) {
           model.train_step(s % 2, batch, batch);
@@ -156,8 +164,11 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
                        {"batch", batch},
                        {"median_step_ms", ms},
                        {"images_per_s", 1000.0 * static_cast<double>(batch) / ms},
+                       {"steps", options.steps},
                        {"precision", precision},
-                       {"ranks", 1}});
+                       {"ranks", 1},
+                       {"data", "random"},
+                       {"device", loom::bench::gpu_name()}});
   }
   // The models' memory is back before the peak's operands take theirs.
   loom::gpu::DeviceBuffer<float> a(batch * width, "GEMM peak A");

@@ -260,24 +260,41 @@ TEST_CASE("cuda trainer: gradient accumulation on a GPU equals one step on the w
   const auto part = head(fashion().train, 290);  // 4 steps of 60, then 50 (20 + 20 + 10)
   const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
   const std::vector<Device> gpu{devices::gpus().front()};
-  Trainer<LeNet> whole(gpu, sgd, {.seed = 6});
-  whole.fit(part, {.epochs = 1, .batch_size = 60, .seed = 6});
-  Trainer<LeNet> accumulated(gpu, sgd, {.seed = 6});
-  std::vector<StepInfo> steps;
   struct Record {
     std::vector<StepInfo>* steps;
     void on_step(const StepInfo& s) { steps->push_back(s); }
   };
-  accumulated.fit(part, {.epochs = 1, .batch_size = 20, .seed = 6, .accumulation_steps = 3},
-                  Record{&steps});
-  REQUIRE(steps.size() == 5);
-  REQUIRE(steps.back().samples == 290);
-  test::require_close(accumulated.model().parameters(), whole.model().parameters(), {1e-6, 1e-4},
-                      "3 x 20 against 60");
+  std::vector<StepInfo> whole_steps;
+  Trainer<LeNet> whole(gpu, sgd, {.seed = 6});
+  whole.fit(part, {.epochs = 2, .batch_size = 60, .seed = 6}, Record{&whole_steps});
+  const FitOptions accumulated{.epochs = 2, .batch_size = 20, .seed = 6, .accumulation_steps = 3};
+  const auto check = [&](const auto& trainer, const std::vector<StepInfo>& steps,
+                         const std::string& what) {
+    REQUIRE(steps.size() == 10);
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      INFO(what << ", step " << i);
+      REQUIRE(steps[i].step == i % 5 + 1);
+      REQUIRE(steps[i].steps == 5);
+      REQUIRE(steps[i].samples == std::min<std::size_t>(60 * (i % 5 + 1), 290));
+      // Every batch of a step runs on the same weights: the same losses.
+      REQUIRE(steps[i].loss == Approx(whole_steps[i].loss).epsilon(1e-4));
+      REQUIRE(steps[i].accuracy == Approx(whole_steps[i].accuracy).margin(1e-9));
+    }
+    test::require_close(trainer.model().parameters(), whole.model().parameters(), {1e-6, 1e-4},
+                        what);
+  };
+  std::vector<StepInfo> steps;
+  Trainer<LeNet> single(gpu, sgd, {.seed = 6});
+  single.fit(part, accumulated, Record{&steps});
+  check(single, steps, "3 x 20 against 60");
+  steps.clear();
+  Trainer<LeNet> direct(gpu, sgd, {.seed = 6, .cuda_graphs = false});
+  direct.fit(part, accumulated, Record{&steps});
+  check(direct, steps, "3 x 20 against 60, graphs off");
+  steps.clear();
   Trainer<LeNet, DataParallel<>> parallel(gpu, sgd, {.seed = 6});
-  parallel.fit(part, {.epochs = 1, .batch_size = 20, .seed = 6, .accumulation_steps = 3});
-  test::require_close(parallel.model().parameters(), whole.model().parameters(), {1e-6, 1e-4},
-                      "DataParallel, 3 x 20 against 60");
+  parallel.fit(part, accumulated, Record{&steps});
+  check(parallel, steps, "DataParallel, 3 x 20 against 60");
 }
 
 TEST_CASE("cuda DataParallel: several GPUs in one process are refused with what to do instead") {

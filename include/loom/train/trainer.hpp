@@ -321,8 +321,11 @@ class Trainer {
       for (std::size_t r = 0; r < devices_.size(); ++r) {
         GpuReplica replica{devices_[r], nullptr, nullptr, nccl_.empty() ? 0 : nccl_[r].rank()};
         replica.use();
+        // Never smaller than before (turning accumulation on keeps the size).
+        const std::size_t planned = std::max<std::size_t>(
+            {share, std::size_t{1}, gpus_.empty() ? 0 : gpus_.front().model->max_batch()});
         replica.model = std::make_unique<loom::gpu::DeviceModel<Net>>(
-            model_, std::max<std::size_t>(share, 1), optimizer_.options(),
+            model_, planned, optimizer_.options(),
             loom::gpu::DeviceModelOptions{
                 .graphs = options_.cuda_graphs,
                 .allow_tf32 = options_.allow_tf32,
@@ -390,8 +393,9 @@ class Trainer {
     return first;
   }
 
-  // The loss of a step is read on the host one step late: step k's totals are
-  // waited for after step k+1 is enqueued, so the GPU never waits for the host.
+  // The loss of an optimizer step is read on the host late: its totals are
+  // waited for once the next batch is enqueued, so the GPU never waits for
+  // the host.
   template <class... Callbacks>
   void fit_gpu(data::Loader& loader, const FitOptions& options, const FitInfo& info,
                Callbacks&... callbacks) {

@@ -343,7 +343,10 @@ class DeviceModel {
     lr_ = arena_->take<float>(1);
     totals_ = arena_->take<LossTotals>(1);
     stats_ = arena_->take<double>(3);
-    if (options.gradient_accumulation) accum_ = arena_->take<float>(layout::total);
+    if (options.gradient_accumulation) {
+      accum_ = arena_->take<float>(layout::total);
+      LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layout::total * sizeof(float), stream()));
+    }
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (!L::in_place) outputs_[i] = arena_->take<float>(max_batch * L::output_shape::size);
@@ -398,10 +401,12 @@ class DeviceModel {
                         bool accumulate, bool last) {
     LOOM_CHECK(accum_ != nullptr || (!accumulate && last),
                "DeviceModel: gradient accumulation needs DeviceModelOptions::gradient_accumulation");
-    LOOM_CHECK(group_n >= global_n, "DeviceModel: a batch of ", global_n,
-               " samples in an optimizer step over ", group_n);
-    step({.train = true, .n = n, .global = global(n, global_n), .group = group_n,
-          .accumulate = accumulate, .last = last, .slot = slot});
+    const std::size_t all = global(n, global_n);
+    const std::size_t group = group_n == 0 ? all : group_n;
+    LOOM_CHECK(group >= all, "DeviceModel: a batch of ", all, " samples in an optimizer step over ",
+               group);
+    step({.train = true, .n = n, .global = all, .group = group, .accumulate = accumulate,
+          .last = last, .slot = slot});
   }
   // Enqueue the loss of the n samples in `slot`, no update.
   void evaluate_step(int slot, std::size_t n, std::size_t global_n = 0) {
@@ -585,7 +590,8 @@ class DeviceModel {
     bool accumulate = false;  // add to the step's earlier gradients
     bool last = true;         // the step's last batch: reduce and update
     int slot = 0;
-    auto key() const { return std::tuple{train, n, global, group, accumulate, last, slot}; }
+    using Key = std::tuple<bool, std::size_t, std::size_t, std::size_t, bool, bool, int>;
+    Key key() const { return {train, n, global, group, accumulate, last, slot}; }
   };
 
   void step(const StepShape& s) {
@@ -775,8 +781,7 @@ class DeviceModel {
   std::size_t max_batch_;
   SGD::Options sgd_;
   DeviceModelOptions options_;
-  // (train, samples here, global batch, input slot)
-  StepGraphs<std::tuple<bool, std::size_t, std::size_t, std::size_t, bool, bool, int>> graphs_;
+  StepGraphs<typename StepShape::Key> graphs_;
   std::map<std::size_t, std::unique_ptr<Plan>> plans_;
   std::size_t scratch_bytes_ = 0;
   std::unique_ptr<DeviceArena> arena_;
