@@ -1,0 +1,162 @@
+// Where ModelSplit cuts a network into pipeline stages, decided at compile
+// time: At<i, j, ...> by hand, Balanced<S> by a constexpr cost model. Layer
+// indices are the user's, 1-based (Input = 0), as in shape errors; a cut
+// "before layer i" starts a stage with layer i.
+//
+// The cost model, per training sample, in FLOP-equivalents:
+//   - a layer: its forward and backward FLOPs, plus its optimizer update
+//     (4 FLOPs per parameter, spread over a nominal batch of 64 samples);
+//   - a cut: the activation sent forward and its gradient sent back, counted
+//     on both stages it joins, 1 per byte.
+// Balanced<S> takes the contiguous cut into S non-empty stages whose most
+// expensive stage is the cheapest (exact, by dynamic programming); among
+// equal cuts the first found (stages ending earliest) wins.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <limits>
+#include <utility>
+
+#include "../net/sequential.hpp"
+
+namespace loom {
+
+template <std::size_t... Cuts>
+struct At {
+  static constexpr std::size_t stages = sizeof...(Cuts) + 1;
+};
+
+template <std::size_t S>
+struct Balanced {
+  static constexpr std::size_t stages = S;
+};
+
+// The errors a partition can have, named in the compiler's message with
+// their arguments (cut position, cut index, layer count / previous cut).
+template <std::size_t Position, std::size_t Cut, std::size_t LayerCount>
+struct model_split_cut_out_of_range {
+  static_assert(Cut >= 2 && Cut <= LayerCount,
+                "loom ModelSplit error: At<...> cuts before a layer index that leaves a stage "
+                "empty or does not exist (template arguments: position in At, cut index, layer "
+                "count); cut before layers 2 .. layer count, numbered from 1 as in shape errors");
+  static constexpr bool ok = Cut >= 2 && Cut <= LayerCount;
+};
+
+template <std::size_t Position, std::size_t Cut, std::size_t Previous>
+struct model_split_cuts_not_increasing {
+  static_assert(Cut > Previous,
+                "loom ModelSplit error: At<...>'s cut indices must increase (template arguments: "
+                "position in At, cut index, the cut before it)");
+  static constexpr bool ok = Cut > Previous;
+};
+
+template <std::size_t Stages, std::size_t LayerCount>
+struct model_split_more_stages_than_layers {
+  static_assert(Stages >= 1 && Stages <= LayerCount,
+                "loom ModelSplit error: Balanced<S> needs 1 <= S <= the network's layer count "
+                "(template arguments: stages, layer count)");
+  static constexpr bool ok = Stages >= 1 && Stages <= LayerCount;
+};
+
+template <class Net>
+struct StageCostModel {
+  static constexpr std::size_t layers = Net::layer_count;
+  static constexpr std::size_t nominal_batch = 64;
+
+ private:
+  template <class... Ls>
+  static constexpr std::array<double, sizeof...(Ls)> layer_costs(TypeList<Ls...>) {
+    return {(static_cast<double>(Ls::forward_flops + Ls::backward_flops) +
+             4.0 * static_cast<double>(Ls::param_count) / nominal_batch)...};
+  }
+  template <class... Ls>
+  static constexpr std::array<double, sizeof...(Ls)> output_bytes(TypeList<Ls...>) {
+    return {static_cast<double>(Ls::output_shape::size * sizeof(float))...};
+  }
+
+ public:
+  // Index i: user layer i + 1.
+  static constexpr auto layer = layer_costs(typename Net::layers{});
+  static constexpr auto activation_bytes = output_bytes(typename Net::layers{});
+
+  // The stage of layers [first, last) (0-based, last exclusive).
+  static constexpr double stage(std::size_t first, std::size_t last) {
+    double total = 0.0;
+    for (std::size_t i = first; i < last; ++i) total += layer[i];
+    if (first > 0) total += 2.0 * activation_bytes[first - 1];
+    if (last < layers) total += 2.0 * activation_bytes[last - 1];
+    return total;
+  }
+};
+
+// Stage bounds as 0-based layer positions: stage k holds [bounds[k], bounds[k+1]).
+template <class Net, class Partition>
+struct partition_bounds;
+
+template <class Net, std::size_t... Cuts>
+struct partition_bounds<Net, At<Cuts...>> {
+  static constexpr std::size_t stages = sizeof...(Cuts) + 1;
+
+ private:
+  static constexpr std::array<std::size_t, sizeof...(Cuts)> cuts{Cuts...};
+  template <std::size_t... P>
+  static constexpr bool check(std::index_sequence<P...>) {
+    return (model_split_cut_out_of_range<P + 1, cuts[P], Net::layer_count>::ok && ...) &&
+           (model_split_cuts_not_increasing<P + 1, cuts[P], (P == 0 ? 1 : cuts[P == 0 ? 0 : P - 1])>::ok &&
+            ...);
+  }
+
+ public:
+  static constexpr bool checked = check(std::make_index_sequence<sizeof...(Cuts)>{});
+  static constexpr std::array<std::size_t, stages + 1> bounds = [] {
+    static_assert(checked, "loom ModelSplit error: see the At<...> error above");
+    std::array<std::size_t, stages + 1> b{};
+    for (std::size_t k = 0; k < cuts.size(); ++k) b[k + 1] = cuts[k] - 1;
+    b[stages] = Net::layer_count;
+    return b;
+  }();
+};
+
+template <class Net, std::size_t S>
+struct partition_bounds<Net, Balanced<S>> {
+  static constexpr std::size_t stages = S;
+  static constexpr bool checked = model_split_more_stages_than_layers<S, Net::layer_count>::ok;
+  static constexpr std::array<std::size_t, S + 1> bounds = [] {
+    static_assert(checked, "loom ModelSplit error: see the Balanced<S> error above");
+    using Cost = StageCostModel<Net>;
+    constexpr std::size_t L = Net::layer_count;
+    constexpr double infinity = std::numeric_limits<double>::infinity();
+    // best[k][j]: the cheapest most-expensive stage for layers [0, j) in k stages;
+    // from[k][j]: where the last of those stages starts.
+    std::array<std::array<double, L + 1>, S + 1> best{};
+    std::array<std::array<std::size_t, L + 1>, S + 1> from{};
+    for (auto& row : best) row.fill(infinity);
+    best[0][0] = 0.0;
+    for (std::size_t k = 1; k <= S; ++k)
+      for (std::size_t j = k; j <= L; ++j)
+        for (std::size_t i = k - 1; i < j; ++i) {
+          const double worst = std::max(best[k - 1][i], Cost::stage(i, j));
+          if (worst < best[k][j]) {
+            best[k][j] = worst;
+            from[k][j] = i;
+          }
+        }
+    std::array<std::size_t, S + 1> b{};
+    b[S] = L;
+    for (std::size_t k = S; k > 0; --k) b[k - 1] = from[k][b[k]];
+    return b;
+  }();
+};
+
+// The most expensive stage of a cut, under the cost model.
+template <class Net, std::size_t N>
+constexpr double bottleneck(const std::array<std::size_t, N>& bounds) {
+  double worst = 0.0;
+  for (std::size_t k = 0; k + 1 < N; ++k)
+    worst = std::max(worst, StageCostModel<Net>::stage(bounds[k], bounds[k + 1]));
+  return worst;
+}
+
+}  // namespace loom
