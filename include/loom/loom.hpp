@@ -21,6 +21,7 @@
 #include "optim/sgd.hpp"
 #include "parallel/buckets.hpp"
 #include "parallel/data_parallel.hpp"
+#include "parallel/partition.hpp"
 #include "parallel/single_device.hpp"
 #include "train/callbacks.hpp"
 #include "train/trainer.hpp"
