@@ -3,7 +3,10 @@
 // of uneven widths. Everything here is a constant expression.
 #include <loom/loom.hpp>
 #include <loom/parallel/partition.hpp>
+#include <type_traits>
+#include <vector>
 
+#include "fashion_test.hpp"
 #include "loom_test.hpp"
 
 using namespace loom;
@@ -83,4 +86,39 @@ TEST_CASE("partition: the cost model counts FLOPs, updates and the activations c
   constexpr auto three = partition_bounds<LeNet, Balanced<3>>::bounds;
   STATIC_REQUIRE(three[1] == 3);
   STATIC_REQUIRE(three[2] == 6);
+}
+
+TEST_CASE("partition: each stage is a network of its own whose forward chains to the whole's") {
+  using Cut = At<4, 8>;
+  using S0 = stage_net_t<LeNet, Cut, 0>;
+  using S1 = stage_net_t<LeNet, Cut, 1>;
+  using S2 = stage_net_t<LeNet, Cut, 2>;
+  STATIC_REQUIRE(std::is_same_v<S0, Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>>>);
+  STATIC_REQUIRE(
+      std::is_same_v<S1, Sequential<Input<20, 12, 12>, Conv2d<50, 5>, ReLU, MaxPool2d<2>, Flatten>>);
+  STATIC_REQUIRE(std::is_same_v<S2, Sequential<Input<800>, Linear<500>, ReLU, Linear<10>>>);
+  STATIC_REQUIRE(S0::parameter_count + S1::parameter_count + S2::parameter_count ==
+                 LeNet::parameter_count);
+  STATIC_REQUIRE(stage_parameter_offset<LeNet, Cut, 1> == S0::parameter_count);
+  STATIC_REQUIRE(stage_parameter_offset<LeNet, Cut, 2> ==
+                 S0::parameter_count + S1::parameter_count);
+
+  // The stages, given the whole model's weights, compute its outputs bit for bit.
+  constexpr std::size_t n = 16;
+  Model<LeNet, float> whole(3);
+  Model<S0, float> m0(0);
+  Model<S1, float> m1(0);
+  Model<S2, float> m2(0);
+  const auto copy_into = [&](auto& stage, std::size_t offset) {
+    const auto from = whole.parameters().subspan(offset, stage.parameters().size());
+    std::copy(from.begin(), from.end(), stage.parameters().begin());
+  };
+  copy_into(m0, stage_parameter_offset<LeNet, Cut, 0>);
+  copy_into(m1, stage_parameter_offset<LeNet, Cut, 1>);
+  copy_into(m2, stage_parameter_offset<LeNet, Cut, 2>);
+  const float* images = loom::test::fashion().test.images.data();
+  const float* expected = whole.forward(images, n);
+  const float* got = m2.forward(m1.forward(m0.forward(images, n), n), n);
+  loom::test::require_equal(std::vector<float>(got, got + n * 10),
+                            std::vector<float>(expected, expected + n * 10), "chained stages");
 }

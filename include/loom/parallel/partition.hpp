@@ -150,6 +150,46 @@ struct partition_bounds<Net, Balanced<S>> {
   }();
 };
 
+namespace detail {
+
+template <class Net>
+struct user_layers;
+template <std::size_t... Dims, class... Ls>
+struct user_layers<Sequential<Input<Dims...>, Ls...>> {
+  using type = TypeList<Ls...>;
+};
+
+template <class S>
+struct input_for;
+template <std::size_t... Dims>
+struct input_for<Shape<Dims...>> {
+  using type = Input<Dims...>;
+};
+
+template <class Net, std::size_t First, class Indices>
+struct stage_net;
+template <class Net, std::size_t First, std::size_t... I>
+struct stage_net<Net, First, std::index_sequence<I...>> {
+  using in = typename input_for<typename type_at_t<First, typename Net::layers>::input_shape>::type;
+  using type = Sequential<in, type_at_t<First + I, typename user_layers<Net>::type>...>;
+};
+
+}  // namespace detail
+
+// Stage k of a partition as a network of its own: an Input of the shape the
+// stage receives, then the user's layers of the stage (fused within it). Its
+// parameters are a contiguous slice of the whole network's flat buffer,
+// starting at stage_parameter_offset.
+template <class Net, class Partition, std::size_t K>
+using stage_net_t = typename detail::stage_net<
+    Net, partition_bounds<Net, Partition>::bounds[K],
+    std::make_index_sequence<partition_bounds<Net, Partition>::bounds[K + 1] -
+                             partition_bounds<Net, Partition>::bounds[K]>>::type;
+
+template <class Net, class Partition, std::size_t K>
+inline constexpr std::size_t stage_parameter_offset =
+    detail::list_info<typename Net::layers>::param_offsets[partition_bounds<Net, Partition>::bounds[K]];
+
 // The most expensive stage of a cut, under the cost model.
 template <class Net, std::size_t N>
 constexpr double bottleneck(const std::array<std::size_t, N>& bounds) {
