@@ -140,8 +140,8 @@ int main(int argc, char** argv) {
     std::cerr << error.what() << '\n';
 #if defined(LOOM_WITH_MPI)
     // The other ranks may be waiting in a collective for this one, and
-    // MPI_Finalize would wait for them: end the whole job instead.
-    if (distributed) mpi->abort(1);
+    // MPI_Finalize would wait for them: the program ends the whole job.
+    if (distributed) MPI_Abort(MPI_COMM_WORLD, 1);
 #endif
     return 1;
   }

@@ -146,7 +146,7 @@ TEST_CASE("LocalComm: mismatched buffers are an error on every rank, not a hang"
 TEST_CASE("LocalComm: a rank that fails aborts the group; the others' calls raise its reason") {
   const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
     if (c.rank() == 2) {
-      c.abort("the data file is corrupt");
+      c.cancel("the data file is corrupt");
       throw std::runtime_error("rank 2 failed");
     }
     std::vector<float> data(4, 1.0f);

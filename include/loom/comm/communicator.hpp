@@ -5,7 +5,7 @@
 //
 // Every call is collective over the group (send/recv: over the pair) and
 // blocks until this rank's part is done. A failure is a loom::Error naming
-// the operation and the rank; a rank that fails calls abort() so that the
+// the operation and the rank; a rank that fails calls cancel() so that the
 // others' pending calls raise instead of waiting forever (LocalComm; MPI
 // jobs are ended by mpirun when a rank exits).
 #pragma once
@@ -46,7 +46,7 @@ concept Communicator =
       c.recv(f, peer);
       c.barrier();
       { c.split(peer, peer) } -> std::same_as<C>;
-      c.abort(why);
+      c.cancel(why);
       { cc.describe() } -> std::convertible_to<std::string>;
     };
 
@@ -95,7 +95,7 @@ class Comm {
   void recv(std::span<float> data, int peer) { self_->recv(data, peer); }
   void barrier() { self_->barrier(); }
   Comm split(int color, int key) { return Comm(self_->split(color, key)); }
-  void abort(const std::string& why) { self_->abort(why); }
+  void cancel(const std::string& why) { self_->cancel(why); }
 
  private:
   struct Concept {
@@ -112,7 +112,7 @@ class Comm {
     virtual void recv(std::span<float>, int) = 0;
     virtual void barrier() = 0;
     virtual std::shared_ptr<Concept> split(int, int) = 0;
-    virtual void abort(const std::string&) = 0;
+    virtual void cancel(const std::string&) = 0;
   };
 
   template <class C>
@@ -134,7 +134,7 @@ class Comm {
     std::shared_ptr<Concept> split(int color, int key) override {
       return std::make_shared<Model<C>>(comm.split(color, key));
     }
-    void abort(const std::string& why) override { comm.abort(why); }
+    void cancel(const std::string& why) override { comm.cancel(why); }
     C comm;
   };
 

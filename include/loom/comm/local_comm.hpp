@@ -242,7 +242,7 @@ class LocalComm {
 
   // Makes every pending and later call of the group raise a loom::Error that
   // carries `why`, instead of waiting for this rank.
-  void abort(const std::string& why) { group_->abort(rank_, why); }
+  void cancel(const std::string& why) { group_->abort(rank_, why); }
 
  private:
   using Slot = detail::LocalGroup::Slot;

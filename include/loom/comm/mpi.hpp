@@ -17,7 +17,6 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -127,7 +126,7 @@ class MpiComm {
 
   // MPI cannot wake a rank waiting in a collective; the failing rank ends its
   // program with an error status, and mpirun ends the others.
-  void abort(const std::string&) {}
+  void cancel(const std::string&) {}
 
   MPI_Comm get() const { return *comm_; }
 
@@ -215,14 +214,6 @@ class Environment {
   int local_rank() const { return local_rank_; }  // among the ranks on this node
   int local_size() const { return local_size_; }
   comm::MpiComm world() const { return *world_; }
-
-  // Ends every rank of the job with `code` (MPI_Abort). For a program's
-  // error path: a rank that fails alone must not wait in MPI_Finalize for
-  // ranks that wait in a collective for it. loom itself never calls it.
-  [[noreturn]] void abort(int code) const {
-    MPI_Abort(MPI_COMM_WORLD, code);
-    std::abort();  // MPI_Abort does not return; this only satisfies [[noreturn]]
-  }
 
   // This rank's device: GPU local_rank where there are GPUs (NCCL takes one
   // per rank), else the CPU with the node's cores shared among its ranks.

@@ -151,7 +151,7 @@ class NcclComm {
   // Ends this rank's pending NCCL operations and frees the communicator;
   // every later call raises. (The other ranks are not told: under mpirun the
   // failing process's exit ends them.)
-  void abort(const std::string&) {
+  void cancel(const std::string&) {
     if (!state_->aborted) {
       state_->aborted = true;
       LOOM_CUDA_RELEASE(ncclCommAbort(state_->comm));

@@ -314,10 +314,10 @@ class DataParallelEngine {
         else
           evaluate(replica, job);
       } catch (const std::exception& error) {
-        replica.comm.abort(error.what());
+        replica.comm.cancel(error.what());
         record(std::current_exception());
       } catch (...) {
-        replica.comm.abort("unknown error");
+        replica.comm.cancel("unknown error");
         record(std::current_exception());
       }
       {
@@ -425,7 +425,7 @@ class DataParallelEngine {
             t.reduce_end[static_cast<std::size_t>(item)] = StepTimeline::Clock::now();
           }
         } catch (const std::exception& error) {
-          replica.comm.abort(error.what());
+          replica.comm.cancel(error.what());
           std::lock_guard lock(replica.mutex);
           replica.error = std::current_exception();
         }
