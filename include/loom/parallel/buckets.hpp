@@ -19,6 +19,28 @@ struct GradientBucket {
   constexpr std::size_t size() const { return end - begin; }
 };
 
+// The planning rule, for any layout: layer i's gradients fill
+// [offsets[i], offsets[i + 1]) of the flat buffer (an empty range: no
+// parameters). emit(bucket) is called for each, in order.
+template <std::size_t N, class Emit>
+constexpr void plan_buckets(const std::array<std::size_t, N>& offsets, std::size_t target_elements,
+                            Emit&& emit) {
+  std::size_t open_end = 0, open_size = 0;
+  std::size_t lowest = 0;
+  for (std::size_t i = N - 1; i-- > 0;) {
+    const std::size_t params = offsets[i + 1] - offsets[i];
+    if (params == 0) continue;
+    if (open_size == 0) open_end = offsets[i + 1];
+    open_size += params;
+    lowest = i;
+    if (open_size >= target_elements) {
+      emit(GradientBucket{offsets[i], open_end, i});
+      open_size = 0;
+    }
+  }
+  if (open_size > 0) emit(GradientBucket{offsets[lowest], open_end, lowest});
+}
+
 template <class Net, std::size_t TargetBytes, class T = float>
 struct BucketPlan {
   using executed = typename Net::executed;
@@ -30,20 +52,7 @@ struct BucketPlan {
  private:
   template <class Emit>
   static constexpr void plan(Emit&& emit) {
-    std::size_t open_end = 0, open_size = 0;
-    std::size_t lowest = 0;
-    for (std::size_t i = layer_count; i-- > 0;) {
-      const std::size_t params = offsets[i + 1] - offsets[i];
-      if (params == 0) continue;
-      if (open_size == 0) open_end = offsets[i + 1];
-      open_size += params;
-      lowest = i;
-      if (open_size >= target_elements) {
-        emit(GradientBucket{offsets[i], open_end, i});
-        open_size = 0;
-      }
-    }
-    if (open_size > 0) emit(GradientBucket{offsets[lowest], open_end, lowest});
+    plan_buckets(offsets, target_elements, emit);
   }
 
  public:

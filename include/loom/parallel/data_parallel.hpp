@@ -43,6 +43,7 @@
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "buckets.hpp"
+#include "single_device.hpp"
 
 namespace loom {
 
@@ -381,17 +382,8 @@ class DataParallelEngine {
     const auto& data = *job.dataset;
     const auto share = batch_share(data.count, static_cast<std::size_t>(replica.comm.size()),
                                    static_cast<std::size_t>(replica.comm.rank()));
-    std::array<double, 2> sums{};
-    const std::size_t sample = data.sample_size();
-    for (std::size_t done = 0; done < share.count; done += job.n) {
-      const std::size_t first = share.first + done;
-      const std::size_t n = std::min(job.n, share.count - done);
-      const float* logits = replica.model.forward(data.images.data() + first * sample, n);
-      const auto s = SoftmaxCrossEntropy::evaluate<float>(logits, data.labels.data() + first, n,
-                                                          classes, n, nullptr);
-      sums[0] += s.loss;
-      sums[1] += static_cast<double>(s.correct);
-    }
+    const auto mine = evaluate_samples(replica.model, data, share.first, share.count, job.n);
+    std::array<double, 2> sums{mine.loss, static_cast<double>(mine.correct)};
     replica.comm.all_reduce(std::span<double>(sums), comm::ReduceOp::sum);
     replica.stats = sums;
   }

@@ -83,6 +83,37 @@ struct EpochInfo {
   double seconds = 0.0;
 };
 
+namespace detail {
+
+// Where a batch stands in its optimizer step (FitOptions::accumulation_steps):
+// the step's samples (the loss is their mean), whether the batch adds to the
+// step's earlier ones, and whether it ends the step. One per epoch.
+class StepGroups {
+ public:
+  struct Place {
+    std::size_t group_samples = 0;
+    bool accumulate = false;
+    bool last = true;
+  };
+
+  StepGroups(std::size_t batches_per_step, std::size_t batch_size, std::size_t epoch_samples)
+      : k_(batches_per_step), batch_size_(batch_size), epoch_samples_(epoch_samples) {}
+
+  Place next(std::size_t batch) {
+    if (micro_ == 0) group_ = std::min(k_ * batch_size_, epoch_samples_ - seen_);
+    const Place place{group_, micro_ > 0, micro_ + 1 == k_ || seen_ + batch == epoch_samples_};
+    seen_ += batch;
+    micro_ = place.last ? 0 : micro_ + 1;
+    return place;
+  }
+
+ private:
+  std::size_t k_, batch_size_, epoch_samples_;
+  std::size_t micro_ = 0, group_ = 0, seen_ = 0;
+};
+
+}  // namespace detail
+
 template <class Net_, class Policy_ = SingleDevice, class Optimizer_ = SGD>
 class Trainer {
  public:
@@ -114,10 +145,9 @@ class Trainer {
                  " were given; pass that many (e.g. devices::cpu(", Policy::devices_needed, "))");
     LOOM_CHECK(!processes || is_data_parallel<Policy>, Policy::name,
                " does not run across processes yet; use DataParallel<> with a communicator");
-    for (const auto& device : devices_)
+    for (const auto& device : devices_) {
       LOOM_CHECK(device.kind == devices_.front().kind, "devices ", devices_.front().name(), " and ",
                  device.name(), " are of different kinds; give one kind");
-    for (const auto& device : devices_) {
 #if defined(__CUDACC__)
       LOOM_CHECK(device.kind == Device::Kind::cpu || (std::is_same_v<Optimizer, SGD>), "device ",
                  device.name(), ": the CUDA backend trains with SGD only so far");
@@ -166,15 +196,14 @@ class Trainer {
       StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
       double loss_sum = 0.0;
       std::size_t correct = 0;
-      std::size_t micro = 0, group_samples = 0;
+      detail::StepGroups groups(k, options.batch_size, train.count);
       data::Batch batch{};
       while (loader.next(batch)) {
-        if (micro == 0) group_samples = std::min(k * options.batch_size, train.count - step.samples);
-        const bool last = micro + 1 == k || step.samples + batch.size == train.count;
-        const auto sums = micro_step(batch, group_samples, micro > 0, last, epoch, step.step + 1);
+        const auto place = groups.next(batch.size);
+        const auto sums = micro_step(batch, place.group_samples, place.accumulate, place.last,
+                                     epoch, step.step + 1);
         step.samples += batch.size;
-        micro = last ? 0 : micro + 1;
-        if (!last) continue;
+        if (!place.last) continue;
         loss_sum += sums.loss;
         correct += sums.correct;
         step.step += 1;
@@ -212,15 +241,9 @@ class Trainer {
       } else {
         if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
         cpu::set_threads(devices_.front().threads);
-        const std::size_t sample = dataset.sample_size();
-        for (std::size_t first = 0; first < dataset.count; first += batch_size) {
-          const std::size_t n = std::min(batch_size, dataset.count - first);
-          const float* logits = model_.forward(dataset.images.data() + first * sample, n);
-          const auto sums = Loss::evaluate<float>(logits, dataset.labels.data() + first, n,
-                                                  classes, n, nullptr);
-          loss_sum += sums.loss;
-          correct += sums.correct;
-        }
+        const auto sums = detail::evaluate_samples(model_, dataset, 0, dataset.count, batch_size);
+        loss_sum = sums.loss;
+        correct = sums.correct;
       }
     }
     EvalResult result;
@@ -424,21 +447,18 @@ class Trainer {
       // read once the next batch is enqueued (on the other slot), before a
       // later one could reuse this slot.
       int pending = -1;
-      std::size_t micro = 0, group = 0, seen = 0;
+      detail::StepGroups groups(k, options.batch_size, info.samples_per_epoch);
       data::Batch batch{};
       while (loader.next(batch)) {
-        if (micro == 0) group = std::min(k * options.batch_size, info.samples_per_epoch - seen);
-        const bool last = micro + 1 == k || seen + batch.size == info.samples_per_epoch;
+        const auto place = groups.next(batch.size);
         for (auto& replica : replicas) {
           replica.use();
           replica.model->set_lr(optimizer_.options().lr);
         }
-        const int slot = enqueue_gpu_step(batch.images, batch.labels, batch.size, true, group,
-                                          micro > 0, last);
-        seen += batch.size;
-        micro = last ? 0 : micro + 1;
+        const int slot = enqueue_gpu_step(batch.images, batch.labels, batch.size, true,
+                                          place.group_samples, place.accumulate, place.last);
         if (pending >= 0) report(std::exchange(pending, -1));
-        if (last) pending = slot;
+        if (place.last) pending = slot;
       }
       if (pending >= 0) report(pending);
       // Before the callbacks: Evaluate and a user's on_epoch_end see this epoch's weights.

@@ -113,6 +113,13 @@ struct device_layout<TypeList<Ls...>> {
     return o;
   }();
   static constexpr std::size_t total = offsets.total;
+  // Where each layer's block (weights, then bias) starts, and the end.
+  static constexpr std::array<std::size_t, count + 1> starts = [] {
+    std::array<std::size_t, count + 1> s{};
+    for (std::size_t i = 0; i < count; ++i) s[i] = offsets.weight[i];
+    s[count] = offsets.total;
+    return s;
+  }();
 };
 
 // Layer I (a Linear+ReLU) keeps its ReLU mask for layer I+1 (a Linear).
@@ -676,24 +683,11 @@ class DeviceModel {
                                              comm::ReduceOp::sum, comm_stream_.get());
   }
 
-  // Gradient buckets over the padded device layout: executed layers with
-  // parameters, in reverse order, closed once they hold bucket_bytes.
+  // Gradient buckets over the padded device layout (BucketPlan's rule).
   static std::vector<GradientBucket> plan_buckets(std::size_t bucket_bytes) {
     std::vector<GradientBucket> out;
-    const std::size_t target = std::max<std::size_t>(bucket_bytes / sizeof(float), 1);
-    std::size_t open_end = 0, open_size = 0, lowest = 0;
-    for (std::size_t i = layer_count; i-- > 0;) {
-      const std::size_t size = layout::round_up(layout::weights[i]) + layout::round_up(layout::biases[i]);
-      if (layout::weights[i] + layout::biases[i] == 0) continue;
-      if (open_size == 0) open_end = layout::offsets.weight[i] + size;
-      open_size += size;
-      lowest = i;
-      if (open_size >= target) {
-        out.push_back({layout::offsets.weight[i], open_end, i});
-        open_size = 0;
-      }
-    }
-    if (open_size > 0) out.push_back({layout::offsets.weight[lowest], open_end, lowest});
+    loom::plan_buckets(layout::starts, std::max<std::size_t>(bucket_bytes / sizeof(float), 1),
+                       [&](const GradientBucket& b) { out.push_back(b); });
     return out;
   }
 
