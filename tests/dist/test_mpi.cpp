@@ -1,6 +1,6 @@
 // The multi-process path, run by CTest under `mpiexec -np 2`: MpiComm's
-// collectives, DataParallel across processes against single-device training,
-// and ranks that disagree on the network. Every rank runs every test case in
+// collectives, DataParallel and ModelSplit across processes against
+// single-device training, and ranks that disagree on the network or count. Every rank runs every test case in
 // the same order (they are collective); CTest's timeout turns a hang into a
 // failure.
 #define CATCH_CONFIG_RUNNER
@@ -107,6 +107,38 @@ TEST_CASE("mpi: DataParallel over 2 processes reaches the single-device weights"
   const auto b = single.evaluate(test::fashion().test);
   REQUIRE(a.loss == Approx(b.loss).epsilon(1e-5));
   REQUIRE(a.accuracy == Approx(b.accuracy).margin(2e-4));
+}
+
+TEST_CASE("mpi: ModelSplit over 2 processes reaches the single-device weights, both schedules") {
+  const auto part = test::head(test::fashion().train, 490);
+  const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
+  Trainer<LeNet> single(devices::cpu(1), sgd, {.seed = 7});
+  single.fit(part, fit);
+  for (const auto schedule : {PipelineSchedule{PipelineKind::gpipe, 4},
+                              PipelineSchedule{PipelineKind::one_f_one_b, 6}}) {
+    INFO(pipeline_kind_name(schedule.kind));
+    // Rank 0 runs stage 0 (the convolutions), rank 1 stage 1.
+    Trainer<LeNet, ModelSplit<Balanced<2>>> pipeline(
+        environment->devices(), sgd, {.seed = 7, .schedule = schedule},
+        comm::Comm(environment->world()));
+    pipeline.fit(part, fit);
+    REQUIRE(pipeline.model_split().local_stages() == 1);
+    REQUIRE(pipeline.model_split().report(0).stage == static_cast<std::size_t>(environment->rank()));
+    // Gathered at the epoch's end: every rank holds both stages' weights.
+    test::require_close(pipeline.model().parameters(), single.model().parameters(), {1e-6, 1e-4},
+                        "weights after one epoch");
+    const auto a = pipeline.evaluate(test::fashion().test);
+    const auto b = single.evaluate(test::fashion().test);
+    REQUIRE(a.loss == Approx(b.loss).epsilon(1e-5));
+    REQUIRE(a.accuracy == Approx(b.accuracy).margin(2e-4));
+  }
+}
+
+TEST_CASE("mpi: ModelSplit with more stages than processes is a clear error on every rank") {
+  REQUIRE_THROWS_WITH((Trainer<LeNet, ModelSplit<Balanced<3>>>(environment->devices(), sgd, {},
+                                                               comm::Comm(environment->world()))),
+                      Catch::Contains("ModelSplit has 3 stages, one per process, but 2 processes "
+                                      "were started"));
 }
 
 TEST_CASE("mpi: ranks that train different networks stop with a clear error, not a hang") {

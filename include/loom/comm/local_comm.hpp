@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -76,36 +77,41 @@ class LocalGroup {
     if (generation_ == generation) throw_if_aborted(rank, op);
   }
 
-  // Point to point: the sender waits until the receiver has copied.
+  // Point to point, buffered: the sender's data is copied into the pair's
+  // queue and the call returns (like a small MPI_Send), so ranks that send
+  // to each other at the same time do not wait for each other. The
+  // receiver takes messages in the order sent. Buffers are reused.
   void send(int from, int to, const void* data, std::size_t bytes) {
-    std::unique_lock lock(mutex_);
-    Mail& mail = mailbox_[{from, to}];
-    changed_.wait(lock, [&] { return !mail.full || aborted_; });
+    std::lock_guard lock(mutex_);
     throw_if_aborted(from, "send");
-    mail = {data, bytes, true, false};
-    changed_.notify_all();
-    changed_.wait(lock, [&] { return mail.taken || aborted_; });
-    throw_if_aborted(from, "send");
-    mail = {};
+    Pair& pair = pairs_[{from, to}];
+    std::vector<unsigned char> message;
+    if (!pair.spare.empty()) {
+      message = std::move(pair.spare.back());
+      pair.spare.pop_back();
+    }
+    message.resize(bytes);
+    if (bytes > 0) std::memcpy(message.data(), data, bytes);
+    pair.queue.push_back(std::move(message));
     changed_.notify_all();
   }
   void recv(int to, int from, void* data, std::size_t bytes) {
     std::unique_lock lock(mutex_);
-    Mail& mail = mailbox_[{from, to}];
-    changed_.wait(lock, [&] { return (mail.full && !mail.taken) || aborted_; });
+    Pair& pair = pairs_[{from, to}];
+    changed_.wait(lock, [&] { return !pair.queue.empty() || aborted_; });
     throw_if_aborted(to, "recv");
-    if (mail.bytes != bytes) {
-      // The sender waits for this copy: end its wait too.
+    auto& message = pair.queue.front();
+    if (message.size() != bytes) {
       aborted_ = true;
-      abort_message_ = "rank " + std::to_string(from) + " sent " + std::to_string(mail.bytes) +
-                       " bytes to rank " + std::to_string(to) + ", which expected " +
-                       std::to_string(bytes);
+      abort_message_ = "rank " + std::to_string(from) + " sent " +
+                       std::to_string(message.size()) + " bytes to rank " + std::to_string(to) +
+                       ", which expected " + std::to_string(bytes);
       changed_.notify_all();
       throw_if_aborted(to, "recv");
     }
-    std::memcpy(data, mail.data, bytes);
-    mail.taken = true;
-    changed_.notify_all();
+    if (bytes > 0) std::memcpy(data, message.data(), bytes);
+    pair.spare.push_back(std::move(message));
+    pair.queue.pop_front();
   }
 
   void abort(int rank, const std::string& why) {
@@ -130,11 +136,9 @@ class LocalGroup {
   }
 
  private:
-  struct Mail {
-    const void* data = nullptr;
-    std::size_t bytes = 0;
-    bool full = false;
-    bool taken = false;
+  struct Pair {
+    std::deque<std::vector<unsigned char>> queue;  // sent, not yet received
+    std::vector<std::vector<unsigned char>> spare;
   };
 
   void throw_if_aborted(int rank, const char* op) const {
@@ -150,7 +154,7 @@ class LocalGroup {
   std::uint64_t generation_ = 0;
   bool aborted_ = false;
   std::string abort_message_;
-  std::map<std::pair<int, int>, Mail> mailbox_;
+  std::map<std::pair<int, int>, Pair> pairs_;
   std::map<std::pair<std::uint64_t, int>, std::shared_ptr<LocalGroup>> splits_;
 };
 

@@ -4,6 +4,7 @@
 // allocate.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -46,45 +47,64 @@ class Model {
     });
   }
 
-  // Sizes the activation arena for batches of up to max_batch samples.
-  void reserve(std::size_t max_batch) {
+  // Sizes the activation arena for batches of up to max_batch samples, with
+  // `slots` sets of layer outputs: a pipeline stage keeps one per micro-batch
+  // in flight, each alive from its forward to its backward (workspace and the
+  // activation-gradient buffers are shared: one backward runs at a time).
+  void reserve(std::size_t max_batch, std::size_t slots = 1) {
     LOOM_CHECK(max_batch > 0, "Model::reserve: batch size must be positive");
-    if (max_batch <= capacity_) return;
-    constexpr auto plan = Net::memory_plan;
-    using Pad = Arena<T>;
-    std::size_t total = Pad::padded_size(plan.workspace_elements(max_batch)) +
-                        2 * Pad::padded_size(plan.activation_gradients / 2 * max_batch);
-    static_for<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      if constexpr (!L::in_place) total += Pad::padded_size(L::output_shape::size * max_batch);
-    });
-    arena_.reserve(total);
-    workspace_ = arena_.take(plan.workspace_elements(max_batch));
-    grad_buffers_[0] = arena_.take(plan.activation_gradients / 2 * max_batch);
-    grad_buffers_[1] = arena_.take(plan.activation_gradients / 2 * max_batch);
-    static_for<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      if constexpr (L::in_place)
-        outputs_[i] = nullptr;
-      else
-        outputs_[i] = arena_.take(L::output_shape::size * max_batch);
-    });
+    LOOM_CHECK(slots > 0, "Model::reserve: need at least one activation slot");
+    if (max_batch <= capacity_ && slots <= slots_.size()) return;
+    max_batch = std::max(max_batch, capacity_);
+    slots = std::max(slots, slots_.size());
+    arena_.reserve(activation_elements(max_batch, slots));
+    workspace_ = arena_.take(Net::memory_plan.workspace_elements(max_batch));
+    grad_buffers_[0] = arena_.take(Net::memory_plan.activation_gradients / 2 * max_batch);
+    grad_buffers_[1] = arena_.take(Net::memory_plan.activation_gradients / 2 * max_batch);
+    slots_.assign(slots, Slot{});
+    for (auto& slot : slots_)
+      static_for<layer_count>([&](auto i) {
+        using L = type_at_t<i, executed>;
+        if constexpr (!L::in_place) slot.outputs[i] = arena_.take(L::output_shape::size * max_batch);
+      });
     capacity_ = max_batch;
   }
 
-  std::size_t capacity() const { return capacity_; }
-
-  // Runs the network on n samples (n x input_size, NCHW). Returns the
-  // outputs (n x output_size), valid until the next forward.
-  const T* forward(const T* input, std::size_t n) {
-    check_batch(n, "forward");
-    input_ = input;
-    batch_ = n;
+  // Elements reserve(max_batch, slots) carves: the activation memory plan,
+  // with each buffer padded to the arena's alignment.
+  static constexpr std::size_t activation_elements(std::size_t max_batch, std::size_t slots = 1) {
+    constexpr auto plan = Net::memory_plan;
+    using Pad = Arena<T>;
+    std::size_t outputs = 0;
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
-      L::template forward<T>(layer_params<i>(), layer_input<i>(), layer_output<i>(), workspace_, n);
+      if constexpr (!L::in_place) outputs += Pad::padded_size(L::output_shape::size * max_batch);
     });
-    return layer_output<layer_count - 1>();
+    return Pad::padded_size(plan.workspace_elements(max_batch)) +
+           2 * Pad::padded_size(plan.activation_gradients / 2 * max_batch) + slots * outputs;
+  }
+
+  std::size_t capacity() const { return capacity_; }
+  std::size_t slots() const { return slots_.size(); }
+  // Elements the activation arena holds (what reserve() allocated).
+  std::size_t arena_elements() const { return arena_.capacity(); }
+
+  // Runs the network on n samples (n x input_size, NCHW). Returns the
+  // outputs (n x output_size), valid until the next forward on that slot.
+  // The input must stay valid until the slot's backward (layers read it).
+  const T* forward(const T* input, std::size_t n, std::size_t slot = 0) {
+    check_batch(n, "forward");
+    LOOM_CHECK(slot < slots_.size(), "Model::forward: activation slot ", slot, " of ",
+               slots_.size(), " reserved");
+    Slot& s = slots_[slot];
+    s.input = input;
+    s.batch = n;
+    static_for<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      L::template forward<T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s), workspace_,
+                             n);
+    });
+    return layer_output<layer_count - 1>(s);
   }
 
   // Where the loss writes d(loss)/d(output) before backward().
@@ -105,17 +125,16 @@ class Model {
   // while the layers before are still back-propagating.
   template <class OnLayerDone>
   void backward(bool accumulate, OnLayerDone&& done) {
-    LOOM_CHECK(batch_ > 0, "Model::backward called before forward");
-    int current = 0;
-    static_for_reverse<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      const T* dy = grad_buffers_[current];
-      T* dx = i == 0 ? nullptr : grad_buffers_[1 - current];
-      L::template backward<T>(layer_params<i>(), layer_input<i>(), layer_output<i>(), dy, dx,
-                              layer_grads<i>(), workspace_, batch_, accumulate);
-      if (!L::in_place) current = 1 - current;
-      done(std::size_t{i});
-    });
+    backward_slot(0, accumulate, nullptr, done);
+  }
+
+  // A pipeline stage's backward: the micro-batch that slot `slot` holds,
+  // writing d(loss)/d(input) to input_gradient (n x input_size) for the
+  // stage before.
+  void backward(std::size_t slot, bool accumulate, T* input_gradient) {
+    LOOM_CHECK(slot < slots_.size(), "Model::backward: activation slot ", slot, " of ",
+               slots_.size(), " reserved");
+    backward_slot(slot, accumulate, input_gradient, [](std::size_t) {});
   }
 
   std::span<T> parameters() { return params_; }
@@ -147,32 +166,57 @@ class Model {
   T* layer_grads() {
     return grads_.data() + detail::list_info<executed>::param_offsets[I];
   }
+  // Per micro-batch in flight: its input and every layer's output.
+  struct Slot {
+    const T* input = nullptr;
+    std::size_t batch = 0;
+    std::array<T*, layer_count> outputs{};
+  };
+
+  template <class OnLayerDone>
+  void backward_slot(std::size_t slot, bool accumulate, T* input_gradient, OnLayerDone&& done) {
+    LOOM_CHECK(!slots_.empty() && slots_[slot].batch > 0, "Model::backward called before forward");
+    const Slot& s = slots_[slot];
+    int current = 0;
+    static_for_reverse<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      const T* dy = grad_buffers_[current];
+      T* dx = i == 0 ? input_gradient : grad_buffers_[1 - current];
+      L::template backward<T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s), dy, dx,
+                              layer_grads<i>(), workspace_, s.batch, accumulate);
+      if (!L::in_place) current = 1 - current;
+      done(std::size_t{i});
+    });
+    // An in-place first layer (Flatten) passes the gradient through unchanged.
+    if constexpr (type_at_t<0, executed>::in_place)
+      if (input_gradient != nullptr)
+        std::copy_n(grad_buffers_[current], s.batch * input_size, input_gradient);
+  }
+
   template <std::size_t I>
-  const T* layer_input() const {
+  static const T* layer_input(const Slot& s) {
     if constexpr (I == 0)
-      return input_;
+      return s.input;
     else
-      return layer_output<I - 1>();
+      return layer_output<I - 1>(s);
   }
   // In-place layers write nothing: their "output" is an earlier buffer.
   template <std::size_t I>
-  T* layer_output() const {
+  static T* layer_output(const Slot& s) {
     constexpr int owner = detail::list_info<executed>::output_owner[I];
     if constexpr (owner < 0)
-      return const_cast<T*>(input_);
+      return const_cast<T*>(s.input);
     else
-      return outputs_[owner];
+      return s.outputs[owner];
   }
 
   std::vector<T> params_;
   std::vector<T> grads_;
   Arena<T> arena_;
   std::size_t capacity_ = 0;
-  std::size_t batch_ = 0;
-  const T* input_ = nullptr;
+  std::vector<Slot> slots_;
   T* workspace_ = nullptr;
   std::array<T*, 2> grad_buffers_{};
-  std::array<T*, layer_count> outputs_{};
 };
 
 }  // namespace loom

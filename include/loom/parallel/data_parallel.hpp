@@ -43,6 +43,7 @@
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "buckets.hpp"
+#include "crew.hpp"
 #include "single_device.hpp"
 
 namespace loom {
@@ -131,7 +132,7 @@ class DataParallelEngine {
   // MPI world), one device here and the replicas are the processes.
   DataParallelEngine(const std::vector<Device>& devices, comm::Comm processes, std::uint64_t seed,
                      typename Optimizer::Options options)
-      : threads_(devices.front().threads) {
+      : crew_(Policy::name, devices.front().threads) {
     std::vector<comm::Comm> comms;
     if (processes) {
       LOOM_CHECK(devices.size() == 1, Policy::name, " over ", processes.size(),
@@ -146,9 +147,11 @@ class DataParallelEngine {
       replicas_.push_back(std::make_unique<Replica>(seed, options, std::move(c)));
     for (auto& r : replicas_) {
       Replica* replica = r.get();
-      replica->worker = std::thread([this, replica] { work(*replica); });
       replica->communicator = std::thread([replica] { communicate(*replica); });
     }
+    crew_.start(
+        replicas_.size(), [this](std::size_t i, const Job& job) { work(*replicas_[i], job); },
+        [this](std::size_t i, const std::string& why) { replicas_[i]->comm.cancel(why); });
     // Every rank checks it runs the same program, then takes rank 0's weights.
     try {
       run({.kind = Job::start});
@@ -250,87 +253,26 @@ class DataParallelEngine {
     std::deque<int> queue;
     std::size_t posted = 0, done = 0;
     std::exception_ptr error;
-    std::thread worker, communicator;
+    std::thread communicator;
   };
 
   void shutdown() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
+    crew_.stop();
     for (auto& r : replicas_) {
       r->post(Replica::stop);
-      if (r->worker.joinable()) r->worker.join();
       if (r->communicator.joinable()) r->communicator.join();
     }
   }
 
-  // Hands a job to every replica's worker and waits for all of them.
-  void run(const Job& job) {
-    LOOM_CHECK(!failed_, Policy::name,
-               ": an earlier step failed and left the replicas apart; make a new Trainer");
-    cpu::set_threads(threads_);
-    std::unique_lock lock(mutex_);
-    job_ = job;
-    running_ = replicas_.size();
-    errors_.clear();
-    ++job_id_;
-    wake_.notify_all();
-    finished_.wait(lock, [&] { return running_ == 0; });
-    if (errors_.empty()) return;
-    failed_ = true;
-    // The first rank's own error, not the "aborted" echoes in the others.
-    std::exception_ptr first = errors_.front();
-    for (const auto& error : errors_) {
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        if (std::string_view(e.what()).find("aborted the group") == std::string_view::npos) {
-          first = error;
-          break;
-        }
-      } catch (...) {
-      }
-    }
-    std::rethrow_exception(first);
-  }
+  void run(const Job& job) { crew_.run(job); }
 
-  void work(Replica& replica) {
-    std::uint64_t seen = 0;
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || job_id_ != seen; });
-        if (stop_) return;
-        seen = job_id_;
-        job = job_;
-      }
-      try {
-        if (job.kind == Job::start)
-          start(replica);
-        else if (job.kind == Job::train)
-          train(replica, job);
-        else
-          evaluate(replica, job);
-      } catch (const std::exception& error) {
-        replica.comm.cancel(error.what());
-        record(std::current_exception());
-      } catch (...) {
-        replica.comm.cancel("unknown error");
-        record(std::current_exception());
-      }
-      {
-        std::lock_guard lock(mutex_);
-        if (--running_ == 0) finished_.notify_all();
-      }
-    }
-  }
-
-  void record(std::exception_ptr error) {
-    std::lock_guard lock(mutex_);
-    errors_.push_back(std::move(error));
+  void work(Replica& replica, const Job& job) {
+    if (job.kind == Job::start)
+      start(replica);
+    else if (job.kind == Job::train)
+      train(replica, job);
+    else
+      evaluate(replica, job);
   }
 
   void start(Replica& replica) {
@@ -430,16 +372,8 @@ class DataParallelEngine {
     }
   }
 
-  int threads_;
   std::vector<std::unique_ptr<Replica>> replicas_;
-  std::mutex mutex_;
-  std::condition_variable wake_, finished_;
-  Job job_;
-  std::uint64_t job_id_ = 0;
-  std::size_t running_ = 0;
-  bool stop_ = false;
-  bool failed_ = false;
-  std::vector<std::exception_ptr> errors_;
+  Crew<Job> crew_;  // after replicas_: its threads stop before the replicas go
 };
 
 }  // namespace detail

@@ -21,6 +21,7 @@
 #include "../net/model.hpp"
 #include "../optim/sgd.hpp"
 #include "../parallel/data_parallel.hpp"
+#include "../parallel/model_split.hpp"
 #include "../parallel/single_device.hpp"
 
 #if defined(__CUDACC__)
@@ -37,6 +38,9 @@ struct TrainerOptions {
   // TF32 tensor-core math (faster, inputs rounded to a 10-bit mantissa).
   bool cuda_graphs = true;
   bool allow_tf32 = false;
+  // ModelSplit: the pipeline schedule and micro-batch count to run instead
+  // of the policy's (micro_batches 0: keep the policy's schedule).
+  PipelineSchedule schedule{};
 };
 
 struct FitOptions {
@@ -127,9 +131,9 @@ class Trainer {
       Net::output_shape::rank == 1,
       "Trainer: the network must end in a flat vector of class scores (end with Linear<classes>)");
 
-  // `processes`: for DataParallel across MPI processes, the world
-  // communicator (dist::Environment::world()); this process then trains one
-  // replica on its one device.
+  // `processes`: for DataParallel or ModelSplit across MPI processes, the
+  // world communicator (dist::Environment::world()); this process then
+  // trains one replica, or one stage (its rank's), on its one device.
   Trainer(std::vector<Device> devices, typename Optimizer::Options options = {},
           TrainerOptions trainer_options = {}, comm::Comm processes = {})
       : devices_(std::move(devices)),
@@ -139,12 +143,14 @@ class Trainer {
     if constexpr (Policy::devices_needed == 0)
       LOOM_CHECK(!devices_.empty(), Policy::name,
                  " needs at least one device; pass devices::all() or devices::cpu(n)");
-    else
+    else if (!processes)  // across processes each has its own (checked by the engine)
       LOOM_CHECK(devices_.size() == Policy::devices_needed, Policy::name, " runs on ",
                  Policy::devices_needed, " device(s) but ", devices_.size(),
                  " were given; pass that many (e.g. devices::cpu(", Policy::devices_needed, "))");
-    LOOM_CHECK(!processes || is_data_parallel<Policy>, Policy::name,
-               " does not run across processes yet; use DataParallel<> with a communicator");
+    LOOM_CHECK(!devices_.empty(), Policy::name, " was given no device");
+    LOOM_CHECK(!processes || is_data_parallel<Policy> || is_model_split<Policy>, Policy::name,
+               " does not run across processes; use DataParallel<> or ModelSplit<...> with a "
+               "communicator");
     for (const auto& device : devices_) {
       LOOM_CHECK(device.kind == devices_.front().kind, "devices ", devices_.front().name(), " and ",
                  device.name(), " are of different kinds; give one kind");
@@ -162,6 +168,13 @@ class Trainer {
                                            options);
       else
         processes_ = std::move(processes);
+    }
+    if constexpr (is_model_split<Policy>) {
+      LOOM_CHECK(devices_.front().kind == Device::Kind::cpu, Policy::name,
+                 " runs its stages on CPU worker devices or processes so far, not on ",
+                 devices_.front().name(), "; pass devices::cpu(", Policy::stages, ")");
+      pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
+                                             trainer_options.schedule);
     }
   }
 
@@ -186,6 +199,8 @@ class Trainer {
     cpu::set_threads(devices_.front().threads);
     if constexpr (is_data_parallel<Policy>)
       engine_->reserve(options.batch_size);
+    else if constexpr (is_model_split<Policy>)
+      scatter_if_changed();
     else
       model_.reserve(options.batch_size);
     (call_fit_begin(callbacks, info), ...);
@@ -212,6 +227,10 @@ class Trainer {
         step.seconds = seconds_since(start);
         (call_step(callbacks, step), ...);
       }
+      // Across processes model() cannot gather (it is not collective): it
+      // returns the weights as of the last epoch's end.
+      if constexpr (is_model_split<Policy>)
+        if (!pipeline_->all_local()) pipeline_->gather(model_);
       [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
                                             step.accuracy, step.samples,   seconds_since(start)};
       (call_epoch_end(callbacks, done), ...);
@@ -238,6 +257,11 @@ class Trainer {
         const auto sums = engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
         loss_sum = sums.loss;
         correct = sums.correct;
+      } else if constexpr (is_model_split<Policy>) {
+        scatter_if_changed();
+        const auto sums = pipeline_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
+        loss_sum = sums.loss;
+        correct = sums.correct;
       } else {
         if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
         cpu::set_threads(devices_.front().threads);
@@ -258,9 +282,17 @@ class Trainer {
   // the reference count. The const overload returns them as of the end of
   // the last fit(). (The GPU keeps its own momentum; optimizer().velocity()
   // is the CPU's.)
+  //
+  // ModelSplit: the stages' weights gathered into one Model (a copy, like
+  // the GPU's); across processes, as of the end of the last epoch.
   Model<Net, float>& model() {
     if constexpr (is_data_parallel<Policy>)
       if (!on_gpu()) return engine_->model();
+    if constexpr (is_model_split<Policy>) {
+      if (pipeline_->all_local()) pipeline_->gather(model_);
+      host_changed_ = true;
+      return model_;
+    }
 #if defined(__CUDACC__)
     if (!gpus_.empty()) {
       gpus_.front().use();
@@ -274,6 +306,13 @@ class Trainer {
     if constexpr (is_data_parallel<Policy>)
       if (!on_gpu()) return engine_->model();
     return model_;
+  }
+
+  // ModelSplit's engine (its stages' reports, its schedule).
+  auto& model_split()
+    requires is_model_split<Policy>
+  {
+    return *pipeline_;
   }
 
   // DataParallel's engine on CPU devices (the replicas and their communicators).
@@ -544,11 +583,17 @@ class Trainer {
   cpu::LossSums micro_step(const data::Batch& batch, std::size_t group_samples, bool accumulate,
                            bool last, int epoch, std::size_t step) {
     cpu::LossSums sums;
-    if constexpr (is_data_parallel<Policy>) {
-      sums = engine_->micro_step(batch.images, batch.labels, batch.size, group_samples,
-                                 accumulate, last, optimizer_.options().lr);
+    if constexpr (is_data_parallel<Policy> || is_model_split<Policy>) {
+      auto& engine = [&]() -> auto& {
+        if constexpr (is_data_parallel<Policy>)
+          return *engine_;
+        else
+          return *pipeline_;
+      }();
+      sums = engine.micro_step(batch.images, batch.labels, batch.size, group_samples, accumulate,
+                               last, optimizer_.options().lr);
       if (!last) return {};
-      check_loss(sums.loss, epoch, step);  // the replicas skipped their update
+      check_loss(sums.loss, epoch, step);  // the replicas or stages skipped their update
     } else {
       const float* logits = model_.forward(batch.images, batch.size);
       const auto batch_sums = Loss::evaluate<float>(logits, batch.labels, batch.size, classes,
@@ -564,6 +609,12 @@ class Trainer {
       optimizer_.step(model_.parameters(), model_.gradients());
     }
     return sums;
+  }
+
+  // model() handed out the weights: the stages take them back.
+  void scatter_if_changed() {
+    if constexpr (is_model_split<Policy>)
+      if (std::exchange(host_changed_, false)) pipeline_->scatter(model_);
   }
 
   static void check_loss(double loss, int epoch, std::size_t step) {
@@ -611,6 +662,10 @@ class Trainer {
   struct NoEngine {};
   using Engine = std::conditional_t<is_data_parallel<Policy>,
                                     detail::DataParallelEngine<Net, Policy, Optimizer>, NoEngine>;
+  struct NoPipeline {};
+  using Pipeline =
+      std::conditional_t<is_model_split<Policy>, detail::PipelineEngine<Net, Policy, Optimizer>,
+                         NoPipeline>;
 
   std::vector<Device> devices_;
   TrainerOptions options_;
@@ -618,11 +673,12 @@ class Trainer {
   typename Optimizer::template State<float> optimizer_;
   cpu::LossSums pending_;  // the optimizer step's batches so far
   std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Pipeline> pipeline_;
   comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
+  bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
 #if defined(__CUDACC__)
   std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica
   std::vector<GpuReplica> gpus_;      // after nccl_: destroyed first
-  bool host_changed_ = false;  // model() handed out the weights since the device last had them
 #endif
 };
 

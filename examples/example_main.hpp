@@ -1,0 +1,203 @@
+// What the examples share: the command line, the choice of policy and
+// devices, and training with progress and the final test accuracy. Each
+// example names its network and its defaults and calls example_main.
+//
+//   --policy single   one device: the GPU where there is one (built by
+//                     nvcc), else the CPU
+//   --policy data     DataParallel<> over --devices CPU worker devices, or
+//                     over the processes of mpirun (one device each)
+//   --policy split    ModelSplit<Balanced<S>> over S = --devices CPU worker
+//                     devices (or the S processes of mpirun), with
+//                     --schedule gpipe|1f1b and --micro-batches M
+// Without --policy: single for one device, data for more, data under mpirun.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <loom/loom.hpp>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace loom::examples {
+
+struct Options {
+  int epochs = 10;
+  std::size_t batch_size = 64;
+  float lr = 0.01f;
+  float momentum = 0.9f;
+  std::string data_dir = data::default_fashion_mnist_dir;
+  std::uint64_t seed = 0;
+  std::vector<int> lr_milestones{7};
+  float lr_factor = 0.1f;
+  int devices = 1;
+  std::string policy;  // empty: by the device count
+  std::string schedule = "1f1b";
+  std::size_t micro_batches = 4;
+};
+
+// Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
+// console under mpirun, a silent stream on the other ranks).
+template <class Net, class Policy>
+void train(const char* title, const Options& o, const data::Split& data,
+           std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+  const auto started = std::chrono::steady_clock::now();
+  TrainerOptions trainer_options{.seed = o.seed};
+  out << "loom " << title << " on Fashion-MNIST: " << Net::parameter_count << " parameters, "
+      << data.train.count << " training and " << data.test.count << " test images, "
+      << Policy::name;
+  if constexpr (is_model_split<Policy>) {
+    trainer_options.schedule = {o.schedule == "gpipe" ? PipelineKind::gpipe
+                                                      : PipelineKind::one_f_one_b,
+                                o.micro_batches};
+    constexpr auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
+    out << " (" << pipeline_kind_name(trainer_options.schedule.kind) << ", "
+        << o.micro_batches << " micro-batches; stages start at layers";
+    for (std::size_t k = 0; k < Policy::stages; ++k) out << ' ' << bounds[k] + 1;
+    out << ')';
+  }
+  if (processes) out << " over " << processes.size() << " processes, each";
+  out << " on";
+  for (const auto& device : devices) {
+    out << ' ' << device.name();
+    if (device.kind == Device::Kind::cpu) out << " (" << device.threads << " threads)";
+  }
+  out << '\n';
+
+  Trainer<Net, Policy, SGD> trainer(devices, {.lr = o.lr, .momentum = o.momentum},
+                                    trainer_options, processes);
+  callbacks::Evaluate evaluate(data.test, &out);
+  trainer.fit(data.train, {.epochs = o.epochs, .batch_size = o.batch_size, .seed = o.seed},
+              callbacks::Progress({.out = &out}), evaluate,
+              callbacks::MultiStepLR{.milestones = o.lr_milestones, .factor = o.lr_factor, .out = &out});
+
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  char line[160];
+  std::snprintf(line, sizeof line, "final test accuracy: %.2f%% (loss %.4f) after %d epoch(s), %.1f s\n",
+                100.0 * evaluate.last.accuracy, evaluate.last.loss, o.epochs, seconds);
+  out << line;
+}
+
+// ModelSplit into `stages` balanced stages (2 to 4: each is a type of its own).
+template <class Net>
+void train_split(const char* title, const Options& o, const data::Split& data, int stages,
+                 std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+  switch (stages) {
+    case 2:
+      return train<Net, ModelSplit<Balanced<2>>>(title, o, data, devices, processes, out);
+    case 3:
+      return train<Net, ModelSplit<Balanced<3>>>(title, o, data, devices, processes, out);
+    case 4:
+      return train<Net, ModelSplit<Balanced<4>>>(title, o, data, devices, processes, out);
+    default:
+      LOOM_FAIL("--policy split takes 2 to 4 stages (--devices, or mpirun -np), not ", stages);
+  }
+}
+
+template <class Net>
+int example_main(int argc, char** argv, const char* title, Options o) {
+#if defined(LOOM_WITH_MPI)
+  // First: MPI may take its own arguments out of argv. Without mpirun this
+  // is one rank of one.
+  std::unique_ptr<dist::Environment> mpi;
+  try {
+    mpi = std::make_unique<dist::Environment>(argc, argv);
+  } catch (const Error& error) {
+    std::cerr << error.what() << '\n';
+    return 1;
+  }
+  const bool distributed = mpi->size() > 1;
+  const bool talks = mpi->rank() == 0;
+#else
+  const bool talks = true;
+#endif
+  CLI::App app{std::string("Train ") + title + " on Fashion-MNIST with loom"};
+  app.add_option("--epochs", o.epochs, "passes over the training set")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, "samples per step (the global batch)")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--lr", o.lr, "SGD learning rate")
+      ->check(CLI::Range(1e-8f, 100.0f))
+      ->capture_default_str();
+  app.add_option("--lr-milestones", o.lr_milestones, "epochs after which the learning rate drops")
+      ->capture_default_str();
+  app.add_option("--lr-factor", o.lr_factor, "learning-rate multiplier at each milestone")
+      ->check(CLI::Range(1e-6f, 1.0f))
+      ->capture_default_str();
+  app.add_option("--momentum", o.momentum, "SGD momentum")
+      ->check(CLI::Range(0.0f, 0.999f))
+      ->capture_default_str();
+  app.add_option("--data", o.data_dir, "folder with the Fashion-MNIST IDX files (.gz or plain)")
+      ->capture_default_str();
+  app.add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
+  app.add_option("--devices", o.devices,
+                 "CPU worker devices in this process for --policy data or split (1: one device "
+                 "with every core, or the GPU); under mpirun each process is one")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--policy", o.policy,
+                 "single, data (DataParallel) or split (ModelSplit, a pipeline of --devices "
+                 "balanced stages); default: single for one device, data for more")
+      ->check(CLI::IsMember({"single", "data", "split"}));
+  app.add_option("--schedule", o.schedule, "pipeline schedule of --policy split")
+      ->check(CLI::IsMember({"gpipe", "1f1b"}))
+      ->capture_default_str();
+  app.add_option("--micro-batches", o.micro_batches,
+                 "micro-batches per step of --policy split")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  std::ostream quiet(nullptr);
+  std::ostream& out = talks ? std::cout : quiet;
+  try {
+    const auto data = data::fashion_mnist(o.data_dir);
+#if defined(LOOM_WITH_MPI)
+    if (distributed) {
+      LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
+                 " with mpirun: each process is one device; start more processes instead");
+      LOOM_CHECK(o.policy != "single", "--policy single under mpirun: start one process, or "
+                 "choose data or split");
+      const comm::Comm world(mpi->world());
+      if (o.policy == "split")
+        train_split<Net>(title, o, data, mpi->size(), mpi->devices(), world, out);
+      else
+        train<Net, DataParallel<>>(title, o, data, mpi->devices(), world, out);
+      return 0;
+    }
+#endif
+    const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
+    const Device first = devices::all().front();
+    if (policy == "split") {
+      // Pipeline stages run on CPU worker devices (not on GPUs yet).
+      train_split<Net>(title, o, data, o.devices, devices::cpu(o.devices), {}, out);
+    } else if (first.kind == Device::Kind::cuda) {
+      LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
+                 ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,
+                 " ", argv[0]);
+      train<Net, SingleDevice>(title, o, data, {first}, {}, out);
+    } else if (policy == "single") {
+      LOOM_CHECK(o.devices == 1, "--policy single runs on one device, not --devices ", o.devices);
+      train<Net, SingleDevice>(title, o, data, {first}, {}, out);
+    } else {
+      train<Net, DataParallel<>>(title, o, data, devices::cpu(o.devices), {}, out);
+    }
+  } catch (const Error& error) {
+    std::cerr << error.what() << '\n';
+#if defined(LOOM_WITH_MPI)
+    // The other ranks may be waiting in a collective for this one, and
+    // MPI_Finalize would wait for them: the program ends the whole job.
+    if (distributed) MPI_Abort(MPI_COMM_WORLD, 1);
+#endif
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace loom::examples

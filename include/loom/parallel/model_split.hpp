@@ -1,0 +1,595 @@
+// ModelSplit<Partition, Schedule>: the network's layers cut into stages
+// (partition.hpp: At<...> by hand, Balanced<S> by the compile-time cost
+// model), one stage per device, and each batch streamed through them in
+// micro-batches (schedule.hpp: GPipe<M> or OneFOneB<M>). Activations go
+// forward and their gradients back with send/recv on a communicator: worker
+// threads of one process (devices::cpu(S), LocalComm) or one stage per MPI
+// process (MpiComm).
+//
+// Exactness: every micro-batch's loss gradient is scaled by 1/(global
+// batch), and each stage adds its micro-batches' gradients, so a step's
+// gradient is the batch mean, as on one device (summed in another order:
+// equal to rounding). Stage k's weights are the slice of the whole
+// network's flat buffer from stage_parameter_offset, initialised from the
+// whole network's seeded weights.
+//
+// Overlap: a stage never waits to send (see Outbox): it goes on with its
+// next pass while an activation or gradient is on its way, and waits only
+// to receive what its next pass needs.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../comm/communicator.hpp"
+#include "../comm/local_comm.hpp"
+#include "../core/device.hpp"
+#include "../core/error.hpp"
+#include "../data/dataset.hpp"
+#include "../loss/softmax_cross_entropy.hpp"
+#include "../net/model.hpp"
+#include "crew.hpp"
+#include "data_parallel.hpp"
+#include "partition.hpp"
+#include "schedule.hpp"
+
+#if defined(LOOM_WITH_MPI)
+#include <mpi.h>
+#endif
+
+namespace loom {
+
+template <class Partition_, class Schedule_ = OneFOneB<4>>
+struct ModelSplit {
+  using partition = Partition_;
+  using schedule_type = Schedule_;
+  static constexpr std::size_t stages = Partition_::stages;
+  static constexpr std::size_t devices_needed = stages;
+  static constexpr PipelineSchedule schedule = Schedule_::schedule;
+  static constexpr const char* name = "ModelSplit";
+};
+
+template <class Policy>
+inline constexpr bool is_model_split = false;
+template <class P, class S>
+inline constexpr bool is_model_split<ModelSplit<P, S>> = true;
+
+// What one stage holds to train with a given global batch.
+struct StageMemory {
+  std::size_t first_layer = 0, last_layer = 0;  // user layers, 1-based, inclusive
+  std::size_t parameters = 0;
+  std::size_t micro_batch = 0;  // the largest micro-batch's samples
+  std::size_t in_flight = 0;    // micro-batches whose activations are alive at once
+  // Elements of activations, their gradients and workspace (Model's arena,
+  // one set of layer outputs per micro-batch in flight) plus the received
+  // inputs the stage keeps until each micro-batch's backward.
+  std::size_t activation_elements = 0;
+};
+
+namespace detail {
+
+template <class Net, class Partition, std::size_t K>
+constexpr StageMemory stage_memory(PipelineSchedule schedule, std::size_t batch) {
+  using StageNet = stage_net_t<Net, Partition, K>;
+  constexpr auto bounds = partition_bounds<Net, Partition>::bounds;
+  constexpr std::size_t stages = partition_bounds<Net, Partition>::stages;
+  const std::size_t micro = std::max<std::size_t>(1, std::min(schedule.micro_batches, batch));
+  StageMemory m;
+  m.first_layer = bounds[K] + 1;
+  m.last_layer = bounds[K + 1];
+  m.parameters = StageNet::parameter_count;
+  m.micro_batch = batch_share(batch, micro, 0).count;
+  m.in_flight = pipeline_in_flight(schedule.kind, stages, K, micro);
+  m.activation_elements = Model<StageNet, float>::activation_elements(m.micro_batch, m.in_flight) +
+                          (K > 0 ? m.in_flight * m.micro_batch * StageNet::input_shape::size : 0);
+  return m;
+}
+
+}  // namespace detail
+
+// The memory plan of a pipeline: per stage, for global batches of `batch`.
+template <class Net, class Policy>
+constexpr std::array<StageMemory, Policy::stages> pipeline_memory_plan(
+    std::size_t batch, PipelineSchedule schedule = Policy::schedule) {
+  std::array<StageMemory, Policy::stages> plan{};
+  static_for<Policy::stages>([&](auto k) {
+    plan[k] = detail::stage_memory<Net, typename Policy::partition, k>(schedule, batch);
+  });
+  return plan;
+}
+
+// What a stage measured in its last step (ModelSplit's engine on CPU devices).
+struct StageReport {
+  std::size_t stage = 0;
+  std::size_t peak_in_flight = 0;       // since the engine started
+  std::size_t activation_elements = 0;  // held now: Model's arena plus kept inputs
+  double busy_seconds = 0.0;            // forward, loss and backward passes, last step
+  std::chrono::steady_clock::time_point begin, end;  // the last step's passes
+};
+
+namespace detail {
+
+// One stage's network and optimizer state behind a type-erased face, so the
+// engine's code is written once for stages of different types.
+class PipelineStage {
+ public:
+  virtual ~PipelineStage() = default;
+  virtual void reserve(std::size_t micro_batch, std::size_t slots) = 0;
+  virtual const float* forward(const float* input, std::size_t n, std::size_t slot) = 0;
+  virtual float* output_gradient() = 0;
+  virtual void backward(std::size_t slot, bool accumulate, float* input_gradient) = 0;
+  virtual void update(float lr) = 0;
+  virtual std::span<float> parameters() = 0;
+  virtual std::size_t arena_elements() const = 0;
+  std::size_t input_size = 0, output_size = 0, parameter_offset = 0;
+};
+
+template <class StageNet, class Optimizer>
+class StageOf final : public PipelineStage {
+ public:
+  StageOf(std::span<const float> weights, typename Optimizer::Options options, std::size_t offset)
+      : optimizer_(options, StageNet::parameter_count) {
+    input_size = StageNet::input_shape::size;
+    output_size = StageNet::output_shape::size;
+    parameter_offset = offset;
+    std::copy(weights.begin(), weights.end(), model_.parameters().begin());
+  }
+  void reserve(std::size_t micro_batch, std::size_t slots) override {
+    model_.reserve(micro_batch, slots);
+  }
+  const float* forward(const float* input, std::size_t n, std::size_t slot) override {
+    return model_.forward(input, n, slot);
+  }
+  float* output_gradient() override { return model_.output_gradient(); }
+  void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
+    model_.backward(slot, accumulate, input_gradient);
+  }
+  void update(float lr) override {
+    if (optimizer_.options().lr != lr) optimizer_.set_lr(lr);
+    optimizer_.step(model_.parameters(), model_.gradients());
+  }
+  std::span<float> parameters() override { return model_.parameters(); }
+  std::size_t arena_elements() const override { return model_.arena_elements(); }
+
+ private:
+  Model<StageNet, float> model_;
+  typename Optimizer::template State<float> optimizer_;
+};
+
+// Sends a stage's messages to one neighbour without making the stage wait:
+// on a communicator whose sends are buffered (LocalComm) straight from the
+// calling thread; otherwise (MPI, whose large sends wait for the matching
+// receive) from a thread of its own, in the order sent, the data copied
+// into a reused buffer first.
+class Outbox {
+ public:
+  Outbox(comm::Comm comm, int peer, bool threaded) : comm_(std::move(comm)), peer_(peer) {
+    if (threaded) thread_ = std::thread([this] { run(); });
+  }
+  Outbox(const Outbox&) = delete;
+  Outbox& operator=(const Outbox&) = delete;
+  ~Outbox() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+
+  void send(std::span<const float> data) {
+    if (!thread_.joinable()) {
+      comm_.send(data, peer_);
+      return;
+    }
+    std::vector<float> message;
+    {
+      std::lock_guard lock(mutex_);
+      if (!free_.empty()) {
+        message = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    message.assign(data.begin(), data.end());
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(message));
+      ++posted_;
+    }
+    changed_.notify_all();
+  }
+
+  // Waits until everything posted is sent; raises the send's error if one failed.
+  void drain() {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [&] { return sent_ == posted_; });
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::vector<float> message;
+      bool skip = false;
+      {
+        std::unique_lock lock(mutex_);
+        changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        message = std::move(queue_.front());
+        queue_.pop_front();
+        skip = error_ != nullptr || stop_;
+      }
+      if (!skip) {
+        try {
+          comm_.send(std::span<const float>(message), peer_);
+        } catch (const std::exception& error) {
+          comm_.cancel(error.what());
+          std::lock_guard lock(mutex_);
+          error_ = std::current_exception();
+        }
+      }
+      {
+        std::lock_guard lock(mutex_);
+        free_.push_back(std::move(message));
+        ++sent_;
+      }
+      changed_.notify_all();
+    }
+  }
+
+  comm::Comm comm_;
+  int peer_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::vector<float>> queue_;
+  std::vector<std::vector<float>> free_;
+  std::size_t posted_ = 0, sent_ = 0;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+template <class Net, class Policy, class Optimizer>
+class PipelineEngine {
+ public:
+  using Partition = typename Policy::partition;
+  static constexpr std::size_t stages = Policy::stages;
+  static constexpr std::size_t classes = Net::output_shape::size;
+
+  // One stage per device, ranks of a LocalComm; or, with `processes` (an MPI
+  // world of `stages` ranks), stage = rank on this process's one device.
+  PipelineEngine(const std::vector<Device>& devices, comm::Comm processes,
+                 const Model<Net, float>& initial, typename Optimizer::Options options,
+                 PipelineSchedule schedule)
+      : schedule_(schedule), crew_(Policy::name, devices.front().threads) {
+    if (schedule_.micro_batches == 0) schedule_.micro_batches = Policy::schedule.micro_batches;
+    std::vector<comm::Comm> comms;
+    const bool local = !processes;  // LocalComm: buffered sends
+    if (processes) {
+      LOOM_CHECK(static_cast<std::size_t>(processes.size()) == stages, Policy::name, " has ",
+                 stages, " stages, one per process, but ", processes.size(),
+                 " processes were started; start ", stages, " (mpirun -np ", stages, ")");
+      LOOM_CHECK(devices.size() == 1, Policy::name, " over processes runs one stage per process "
+                 "on one device, but this one was given ", devices.size(),
+                 "; pass dist::Environment::devices()");
+#if defined(LOOM_WITH_MPI)
+      // A stage's outboxes send while its compute thread receives.
+      int initialized = 0, level = MPI_THREAD_SINGLE;
+      MPI_Initialized(&initialized);
+      if (initialized) MPI_Query_thread(&level);
+      LOOM_CHECK(!initialized || level == MPI_THREAD_MULTIPLE, Policy::name,
+                 " over MPI processes sends and receives from several threads at once and needs "
+                 "MPI_THREAD_MULTIPLE; this MPI library provides thread level ", level);
+#endif
+      comms.push_back(std::move(processes));
+    } else {
+      for (auto& local : comm::LocalComm::create(static_cast<int>(stages)))
+        comms.emplace_back(std::move(local));
+    }
+    for (auto& c : comms) {
+      auto rank = std::make_unique<Rank>();
+      rank->stage = static_cast<std::size_t>(c.rank());
+      rank->net = make_stage(rank->stage, initial, options);
+      rank->comm = c;
+      const bool threaded = !local;
+      if (rank->stage + 1 < stages)
+        rank->to_next = std::make_unique<Outbox>(c, static_cast<int>(rank->stage + 1), threaded);
+      if (rank->stage > 0)
+        rank->to_previous =
+            std::make_unique<Outbox>(c, static_cast<int>(rank->stage - 1), threaded);
+      ranks_.push_back(std::move(rank));
+    }
+    crew_.start(
+        ranks_.size(), [this](std::size_t i, const Job& job) { work(*ranks_[i], job); },
+        [this](std::size_t i, const std::string& why) { ranks_[i]->comm.cancel(why); });
+    try {
+      crew_.run({.kind = Job::start});
+    } catch (...) {
+      crew_.stop();  // no destructor runs for a constructor that throws
+      throw;
+    }
+  }
+
+  PipelineEngine(const PipelineEngine&) = delete;
+  PipelineEngine& operator=(const PipelineEngine&) = delete;
+  ~PipelineEngine() { crew_.stop(); }
+
+  const PipelineSchedule& schedule() const { return schedule_; }
+  std::size_t local_stages() const { return ranks_.size(); }
+  // Stages are ranks of the pipeline: all local, or this process's one.
+  bool all_local() const { return ranks_.size() == stages; }
+
+  // One batch of an optimizer step (see DataParallelEngine::micro_step).
+  // Returns the step's loss and correct-count sums when `last`; a
+  // non-finite loss skips the update on every stage (checked by the caller).
+  cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
+                           std::size_t group_samples, bool accumulate, bool last, float lr) {
+    crew_.run({.kind = Job::train,
+               .images = images,
+               .labels = labels,
+               .n = n,
+               .group_samples = group_samples,
+               .accumulate = accumulate,
+               .last = last,
+               .lr = lr});
+    const auto& stats = ranks_.front()->stats;
+    return {stats[0], static_cast<std::size_t>(stats[1])};
+  }
+
+  // Loss and correct-count sums over a data set, in pieces of `batch`
+  // samples, each streamed through the stages in micro-batches.
+  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
+    crew_.run({.kind = Job::evaluate, .n = batch, .dataset = &dataset});
+    const auto& stats = ranks_.front()->stats;
+    return {stats[0], static_cast<std::size_t>(stats[1])};
+  }
+
+  // Every stage's weights into `whole`'s slices (collective across processes:
+  // every rank gets all of them).
+  void gather(Model<Net, float>& whole) {
+    crew_.run({.kind = Job::gather, .whole = whole.parameters().data()});
+  }
+  // Each stage takes its slice of `whole`.
+  void scatter(const Model<Net, float>& whole) {
+    crew_.run({.kind = Job::scatter, .whole = const_cast<float*>(whole.parameters().data())});
+  }
+
+  StageReport report(std::size_t local_stage) const {
+    const Rank& r = *ranks_.at(local_stage);
+    std::size_t inputs = 0;
+    for (const auto& buffer : r.inputs) inputs += buffer.size();
+    return {r.stage, r.peak_in_flight, r.net->arena_elements() + inputs, r.busy, r.begin, r.end};
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  struct Job {
+    enum Kind { start, train, evaluate, gather, scatter } kind = train;
+    const float* images = nullptr;
+    const std::int32_t* labels = nullptr;
+    std::size_t n = 0;
+    std::size_t group_samples = 0;
+    bool accumulate = false;
+    bool last = true;
+    float lr = 0.0f;
+    const data::Dataset* dataset = nullptr;
+    float* whole = nullptr;
+  };
+
+  struct Rank {
+    std::size_t stage = 0;
+    std::unique_ptr<PipelineStage> net;
+    comm::Comm comm;
+    std::unique_ptr<Outbox> to_next, to_previous;  // after comm: destroyed first
+    std::vector<std::vector<float>> inputs;        // per slot: the received activations
+    std::vector<float> input_gradient;             // the backward's, for the stage before
+    std::vector<const float*> outputs;             // per slot: the forward's output
+    std::vector<std::size_t> free_slots, slot_of;  // slot_of: per micro-batch
+    std::size_t capacity = 0, in_flight = 0, peak_in_flight = 0;
+    std::array<double, 2> stats{};  // loss sum, correct count
+    double busy = 0.0;
+    Clock::time_point begin, end;
+  };
+
+  static std::unique_ptr<PipelineStage> make_stage(std::size_t k, const Model<Net, float>& whole,
+                                                   typename Optimizer::Options options) {
+    std::unique_ptr<PipelineStage> made;
+    static_for<stages>([&](auto K) {
+      using StageNet = stage_net_t<Net, Partition, K>;
+      constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
+      if (K == k)
+        made = std::make_unique<StageOf<StageNet, Optimizer>>(
+            whole.parameters().subspan(offset, StageNet::parameter_count), options, offset);
+    });
+    return made;
+  }
+
+  bool first(const Rank& r) const { return r.stage == 0; }
+  bool last(const Rank& r) const { return r.stage + 1 == stages; }
+
+  void work(Rank& r, const Job& job) {
+    switch (job.kind) {
+      case Job::start:
+        check_same_program<Net, Policy, Optimizer>(r.comm);
+        break;
+      case Job::train:
+        train(r, job);
+        break;
+      case Job::evaluate:
+        evaluate(r, job);
+        break;
+      case Job::gather:
+        gather(r, job.whole);
+        break;
+      case Job::scatter: {
+        auto mine = r.net->parameters();
+        std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
+        break;
+      }
+    }
+  }
+
+  // Room for micro-batches of up to `micro_batch` samples, `slots` at once;
+  // made before a step's passes (growing the arena mid-step would move the
+  // activations of micro-batches in flight).
+  void prepare(Rank& r, std::size_t micro_batch, std::size_t slots) {
+    r.net->reserve(micro_batch, slots);
+    if (micro_batch > r.capacity || slots > r.inputs.size()) {
+      r.capacity = std::max(r.capacity, micro_batch);
+      r.inputs.resize(std::max(slots, r.inputs.size()));
+      if (!first(r)) {
+        for (auto& buffer : r.inputs) buffer.resize(r.capacity * r.net->input_size);
+        r.input_gradient.resize(r.capacity * r.net->input_size);
+      }
+      r.outputs.resize(r.inputs.size());
+    }
+    r.free_slots.clear();
+    for (std::size_t s = slots; s-- > 0;) r.free_slots.push_back(s);
+  }
+
+  // The input of a micro-batch of n samples: the batch's own (stage 0), or
+  // received from the stage before into the slot's buffer.
+  const float* receive_input(Rank& r, const float* images, std::size_t n, std::size_t slot) {
+    if (first(r)) return images;
+    float* buffer = r.inputs[slot].data();
+    r.comm.recv(std::span<float>(buffer, n * r.net->input_size), static_cast<int>(r.stage - 1));
+    return buffer;
+  }
+
+  void send_output(Rank& r, const float* output, std::size_t n) {
+    r.to_next->send(std::span<const float>(output, n * r.net->output_size));
+  }
+
+  void train(Rank& r, const Job& job) {
+    const std::size_t micro = std::min(schedule_.micro_batches, job.n);
+    prepare(r, batch_share(job.n, micro, 0).count,
+            pipeline_in_flight(schedule_.kind, stages, r.stage, micro));
+    r.slot_of.assign(micro, 0);
+    if (!job.accumulate) r.stats = {};
+    bool accumulate = job.accumulate;
+    r.busy = 0.0;
+    r.begin = Clock::now();
+    for_each_pipeline_op(schedule_.kind, stages, r.stage, micro, [&](PipelineOp op) {
+      const auto share = batch_share(job.n, micro, op.micro_batch);
+      if (op.forward) {
+        const std::size_t slot = r.free_slots.back();
+        r.free_slots.pop_back();
+        r.slot_of[op.micro_batch] = slot;
+        r.peak_in_flight = std::max(r.peak_in_flight, ++r.in_flight);
+        const float* input = receive_input(
+            r, job.images + share.first * Net::input_shape::size, share.count, slot);
+        const auto started = Clock::now();
+        const float* output = r.net->forward(input, share.count, slot);
+        r.busy += seconds_since(started);
+        if (last(r))
+          r.outputs[slot] = output;
+        else
+          send_output(r, output, share.count);
+      } else {
+        const std::size_t slot = r.slot_of[op.micro_batch];
+        float* dy = r.net->output_gradient();
+        if (!last(r))
+          r.comm.recv(std::span<float>(dy, share.count * r.net->output_size),
+                      static_cast<int>(r.stage + 1));
+        const auto started = Clock::now();
+        if (last(r)) {
+          const auto sums = SoftmaxCrossEntropy::evaluate<float>(
+              r.outputs[slot], job.labels + share.first, share.count, classes, job.group_samples,
+              dy);
+          r.stats[0] += sums.loss;
+          r.stats[1] += static_cast<double>(sums.correct);
+        }
+        r.net->backward(slot, accumulate, first(r) ? nullptr : r.input_gradient.data());
+        r.busy += seconds_since(started);
+        if (!first(r))
+          r.to_previous->send(
+              std::span<const float>(r.input_gradient.data(), share.count * r.net->input_size));
+        accumulate = true;
+        r.free_slots.push_back(slot);
+        --r.in_flight;
+      }
+    });
+    r.end = Clock::now();
+    if (!job.last) return;
+    drain(r);
+    // Only the last stage has the loss; every stage learns it, so all skip
+    // a non-finite step or all take it.
+    r.comm.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+    if (std::isfinite(r.stats[0])) r.net->update(job.lr);
+  }
+
+  void evaluate(Rank& r, const Job& job) {
+    const auto& data = *job.dataset;
+    const std::size_t sample = data.sample_size();
+    const std::size_t micro = std::min(schedule_.micro_batches, job.n);
+    prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.inputs.size()));
+    r.stats = {};
+    for (std::size_t at = 0; at < data.count; at += job.n) {
+      const std::size_t n = std::min(job.n, data.count - at);
+      const std::size_t pieces = std::min(micro, n);
+      for (std::size_t m = 0; m < pieces; ++m) {
+        const auto share = batch_share(n, pieces, m);
+        const std::size_t first_sample = at + share.first;
+        const float* input =
+            receive_input(r, data.images.data() + first_sample * sample, share.count, 0);
+        const float* output = r.net->forward(input, share.count, 0);
+        if (last(r)) {
+          const auto sums = SoftmaxCrossEntropy::evaluate<float>(
+              output, data.labels.data() + first_sample, share.count, classes, share.count,
+              nullptr);
+          r.stats[0] += sums.loss;
+          r.stats[1] += static_cast<double>(sums.correct);
+        } else {
+          send_output(r, output, share.count);
+        }
+      }
+    }
+    drain(r);
+    r.comm.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+  }
+
+  void gather(Rank& r, float* whole) {
+    const auto mine = r.net->parameters();
+    if (all_local()) {
+      std::copy(mine.begin(), mine.end(), whole + r.net->parameter_offset);
+      return;
+    }
+    // Each rank adds its slice into zeros: the sum is every slice, exactly.
+    std::vector<float> all(Net::parameter_count, 0.0f);
+    std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(r.net->parameter_offset));
+    r.comm.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
+    std::copy(all.begin(), all.end(), whole);
+  }
+
+  static void drain(Rank& r) {
+    if (r.to_next) r.to_next->drain();
+    if (r.to_previous) r.to_previous->drain();
+  }
+
+  static double seconds_since(Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+  PipelineSchedule schedule_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  Crew<Job> crew_;  // after ranks_: its threads stop before the ranks go
+};
+
+}  // namespace detail
+}  // namespace loom
