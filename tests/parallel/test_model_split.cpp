@@ -9,35 +9,19 @@
 
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
+#include "policy_test.hpp"
 
 using namespace loom;
 namespace test = loom::test;
 using test::fashion;
 using test::head;
+using test::LeNet;
+using test::Logistic;
+using test::sgd;
+using test::single_device;
+using test::trained;
 
 namespace {
-
-using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
-                         MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
-using Logistic = Sequential<Input<1, 28, 28>, Flatten, Linear<10>>;
-
-const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
-
-template <class Net, class Policy>
-std::vector<float> trained(Trainer<Net, Policy>& trainer, const data::Dataset& data,
-                           FitOptions fit) {
-  trainer.fit(data, fit);
-  const auto p = trainer.model().parameters();
-  return {p.begin(), p.end()};
-}
-
-template <class Net>
-std::vector<float> single_device(const data::Dataset& data, FitOptions fit, int threads = 0) {
-  auto device = devices::cpu(1);
-  if (threads > 0) device.front().threads = threads;
-  Trainer<Net> trainer(device, sgd, {.seed = 7});
-  return trained(trainer, data, fit);
-}
 
 template <class Net, class Policy>
 std::vector<float> split(const data::Dataset& data, FitOptions fit) {

@@ -227,10 +227,9 @@ class Trainer {
         step.seconds = seconds_since(start);
         (call_step(callbacks, step), ...);
       }
-      // Across processes model() cannot gather (it is not collective): it
-      // returns the weights as of the last epoch's end.
-      if constexpr (is_model_split<Policy>)
-        if (!pipeline_->all_local()) pipeline_->gather(model_);
+      // Before the callbacks, like the GPU's copy; across processes model()
+      // cannot gather (it is not collective) and returns these.
+      if constexpr (is_model_split<Policy>) pipeline_->gather(model_);
       [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
                                             step.accuracy, step.samples,   seconds_since(start)};
       (call_epoch_end(callbacks, done), ...);

@@ -1,0 +1,37 @@
+// What the policy tests share: the networks, the example's optimizer recipe,
+// and the single-device weights every policy must reproduce.
+#pragma once
+
+#include <loom/loom.hpp>
+#include <vector>
+
+namespace loom::test {
+
+using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
+                         MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
+using Logistic = Sequential<Input<1, 28, 28>, Flatten, Linear<10>>;
+
+// The example's recipe. (At lr 0.02 the first steps of LeNet are chaotic
+// enough to grow FP32 rounding differences to 1e-5 in 9 steps.)
+inline const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+
+// The weights after fit().
+template <class Net, class Policy>
+std::vector<float> trained(Trainer<Net, Policy>& trainer, const data::Dataset& data,
+                           FitOptions fit) {
+  trainer.fit(data, fit);
+  const auto p = trainer.model().parameters();
+  return {p.begin(), p.end()};
+}
+
+// One device, seed 7; `threads` BLAS threads (0: every core). GEMMs split
+// their sums by thread, so a bit-for-bit comparison needs the same count.
+template <class Net>
+std::vector<float> single_device(const data::Dataset& data, FitOptions fit, int threads = 0) {
+  auto device = devices::cpu(1);
+  if (threads > 0) device.front().threads = threads;
+  Trainer<Net> trainer(device, sgd, {.seed = 7});
+  return trained(trainer, data, fit);
+}
+
+}  // namespace loom::test
