@@ -114,7 +114,7 @@ class LocalGroup {
     pair.queue.pop_front();
   }
 
-  void abort(int rank, const std::string& why) {
+  void cancel(int rank, const std::string& why) {
     std::lock_guard lock(mutex_);
     if (!aborted_) {
       aborted_ = true;
@@ -246,7 +246,7 @@ class LocalComm {
 
   // Makes every pending and later call of the group raise a loom::Error that
   // carries `why`, instead of waiting for this rank.
-  void cancel(const std::string& why) { group_->abort(rank_, why); }
+  void cancel(const std::string& why) { group_->cancel(rank_, why); }
 
  private:
   using Slot = detail::LocalGroup::Slot;

@@ -120,6 +120,11 @@ void check_same_program(comm::Comm& c) {
                identity, ". Start every rank from the same program");
 }
 
+// A step's (loss sum, correct count) as the engines keep them, for the caller.
+inline cpu::LossSums loss_sums(const std::array<double, 2>& stats) {
+  return {stats[0], static_cast<std::size_t>(stats[1])};
+}
+
 template <class Net, class Policy, class Optimizer>
 class DataParallelEngine {
  public:
@@ -194,15 +199,13 @@ class DataParallelEngine {
          .accumulate = accumulate,
          .last = last,
          .lr = lr});
-    const auto& stats = replicas_.front()->stats;
-    return {stats[0], static_cast<std::size_t>(stats[1])};
+    return loss_sums(replicas_.front()->stats);
   }
 
   // Loss and correct-count sums over a data set, each rank taking its share.
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
     run({.kind = Job::evaluate, .n = batch, .dataset = &dataset});
-    const auto& stats = replicas_.front()->stats;
-    return {stats[0], static_cast<std::size_t>(stats[1])};
+    return loss_sums(replicas_.front()->stats);
   }
 
  private:

@@ -347,16 +347,14 @@ class PipelineEngine {
                .accumulate = accumulate,
                .last = last,
                .lr = lr});
-    const auto& stats = ranks_.front()->stats;
-    return {stats[0], static_cast<std::size_t>(stats[1])};
+    return loss_sums(ranks_.front()->stats);
   }
 
   // Loss and correct-count sums over a data set, in pieces of `batch`
   // samples, each streamed through the stages in micro-batches.
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
     crew_.run({.kind = Job::evaluate, .n = batch, .dataset = &dataset});
-    const auto& stats = ranks_.front()->stats;
-    return {stats[0], static_cast<std::size_t>(stats[1])};
+    return loss_sums(ranks_.front()->stats);
   }
 
   // Every stage's weights into `whole`'s slices (collective across processes:
