@@ -23,7 +23,27 @@
 #include "../backend/cpu/threads.hpp"
 #include "../core/error.hpp"
 
+namespace loom::data {
+struct Dataset;
+}
+
 namespace loom::detail {
+
+// The job a policy engine hands its crew: its kind (the engine's own enum)
+// and what a training step, an evaluation or a weight copy needs.
+template <class Kind>
+struct EngineJob {
+  Kind kind{};
+  const float* images = nullptr;
+  const std::int32_t* labels = nullptr;
+  std::size_t n = 0;              // samples of the batch (evaluation: per piece)
+  std::size_t group_samples = 0;  // samples of the optimizer step
+  bool accumulate = false;        // add to the step's earlier gradients
+  bool last = true;               // the step's last batch: reduce and update
+  float lr = 0.0f;
+  const data::Dataset* dataset = nullptr;
+  float* whole = nullptr;  // the whole network's weights (gather, scatter)
+};
 
 template <class Job>
 class Crew {

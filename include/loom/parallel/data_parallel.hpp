@@ -159,7 +159,7 @@ class DataParallelEngine {
         [this](std::size_t i, const std::string& why) { replicas_[i]->comm.cancel(why); });
     // Every rank checks it runs the same program, then takes rank 0's weights.
     try {
-      run({.kind = Job::start});
+      run({.kind = JobKind::start});
     } catch (...) {
       shutdown();  // no destructor runs for a constructor that throws
       throw;
@@ -191,7 +191,7 @@ class DataParallelEngine {
   // a non-finite loss skips the update on every rank (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last, float lr) {
-    run({.kind = Job::train,
+    run({.kind = JobKind::train,
          .images = images,
          .labels = labels,
          .n = n,
@@ -204,22 +204,13 @@ class DataParallelEngine {
 
   // Loss and correct-count sums over a data set, each rank taking its share.
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
-    run({.kind = Job::evaluate, .n = batch, .dataset = &dataset});
+    run({.kind = JobKind::evaluate, .n = batch, .dataset = &dataset});
     return loss_sums(replicas_.front()->stats);
   }
 
  private:
-  struct Job {
-    enum Kind { start, train, evaluate } kind = train;
-    const float* images = nullptr;
-    const std::int32_t* labels = nullptr;
-    std::size_t n = 0;
-    std::size_t group_samples = 0;
-    bool accumulate = false;
-    bool last = true;
-    float lr = 0.0f;
-    const data::Dataset* dataset = nullptr;
-  };
+  enum class JobKind { start, train, evaluate };
+  using Job = EngineJob<JobKind>;
 
   struct Replica {
     static constexpr int stop = -2;
@@ -270,9 +261,9 @@ class DataParallelEngine {
   void run(const Job& job) { crew_.run(job); }
 
   void work(Replica& replica, const Job& job) {
-    if (job.kind == Job::start)
+    if (job.kind == JobKind::start)
       start(replica);
-    else if (job.kind == Job::train)
+    else if (job.kind == JobKind::train)
       train(replica, job);
     else
       evaluate(replica, job);

@@ -318,7 +318,7 @@ class PipelineEngine {
         ranks_.size(), [this](std::size_t i, const Job& job) { work(*ranks_[i], job); },
         [this](std::size_t i, const std::string& why) { ranks_[i]->comm.cancel(why); });
     try {
-      crew_.run({.kind = Job::start});
+      crew_.run({.kind = JobKind::start});
     } catch (...) {
       crew_.stop();  // no destructor runs for a constructor that throws
       throw;
@@ -339,7 +339,7 @@ class PipelineEngine {
   // non-finite loss skips the update on every stage (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last, float lr) {
-    crew_.run({.kind = Job::train,
+    crew_.run({.kind = JobKind::train,
                .images = images,
                .labels = labels,
                .n = n,
@@ -353,18 +353,18 @@ class PipelineEngine {
   // Loss and correct-count sums over a data set, in pieces of `batch`
   // samples, each streamed through the stages in micro-batches.
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
-    crew_.run({.kind = Job::evaluate, .n = batch, .dataset = &dataset});
+    crew_.run({.kind = JobKind::evaluate, .n = batch, .dataset = &dataset});
     return loss_sums(ranks_.front()->stats);
   }
 
   // Every stage's weights into `whole`'s slices (collective across processes:
   // every rank gets all of them).
   void gather(Model<Net, float>& whole) {
-    crew_.run({.kind = Job::gather, .whole = whole.parameters().data()});
+    crew_.run({.kind = JobKind::gather, .whole = whole.parameters().data()});
   }
   // Each stage takes its slice of `whole`.
   void scatter(const Model<Net, float>& whole) {
-    crew_.run({.kind = Job::scatter, .whole = const_cast<float*>(whole.parameters().data())});
+    crew_.run({.kind = JobKind::scatter, .whole = const_cast<float*>(whole.parameters().data())});
   }
 
   StageReport report(std::size_t local_stage) const {
@@ -377,18 +377,8 @@ class PipelineEngine {
  private:
   using Clock = std::chrono::steady_clock;
 
-  struct Job {
-    enum Kind { start, train, evaluate, gather, scatter } kind = train;
-    const float* images = nullptr;
-    const std::int32_t* labels = nullptr;
-    std::size_t n = 0;
-    std::size_t group_samples = 0;
-    bool accumulate = false;
-    bool last = true;
-    float lr = 0.0f;
-    const data::Dataset* dataset = nullptr;
-    float* whole = nullptr;
-  };
+  enum class JobKind { start, train, evaluate, gather, scatter };
+  using Job = EngineJob<JobKind>;
 
   struct Rank {
     std::size_t stage = 0;
@@ -423,19 +413,19 @@ class PipelineEngine {
 
   void work(Rank& r, const Job& job) {
     switch (job.kind) {
-      case Job::start:
+      case JobKind::start:
         check_same_program<Net, Policy, Optimizer>(r.comm);
         break;
-      case Job::train:
+      case JobKind::train:
         train(r, job);
         break;
-      case Job::evaluate:
+      case JobKind::evaluate:
         evaluate(r, job);
         break;
-      case Job::gather:
+      case JobKind::gather:
         gather(r, job.whole);
         break;
-      case Job::scatter: {
+      case JobKind::scatter: {
         auto mine = r.net->parameters();
         std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
         break;
