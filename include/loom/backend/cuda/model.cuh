@@ -122,6 +122,27 @@ struct device_layout<TypeList<Ls...>> {
   }();
 };
 
+// Enqueues copying a layer list's parameters between the host's flat buffer
+// (the CPU Model's order) and the device's padded layout (device_layout).
+template <class List>
+void copy_parameters(float* device, float* host, cudaMemcpyKind kind, cudaStream_t stream) {
+  using layout = device_layout<List>;
+  constexpr auto& host_offsets = ::loom::detail::list_info<List>::param_offsets;
+  const auto copy = [&](std::size_t device_at, std::size_t host_at, std::size_t count) {
+    if (count == 0) return;
+    if (kind == cudaMemcpyHostToDevice)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(device + device_at, host + host_at, count * sizeof(float),
+                                      kind, stream));
+    else
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(host + host_at, device + device_at, count * sizeof(float),
+                                      kind, stream));
+  };
+  for (std::size_t i = 0; i < List::size; ++i) {
+    copy(layout::offsets.weight[i], host_offsets[i], layout::weights[i]);
+    copy(layout::offsets.bias[i], host_offsets[i] + layout::weights[i], layout::biases[i]);
+  }
+}
+
 // Layer I (a Linear+ReLU) keeps its ReLU mask for layer I+1 (a Linear).
 template <class List, std::size_t I>
 constexpr bool writes_relu_mask() {
@@ -301,13 +322,69 @@ class LayerRunner {
   std::unique_ptr<GemmPlan> forward_, weight_grad_, input_grad_;
 };
 
-template <class List, class Indices>
+// InputGradient: every layer passes a gradient to its input, the first
+// included (a pipeline stage after the first sends it to the stage before).
+template <class List, class Indices, bool InputGradient>
 struct runners;
-template <class List, std::size_t... I>
-struct runners<List, std::index_sequence<I...>> {
+template <class List, std::size_t... I, bool InputGradient>
+struct runners<List, std::index_sequence<I...>, InputGradient> {
   using type = std::tuple<LayerRunner<type_at_t<I, List>, writes_relu_mask<List, I>(),
                                       applies_previous_drelu<List, I>(),
-                                      needs_input_gradient<List, I>()>...>;
+                                      InputGradient || needs_input_gradient<List, I>()>...>;
+};
+
+// Every layer's runner for each batch size seen, made on first use. The
+// largest batch's plans size the scratch all layers share; smaller batches'
+// algorithms are held to the room that leaves (dZ of a smaller batch is smaller).
+template <class List, bool InputGradient = false>
+class PlanCache {
+ public:
+  using Runners =
+      typename runners<List, std::make_index_sequence<List::size>, InputGradient>::type;
+
+  PlanCache(DeviceContext& context, std::size_t max_batch, bool allow_tf32)
+      : context_(context), max_batch_(max_batch), allow_tf32_(allow_tf32) {
+    auto first = make(max_batch, std::numeric_limits<std::size_t>::max(),
+                      std::make_index_sequence<List::size>{});
+    static_for<List::size>(
+        [&](auto i) { scratch_bytes_ = std::max(scratch_bytes_, std::get<i>(*first).scratch_bytes()); });
+    plans_.emplace(max_batch, std::move(first));
+  }
+
+  std::size_t scratch_bytes() const { return scratch_bytes_; }
+
+  Runners& get(std::size_t n) {
+    auto found = plans_.find(n);
+    if (found != plans_.end()) return *found->second;
+    std::size_t smallest_room = scratch_bytes_;
+    static_for<List::size>([&](auto i) {
+      using L = type_at_t<i, List>;
+      smallest_room = std::min(smallest_room,
+                               scratch_bytes_ - DeviceArena::padded_bytes<float>(
+                                                    n * L::output_shape::size));
+    });
+    auto made = make(n, smallest_room, std::make_index_sequence<List::size>{});
+    static_for<List::size>([&](auto i) {
+      LOOM_CHECK(std::get<i>(*made).scratch_bytes() <= scratch_bytes_, "layer ", i + 1,
+                 "'s algorithms for a batch of ", n, " need ", std::get<i>(*made).scratch_bytes(),
+                 " bytes of scratch but ", scratch_bytes_, " were planned for ", max_batch_);
+    });
+    return *plans_.emplace(n, std::move(made)).first->second;
+  }
+
+ private:
+  template <std::size_t... I>
+  std::unique_ptr<Runners> make(std::size_t n, std::size_t library_limit,
+                                std::index_sequence<I...>) {
+    return std::unique_ptr<Runners>(new Runners{
+        std::tuple_element_t<I, Runners>(context_, n, library_limit, allow_tf32_)...});
+  }
+
+  DeviceContext& context_;
+  std::size_t max_batch_;
+  bool allow_tf32_;
+  std::size_t scratch_bytes_ = 0;
+  std::map<std::size_t, std::unique_ptr<Runners>> plans_;
 };
 
 }  // namespace detail
@@ -331,17 +408,11 @@ class DeviceModel {
         sgd_(sgd),
         options_(options),
         graphs_(options.graphs),
+        plans_(context_, checked_batch(max_batch), options.allow_tf32),
+        scratch_bytes_(plans_.scratch_bytes()),
         loss_(max_batch),
         snapshots_(2) {
-    LOOM_CHECK(max_batch >= 1, "DeviceModel: the largest batch must be at least 1 sample");
     const std::string owner = "DeviceModel on cuda:" + std::to_string(current_device());
-    // The largest batch's plans size the shared scratch; smaller batches'
-    // algorithms are then held to what it leaves for the libraries.
-    auto first = make_plan(max_batch, std::numeric_limits<std::size_t>::max());
-    static_for<layer_count>([&](auto i) {
-      scratch_bytes_ = std::max(scratch_bytes_, std::get<i>(first->runners).scratch_bytes());
-    });
-    plans_.emplace(max_batch, std::move(first));
 
     arena_ = std::make_unique<DeviceArena>(plan_bytes(), owner);
     params_ = arena_->take<float>(layout::total);
@@ -484,49 +555,17 @@ class DeviceModel {
   std::size_t graphs() const { return graphs_.graphs(); }
 
  private:
-  using runners_type =
-      typename detail::runners<executed, std::make_index_sequence<layer_count>>::type;
-  struct Plan {
-    runners_type runners;
-  };
+  using Plan = typename detail::PlanCache<executed>::Runners;
 
   static int current_device() { return gpu::detail::current_device(); }
   static constexpr std::size_t largest_activation() {
     return ::loom::detail::list_info<executed>::largest_activation;
   }
-
-  template <std::size_t... I>
-  std::unique_ptr<Plan> make_plan_impl(std::size_t n, std::size_t library_limit,
-                                       std::index_sequence<I...>) {
-    return std::unique_ptr<Plan>(
-        new Plan{runners_type{std::tuple_element_t<I, runners_type>(
-            context_, n, library_limit, options_.allow_tf32)...}});
+  static std::size_t checked_batch(std::size_t max_batch) {
+    LOOM_CHECK(max_batch >= 1, "DeviceModel: the largest batch must be at least 1 sample");
+    return max_batch;
   }
-  std::unique_ptr<Plan> make_plan(std::size_t n, std::size_t library_limit) {
-    return make_plan_impl(n, library_limit, std::make_index_sequence<layer_count>{});
-  }
-
-  // Plans for a new batch size are made on first use, their algorithms held
-  // to the scratch the largest batch sized (dZ of a smaller batch is smaller).
-  Plan& plan(std::size_t n) {
-    auto found = plans_.find(n);
-    if (found != plans_.end()) return *found->second;
-    std::size_t smallest_room = scratch_bytes_;
-    static_for<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      smallest_room = std::min(smallest_room,
-                               scratch_bytes_ - DeviceArena::padded_bytes<float>(
-                                                    n * L::output_shape::size));
-    });
-    auto made = make_plan(n, smallest_room);
-    static_for<layer_count>([&](auto i) {
-      LOOM_CHECK(std::get<i>(made->runners).scratch_bytes() <= scratch_bytes_,
-                 "DeviceModel: layer ", i + 1, "'s algorithms for a batch of ", n, " need ",
-                 std::get<i>(made->runners).scratch_bytes(), " bytes of scratch but ",
-                 scratch_bytes_, " were planned for ", max_batch_);
-    });
-    return *plans_.emplace(n, std::move(made)).first->second;
-  }
+  Plan& plan(std::size_t n) { return plans_.get(n); }
 
   std::size_t plan_bytes() const {
     std::size_t bytes = 3 * DeviceArena::padded_bytes<float>(layout::total);
@@ -550,23 +589,7 @@ class DeviceModel {
 
   // Host flat buffer (the CPU Model's order) to or from the padded device one.
   void copy_parameters(const float* host_src_or_dst, cudaMemcpyKind kind) {
-    constexpr auto& host_offsets = ::loom::detail::list_info<executed>::param_offsets;
-    float* host = const_cast<float*>(host_src_or_dst);
-    for (std::size_t i = 0; i < layer_count; ++i) {
-      const std::size_t at = host_offsets[i];
-      const auto copy = [&](std::size_t device_at, std::size_t host_at, std::size_t count) {
-        if (count == 0) return;
-        float* device = params_ + device_at;
-        if (kind == cudaMemcpyHostToDevice)
-          LOOM_CUDA_CHECK(cudaMemcpyAsync(device, host + host_at, count * sizeof(float), kind,
-                                          stream()));
-        else
-          LOOM_CUDA_CHECK(cudaMemcpyAsync(host + host_at, device, count * sizeof(float), kind,
-                                          stream()));
-      };
-      copy(layout::offsets.weight[i], at, layout::weights[i]);
-      copy(layout::offsets.bias[i], at + layout::weights[i], layout::biases[i]);
-    }
+    detail::copy_parameters<executed>(params_, const_cast<float*>(host_src_or_dst), kind, stream());
     // A host-to-device copy from pageable memory has read its source on return.
   }
 
@@ -729,7 +752,7 @@ class DeviceModel {
 
   void forward(Plan& p, const float* images, std::size_t) {
     input_ = images;
-    static_for<layer_count>([&](auto i) { std::get<i>(p.runners).forward(call<i>()); });
+    static_for<layer_count>([&](auto i) { std::get<i>(p).forward(call<i>()); });
   }
 
   template <class OnLayerDone>
@@ -740,7 +763,7 @@ class DeviceModel {
       detail::LayerCall c = call<i>();
       c.dy = grad_buffers_[current];
       if constexpr (detail::needs_input_gradient<executed, i>()) c.dx = grad_buffers_[1 - current];
-      std::get<i>(p.runners).backward(c);
+      std::get<i>(p).backward(c);
       if (!L::in_place) current = 1 - current;
       done(std::size_t{i});
     });
@@ -776,7 +799,7 @@ class DeviceModel {
   SGD::Options sgd_;
   DeviceModelOptions options_;
   StepGraphs<typename StepShape::Key> graphs_;
-  std::map<std::size_t, std::unique_ptr<Plan>> plans_;
+  detail::PlanCache<executed> plans_;
   std::size_t scratch_bytes_ = 0;
   std::unique_ptr<DeviceArena> arena_;
   SoftmaxXentWorkspace loss_;
