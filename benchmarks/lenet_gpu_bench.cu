@@ -10,7 +10,8 @@
 // staged from host memory) with DataParallel<> on GPU 0 (one NCCL rank: the
 // policy's cost; more GPUs take one process each, under mpirun) against
 // SingleDevice, as "lenet_fit_epoch" lines ("library":"loom" is DataParallel,
-// "loom-single-device" its peer).
+// "loom-single-device" its peer), and ModelSplit<Balanced<2>, OneFOneB<4>>
+// with both stages on GPU 0, each on its own streams ("loom-model-split").
 #include <iostream>
 #include <loom/backend/cuda/model.cuh>
 
@@ -58,7 +59,9 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
 
 template <class Policy>
 nlohmann::json fit_epoch(const loom::data::Dataset& train, std::size_t batch, const char* library) {
-  const std::vector<loom::Device> gpu{loom::devices::gpus().front()};
+  // One GPU for each device the policy takes (ModelSplit: a stage each).
+  const std::vector<loom::Device> gpu(std::max<std::size_t>(Policy::devices_needed, 1),
+                                      loom::devices::gpus().front());
   loom::Trainer<loom::bench::LeNet, Policy> trainer(gpu, {.lr = 0.01f, .momentum = 0.9f});
   // A first epoch captures the graphs; the second is timed.
   trainer.fit(train, {.epochs = 1, .batch_size = batch});
@@ -97,6 +100,10 @@ int main(int argc, char** argv) {
     for (const std::size_t batch : options.batches) {
       std::cout << fit_epoch<loom::DataParallel<>>(train, batch, "loom").dump() << std::endl;
       std::cout << fit_epoch<loom::SingleDevice>(train, batch, "loom-single-device").dump()
+                << std::endl;
+      std::cout << fit_epoch<loom::ModelSplit<loom::Balanced<2>, loom::OneFOneB<4>>>(
+                       train, batch, "loom-model-split")
+                       .dump()
                 << std::endl;
     }
   } catch (const loom::Error& error) {

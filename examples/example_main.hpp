@@ -7,7 +7,8 @@
 //   --policy data     DataParallel<> over --devices CPU worker devices, or
 //                     over the processes of mpirun (one device each)
 //   --policy split    ModelSplit<Balanced<S>> over S = --devices CPU worker
-//                     devices (or the S processes of mpirun), with
+//                     devices, or S stages over the GPUs (built by nvcc), or
+//                     the S processes of mpirun (CPU), with
 //                     --schedule gpipe|1f1b and --micro-batches M
 // Without --policy: single for one device, data for more, data under mpirun.
 #pragma once
@@ -175,8 +176,14 @@ int example_main(int argc, char** argv, const char* title, Options o) {
     const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
     const Device first = devices::all().front();
     if (policy == "split") {
-      // Pipeline stages run on CPU worker devices (not on GPUs yet).
-      train_split<Net>(title, o, data, o.devices, devices::cpu(o.devices), {}, out);
+      // A stage per CPU worker device, or the stages spread over the GPUs
+      // round-robin (several on one GPU run on streams of their own).
+      std::vector<Device> stages = devices::cpu(o.devices);
+      if (first.kind == Device::Kind::cuda) {
+        const auto gpus = devices::gpus();
+        for (std::size_t k = 0; k < stages.size(); ++k) stages[k] = gpus[k % gpus.size()];
+      }
+      train_split<Net>(title, o, data, o.devices, stages, {}, out);
     } else if (first.kind == Device::Kind::cuda) {
       LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
                  ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,

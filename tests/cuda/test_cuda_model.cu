@@ -297,6 +297,70 @@ TEST_CASE("cuda trainer: gradient accumulation on a GPU equals one step on the w
   check(parallel, steps, "DataParallel, 3 x 20 against 60");
 }
 
+// ModelSplit with every stage on the one GPU (its own streams): the stages'
+// passes and the device-to-device links between them.
+template <class Policy>
+void split_follows_cpu(const char* what, PipelineSchedule schedule) {
+  INFO(what);
+  const std::vector<Device> gpus(Policy::stages, devices::gpus().front());
+  const auto part = head(fashion().train, 490);  // 8 steps of 60, then 10
+  const FitOptions fit{.epochs = 2, .batch_size = 60, .seed = 3};
+  const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+  std::vector<StepInfo> cpu_steps, gpu_steps;
+  struct Record {
+    std::vector<StepInfo>* steps;
+    void on_step(const StepInfo& s) { steps->push_back(s); }
+  };
+  Trainer<LeNet> cpu_trainer(devices::cpu(1), sgd, {.seed = 7});
+  cpu_trainer.fit(part, fit, Record{&cpu_steps});
+  Trainer<LeNet, Policy> gpu_trainer(gpus, sgd, {.seed = 7, .schedule = schedule});
+  gpu_trainer.fit(part, fit, Record{&gpu_steps});
+  REQUIRE(gpu_steps.size() == cpu_steps.size());
+  for (std::size_t i = 0; i < cpu_steps.size(); ++i) {
+    INFO("step " << i);
+    REQUIRE(gpu_steps[i].samples == cpu_steps[i].samples);
+    REQUIRE(gpu_steps[i].loss == Approx(cpu_steps[i].loss).epsilon(1e-3));
+  }
+  test::require_close(gpu_trainer.model().parameters(), cpu_trainer.model().parameters(),
+                      {1e-4, 1e-2}, "weights after 2 epochs");
+  // Evaluated in pieces of the planned batch, forward only through the links.
+  const auto a = gpu_trainer.evaluate(fashion().test, 500);
+  const auto b = cpu_trainer.evaluate(fashion().test);
+  REQUIRE(a.samples == 10000);
+  REQUIRE(a.loss == Approx(b.loss).epsilon(1e-3));
+  REQUIRE(std::abs(a.accuracy - b.accuracy) <= 0.002);
+}
+
+TEST_CASE("cuda ModelSplit: stages sharing one GPU follow single-device training on the CPU") {
+  split_follows_cpu<ModelSplit<Balanced<2>, OneFOneB<4>>>("Balanced<2>, 1F1B, 4 micro-batches",
+                                                         OneFOneB<4>::schedule);
+  split_follows_cpu<ModelSplit<Balanced<2>, OneFOneB<4>>>("Balanced<2>, GPipe, 6 micro-batches",
+                                                         {PipelineKind::gpipe, 6});
+  // Stage 2 starts with Flatten (its gradient passes through); stage 1
+  // ends with a pool whose output the link reads.
+  split_follows_cpu<ModelSplit<At<4, 7>, OneFOneB<5>>>("At<4, 7>, 1F1B, 5 micro-batches",
+                                                      OneFOneB<5>::schedule);
+  // Stage 1 starts with a standalone ReLU after a Linear without its own;
+  // in Balanced<2> above, Linear+ReLU feeds Linear within stage 2 (a ReLU
+  // mask per micro-batch in flight).
+  split_follows_cpu<ModelSplit<At<9>, GPipe<3>>>("At<9>, GPipe, 3 micro-batches",
+                                                 GPipe<3>::schedule);
+}
+
+TEST_CASE("cuda ModelSplit: a NaN loss stops fit at the same step, every stage keeps its weights") {
+  auto part = head(fashion().train, 256);
+  part.images[5 * 32 * 784 + 3] = std::numeric_limits<float>::quiet_NaN();  // step 6, no shuffle
+  const FitOptions fit{.epochs = 1, .batch_size = 32, .shuffle = false};
+  const std::vector<Device> gpus(2, devices::gpus().front());
+  Trainer<LeNet, ModelSplit<At<8>, OneFOneB<4>>> trainer(gpus, {.lr = 0.01f}, {.seed = 1});
+  REQUIRE_THROWS_WITH(trainer.fit(part, fit), Catch::Contains("the training loss became nan") &&
+                                                  Catch::Contains("at epoch 1, step 6"));
+  Trainer<LeNet> reference(devices::cpu(1), {.lr = 0.01f}, {.seed = 1});
+  REQUIRE_THROWS_WITH(reference.fit(part, fit), Catch::Contains("at epoch 1, step 6"));
+  test::require_close(trainer.model().parameters(), reference.model().parameters(), {1e-5, 1e-3},
+                      "weights kept after the NaN step");
+}
+
 TEST_CASE("cuda DataParallel: several GPUs in one process are refused with what to do instead") {
   const std::vector<Device> two{devices::gpus().front(), devices::gpus().front()};
   Trainer<Logistic, DataParallel<>> trainer(two, {.lr = 0.01f});

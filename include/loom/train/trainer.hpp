@@ -26,6 +26,7 @@
 
 #if defined(__CUDACC__)
 #include "../backend/cuda/model.cuh"
+#include "../backend/cuda/pipeline.cuh"
 #include "../backend/cuda/staging.hpp"
 #endif
 
@@ -170,11 +171,13 @@ class Trainer {
         processes_ = std::move(processes);
     }
     if constexpr (is_model_split<Policy>) {
-      LOOM_CHECK(devices_.front().kind == Device::Kind::cpu, Policy::name,
-                 " runs its stages on CPU worker devices or processes so far, not on ",
-                 devices_.front().name(), "; pass devices::cpu(", Policy::stages, ")");
-      pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
-                                             trainer_options.schedule);
+      // On GPUs the stages are made by the first fit() or evaluate(), for its batch size.
+      if (devices_.front().kind == Device::Kind::cpu)
+        pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
+                                               trainer_options.schedule);
+      else
+        LOOM_CHECK(!processes, Policy::name, " across processes runs on CPU devices so far; on "
+                   "GPUs give one process all the stages' GPUs (a GPU may hold several stages)");
     }
   }
 
@@ -191,7 +194,9 @@ class Trainer {
     const FitInfo info{options.epochs, (loader.batches_per_epoch() + k - 1) / k, train.count,
                        options.batch_size};
 #if defined(__CUDACC__)
-    if (on_gpu()) {
+    if constexpr (is_model_split<Policy>) {
+      if (on_gpu()) gpu_split(options.batch_size);
+    } else if (on_gpu()) {
       fit_gpu(loader, options, info, callbacks...);
       return;
     }
@@ -229,7 +234,8 @@ class Trainer {
       }
       // Before the callbacks, like the GPU's copy; across processes model()
       // cannot gather (it is not collective) and returns these.
-      if constexpr (is_model_split<Policy>) pipeline_->gather(model_);
+      if constexpr (is_model_split<Policy>)
+        with_split([&](auto& engine) { engine.gather(model_); });
       [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
                                             step.accuracy, step.samples,   seconds_since(start)};
       (call_epoch_end(callbacks, done), ...);
@@ -245,20 +251,25 @@ class Trainer {
     double loss_sum = 0.0;
     std::size_t correct = 0;
 #if defined(__CUDACC__)
-    if (on_gpu()) {
+    if (on_gpu() && !is_model_split<Policy>) {
       const auto sums = evaluate_gpu(dataset, batch_size);
       loss_sum = sums.loss;
       correct = sums.correct;
     }
 #endif
-    if (!on_gpu()) {
+    if (!on_gpu() || is_model_split<Policy>) {
       if constexpr (is_data_parallel<Policy>) {
         const auto sums = engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
         loss_sum = sums.loss;
         correct = sums.correct;
       } else if constexpr (is_model_split<Policy>) {
+        // On GPUs: in pieces of at most the batch the stages were planned for.
+#if defined(__CUDACC__)
+        if (on_gpu() && !gpu_pipeline_) gpu_split(batch_size == 0 ? 256 : batch_size);
+#endif
         scatter_if_changed();
-        const auto sums = pipeline_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
+        const auto sums = with_split(
+            [&](auto& engine) { return engine.evaluate(dataset, batch_size == 0 ? 256 : batch_size); });
         loss_sum = sums.loss;
         correct = sums.correct;
       } else {
@@ -288,7 +299,10 @@ class Trainer {
     if constexpr (is_data_parallel<Policy>)
       if (!on_gpu()) return engine_->model();
     if constexpr (is_model_split<Policy>) {
-      if (pipeline_->all_local()) pipeline_->gather(model_);
+      if (split_ready())
+        with_split([&](auto& engine) {
+          if (engine.all_local()) engine.gather(model_);
+        });
       host_changed_ = true;
       return model_;
     }
@@ -307,10 +321,12 @@ class Trainer {
     return model_;
   }
 
-  // ModelSplit's engine (its stages' reports, its schedule).
+  // ModelSplit's engine on CPU devices (its stages' reports, its schedule).
   auto& model_split()
     requires is_model_split<Policy>
   {
+    LOOM_CHECK(pipeline_ != nullptr, "Trainer::model_split(): the engine is the CPU devices'; "
+               "on GPUs the stages are DeviceStages");
     return *pipeline_;
   }
 
@@ -583,14 +599,14 @@ class Trainer {
                            bool last, int epoch, std::size_t step) {
     cpu::LossSums sums;
     if constexpr (is_data_parallel<Policy> || is_model_split<Policy>) {
-      auto& engine = [&]() -> auto& {
-        if constexpr (is_data_parallel<Policy>)
-          return *engine_;
-        else
-          return *pipeline_;
-      }();
-      sums = engine.micro_step(batch.images, batch.labels, batch.size, group_samples, accumulate,
-                               last, optimizer_.options().lr);
+      const auto run = [&](auto& engine) {
+        return engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
+                                 accumulate, last, optimizer_.options().lr);
+      };
+      if constexpr (is_data_parallel<Policy>)
+        sums = run(*engine_);
+      else
+        sums = with_split(run);
       if (!last) return {};
       check_loss(sums.loss, epoch, step);  // the replicas or stages skipped their update
     } else {
@@ -613,8 +629,42 @@ class Trainer {
   // model() handed out the weights: the stages take them back.
   void scatter_if_changed() {
     if constexpr (is_model_split<Policy>)
-      if (std::exchange(host_changed_, false)) pipeline_->scatter(model_);
+      if (split_ready() && std::exchange(host_changed_, false))
+        with_split([&](auto& engine) { engine.scatter(model_); });
   }
+
+  // ModelSplit: f(its engine): the GPUs' or the CPU devices'.
+  template <class F>
+  decltype(auto) with_split(F&& f) {
+#if defined(__CUDACC__)
+    if (on_gpu()) return f(*gpu_pipeline_);
+#endif
+    return f(*pipeline_);
+  }
+  bool split_ready() const {
+#if defined(__CUDACC__)
+    if (on_gpu()) return gpu_pipeline_ != nullptr;
+#endif
+    return pipeline_ != nullptr;
+  }
+
+#if defined(__CUDACC__)
+  // ModelSplit on GPUs: stages planned for global batches up to `batch`
+  // (made again, weights and momentum carried over, when a larger one comes).
+  void gpu_split(std::size_t batch) {
+    if constexpr (is_model_split<Policy>) {
+      if (gpu_pipeline_ && gpu_pipeline_->max_batch() >= batch) return;
+      // The old stages hand over weights and momentum; weights changed
+      // through model() since follow (scatter_if_changed).
+      if (!gpu_pipeline_) host_changed_ = false;  // the new stages start from model_
+      auto made = std::make_unique<GpuPipeline>(
+          devices_, model_, optimizer_.options(), options_.schedule, options_.allow_tf32,
+          std::max(batch, gpu_pipeline_ ? gpu_pipeline_->max_batch() : std::size_t{1}),
+          gpu_pipeline_.get());
+      gpu_pipeline_ = std::move(made);
+    }
+  }
+#endif
 
   static void check_loss(double loss, int epoch, std::size_t step) {
     if (!std::isfinite(loss))
@@ -665,6 +715,10 @@ class Trainer {
   using Pipeline =
       std::conditional_t<is_model_split<Policy>, detail::PipelineEngine<Net, Policy, Optimizer>,
                          NoPipeline>;
+#if defined(__CUDACC__)
+  using GpuPipeline =
+      std::conditional_t<is_model_split<Policy>, gpu::PipelineEngine<Net, Policy>, NoPipeline>;
+#endif
 
   std::vector<Device> devices_;
   TrainerOptions options_;
@@ -678,6 +732,7 @@ class Trainer {
 #if defined(__CUDACC__)
   std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica
   std::vector<GpuReplica> gpus_;      // after nccl_: destroyed first
+  std::unique_ptr<GpuPipeline> gpu_pipeline_;  // ModelSplit on GPUs
 #endif
 };
 
