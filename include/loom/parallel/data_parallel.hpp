@@ -20,17 +20,12 @@
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -44,6 +39,7 @@
 #include "../net/model.hpp"
 #include "buckets.hpp"
 #include "crew.hpp"
+#include "reducer.hpp"
 #include "single_device.hpp"
 
 namespace loom {
@@ -150,10 +146,6 @@ class DataParallelEngine {
     }
     for (auto& c : comms)
       replicas_.push_back(std::make_unique<Replica>(seed, options, std::move(c)));
-    for (auto& r : replicas_) {
-      Replica* replica = r.get();
-      replica->communicator = std::thread([replica] { communicate(*replica); });
-    }
     crew_.start(
         replicas_.size(), [this](std::size_t i, const Job& job) { work(*replicas_[i], job); },
         [this](std::size_t i, const std::string& why) { replicas_[i]->comm.cancel(why); });
@@ -213,28 +205,10 @@ class DataParallelEngine {
   using Job = EngineJob<JobKind>;
 
   struct Replica {
-    static constexpr int stop = -2;
-    static constexpr int stats_item = -1;
-
     Replica(std::uint64_t seed, typename Optimizer::Options options, comm::Comm c)
-        : model(seed), optimizer(options, Net::parameter_count), comm(std::move(c)) {
+        : model(seed), optimizer(options, Net::parameter_count), comm(c), reducer(c, Plan::count) {
       timeline.reduce_begin.resize(Plan::count);
       timeline.reduce_end.resize(Plan::count);
-    }
-
-    void post(int item) {
-      {
-        std::lock_guard lock(mutex);
-        queue.push_back(item);
-        ++posted;
-      }
-      changed.notify_all();
-    }
-    // Waits until the communication thread has done everything posted.
-    void drain() {
-      std::unique_lock lock(mutex);
-      changed.wait(lock, [&] { return done == posted; });
-      if (error) std::rethrow_exception(std::exchange(error, nullptr));
     }
 
     Model<Net, float> model;
@@ -242,21 +216,11 @@ class DataParallelEngine {
     comm::Comm comm;
     std::array<double, 2> stats{};  // loss sum, correct count (this step, then global)
     StepTimeline timeline;
-    std::mutex mutex;
-    std::condition_variable changed;
-    std::deque<int> queue;
-    std::size_t posted = 0, done = 0;
-    std::exception_ptr error;
-    std::thread communicator;
+    Reducer reducer;  // the replica's communication thread
   };
 
-  void shutdown() {
-    crew_.stop();
-    for (auto& r : replicas_) {
-      r->post(Replica::stop);
-      if (r->communicator.joinable()) r->communicator.join();
-    }
-  }
+  // The workers stop before the replicas (and their reducers) go.
+  void shutdown() { crew_.stop(); }
 
   void run(const Job& job) { crew_.run(job); }
 
@@ -285,7 +249,7 @@ class DataParallelEngine {
       // communication thread may take this thread's core.
       if (layer == 0) replica.timeline.backward_end = StepTimeline::Clock::now();
       while (next_bucket < Plan::count && Plan::buckets[next_bucket].ready_after == layer)
-        replica.post(static_cast<int>(next_bucket++));
+        post_bucket(replica, next_bucket++);
     };
     if (share.count > 0) {
       const float* logits = model.forward(job.images + share.first * sample_size, share.count);
@@ -305,9 +269,11 @@ class DataParallelEngine {
       std::fill(model.gradients().begin(), model.gradients().end(), 0.0f);
     }
     if (!job.last) return;
-    while (next_bucket < Plan::count) replica.post(static_cast<int>(next_bucket++));
-    replica.post(Replica::stats_item);
-    replica.drain();
+    while (next_bucket < Plan::count) post_bucket(replica, next_bucket++);
+    replica.reducer.post(std::span<double>(replica.stats));
+    replica.reducer.drain();
+    replica.timeline.reduce_begin = replica.reducer.begun();
+    replica.timeline.reduce_end = replica.reducer.ended();
     // Every rank holds the same global sums, so all skip or all update.
     if (!std::isfinite(replica.stats[0])) return;
     if (replica.optimizer.options().lr != job.lr) replica.optimizer.set_lr(job.lr);
@@ -324,46 +290,9 @@ class DataParallelEngine {
     replica.stats = sums;
   }
 
-  static void communicate(Replica& replica) {
-    for (;;) {
-      int item = 0;
-      {
-        std::unique_lock lock(replica.mutex);
-        replica.changed.wait(lock, [&] { return !replica.queue.empty(); });
-        item = replica.queue.front();
-        replica.queue.pop_front();
-      }
-      if (item == Replica::stop) return;
-      // After a failure the rest of the step's items are only counted.
-      bool skip = false;
-      {
-        std::lock_guard lock(replica.mutex);
-        skip = replica.error != nullptr;
-      }
-      if (!skip) {
-        try {
-          if (item == Replica::stats_item) {
-            replica.comm.all_reduce(std::span<double>(replica.stats), comm::ReduceOp::sum);
-          } else {
-            const auto& bucket = Plan::buckets[static_cast<std::size_t>(item)];
-            auto& t = replica.timeline;
-            t.reduce_begin[static_cast<std::size_t>(item)] = StepTimeline::Clock::now();
-            replica.comm.all_reduce(replica.model.gradients().subspan(bucket.begin, bucket.size()),
-                                    comm::ReduceOp::sum);
-            t.reduce_end[static_cast<std::size_t>(item)] = StepTimeline::Clock::now();
-          }
-        } catch (const std::exception& error) {
-          replica.comm.cancel(error.what());
-          std::lock_guard lock(replica.mutex);
-          replica.error = std::current_exception();
-        }
-      }
-      {
-        std::lock_guard lock(replica.mutex);
-        ++replica.done;
-      }
-      replica.changed.notify_all();
-    }
+  static void post_bucket(Replica& replica, std::size_t b) {
+    const auto& bucket = Plan::buckets[b];
+    replica.reducer.post(replica.model.gradients().subspan(bucket.begin, bucket.size()), b);
   }
 
   std::vector<std::unique_ptr<Replica>> replicas_;
