@@ -84,7 +84,7 @@ TEST_CASE("cuda runtime: a step replayed from a CUDA graph equals the step run d
   test::require_equal(run(true), run(false), "weights after 4 steps");
 }
 
-TEST_CASE("cuda nccl: a one-rank NcclComm reduces, broadcasts, splits; a bad peer is an error") {
+TEST_CASE("cuda nccl: a one-rank NcclComm reduces, broadcasts, splits, a bad peer is an error") {
   auto ranks = loom::comm::NcclComm::create_local({0});
   REQUIRE(ranks.size() == 1);
   auto& comm = ranks[0];

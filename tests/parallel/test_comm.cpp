@@ -146,7 +146,7 @@ TEST_CASE("LocalComm: mismatched buffers are an error on every rank, not a hang"
                              Catch::Contains("rank 0 sent 16 bytes to rank 1, which expected 20"));
 }
 
-TEST_CASE("LocalComm: a rank that fails aborts the group; the others' calls raise its reason") {
+TEST_CASE("LocalComm: a rank that fails aborts the group, the others' calls raise its reason") {
   const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
     if (c.rank() == 2) {
       c.cancel("the data file is corrupt");
@@ -162,7 +162,7 @@ TEST_CASE("LocalComm: a rank that fails aborts the group; the others' calls rais
                                  " of 3 stopped: rank 2 aborted the group: the data file is corrupt"));
 }
 
-TEST_CASE("Comm holds any Communicator; ops and ranks pass through") {
+TEST_CASE("Comm holds any Communicator, ops and ranks pass through") {
   STATIC_REQUIRE(comm::Communicator<comm::LocalComm>);
   auto locals = comm::LocalComm::create(2);
   std::vector<comm::Comm> held{comm::Comm(locals[0]), comm::Comm(locals[1])};

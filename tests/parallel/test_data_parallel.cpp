@@ -172,7 +172,7 @@ TEST_CASE("DataParallel: a NaN loss stops fit at the same step as one device, we
   dp.fit(part, fit);
 }
 
-TEST_CASE("DataParallel: a failure on one rank is that rank's error; the others do not hang") {
+TEST_CASE("DataParallel: a failure on one rank is that rank's error, the others do not hang") {
   // The loader rejects bad labels before a batch reaches the replicas; the
   // engine is fed directly here so that one rank's loss fails mid-step.
   const auto part = head(fashion().train, 100);

@@ -147,7 +147,7 @@ TEST_CASE("ModelSplit on 2-4 CPU workers reaches the single-device weights, both
                       "At<8>, one micro-batch");
 }
 
-TEST_CASE("ModelSplit is bit-for-bit reproducible; batches smaller than M work") {
+TEST_CASE("ModelSplit is bit-for-bit reproducible, batches smaller than M work") {
   const auto part = head(fashion().train, 300);
   const FitOptions fit{.epochs = 2, .batch_size = 50, .seed = 4};
   using Split = ModelSplit<Balanced<3>, OneFOneB<4>>;
@@ -213,7 +213,7 @@ TEST_CASE("ModelSplit: a NaN loss stops fit at the same step as one device, weig
   pipeline.fit(part, fit);  // every stage skipped the update: training goes on
 }
 
-TEST_CASE("ModelSplit: a failing stage's own error reaches fit; the others do not hang") {
+TEST_CASE("ModelSplit: a failing stage's own error reaches fit, the others do not hang") {
   const auto part = head(fashion().train, 100);
   std::vector<std::int32_t> labels(part.labels);
   labels[77] = 12;  // micro-batch 3 of 4 (75..99), at the last stage's loss

@@ -39,7 +39,7 @@ TEST_CASE("trainer: a small CNN learns Fashion-MNIST and evaluate() measures it"
   REQUIRE(log.str().find("epoch 2/2 fashion-mnist") != std::string::npos);
 }
 
-TEST_CASE("trainer: the same seeds give the same weights; another data seed does not") {
+TEST_CASE("trainer: the same seeds give the same weights, another data seed does not") {
   const auto train = head(fashion().train, 1000);
   auto run = [&](std::uint64_t data_seed) {
     Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, {.seed = 5});
