@@ -8,6 +8,11 @@
 //     over the stages, so it adds the cut's imbalance;
 //   - throughput: a deep MLP trained by SingleDevice, DataParallel<> and
 //     ModelSplit on the same CPU worker devices (images/s, ratio to DataParallel);
+//   - hybrid: the same MLP on 4 CPU worker devices as DataParallel<> (4
+//     replicas), ModelSplit<Balanced<4>> and Hybrid<2, ModelSplit<Balanced<2>>>
+//     (images/s, ratio to DataParallel), and the fraction of Hybrid's
+//     per-stage gradient all-reduce time that ran before the step's last
+//     pass ended (hidden under the pipelines' work);
 //   - balance: per-stage busy time for Balanced<S> cuts of LeNet and the
 //     MLP (and a hand cut for contrast), beside the cost model's prediction.
 #include <CLI/CLI.hpp>
@@ -56,6 +61,18 @@ struct Batches {
   const std::int32_t* labels(int s) const { return train.labels.data() + first(s); }
 };
 
+// Runs --warmup untimed, then --steps timed optimizer steps of `engine`;
+// measured(step ms) after each timed one.
+template <class Engine, class Measured>
+void run_steps(Engine& engine, const Batches& data, const Options& o, Measured&& measured) {
+  for (int s = 0; s < o.warmup + o.steps; ++s) {
+    const auto start = Clock::now();
+    engine.micro_step(data.images(s), data.labels(s), data.batch, data.batch, false, true, sgd.lr);
+    const auto stop = Clock::now();
+    if (s >= o.warmup) measured(ms(stop - start));
+  }
+}
+
 struct PipelineFigures {
   double step_ms = 0.0;
   double passes_ms = 0.0;             // first pass begun to last pass ended
@@ -71,12 +88,8 @@ PipelineFigures pipeline(const Batches& data, const Options& o, PipelineSchedule
   detail::PipelineEngine<Net, Policy, SGD> engine(devices::cpu(S), {}, initial, sgd, schedule);
   std::vector<double> step, passes, bubble, mean_idle;
   std::vector<std::vector<double>> busy(S);
-  for (int s = 0; s < o.warmup + o.steps; ++s) {
-    const auto start = Clock::now();
-    engine.micro_step(data.images(s), data.labels(s), data.batch, data.batch, false, true, sgd.lr);
-    const auto stop = Clock::now();
-    if (s < o.warmup) continue;
-    step.push_back(ms(stop - start));
+  run_steps(engine, data, o, [&](double step_ms) {
+    step.push_back(step_ms);
     Clock::time_point begin = Clock::time_point::max(), end{};
     for (std::size_t k = 0; k < S; ++k) {
       begin = std::min(begin, engine.report(k).begin);
@@ -93,7 +106,7 @@ PipelineFigures pipeline(const Batches& data, const Options& o, PipelineSchedule
     passes.push_back(span);
     bubble.push_back(1.0 - most / span);
     mean_idle.push_back(1.0 - total / S / span);
-  }
+  });
   PipelineFigures f{median(step), median(passes), median(bubble), median(mean_idle), {}};
   for (auto& b : busy) f.stage_busy_ms.push_back(median(b));
   return f;
@@ -104,11 +117,7 @@ double data_parallel_ms(const Batches& data, const Options& o, int workers) {
   detail::DataParallelEngine<Net, Policy, SGD> engine(devices::cpu(workers), {}, 0, sgd);
   engine.reserve(data.batch);
   std::vector<double> step;
-  for (int s = 0; s < o.warmup + o.steps; ++s) {
-    const auto start = Clock::now();
-    engine.micro_step(data.images(s), data.labels(s), data.batch, data.batch, false, true, sgd.lr);
-    if (s >= o.warmup) step.push_back(ms(Clock::now() - start));
-  }
+  run_steps(engine, data, o, [&](double step_ms) { step.push_back(step_ms); });
   return median(step);
 }
 
@@ -157,6 +166,37 @@ void bubbles(const Batches& data, const Options& o) {
     }
 }
 
+// Hybrid's step time, and the share of its stages' all-reduce time spent
+// while some stage still ran a pass.
+struct HybridFigures {
+  double step_ms = 0.0;
+  double hidden = 0.0;
+};
+
+template <class Net, class Policy>
+HybridFigures hybrid(const Batches& data, const Options& o) {
+  const Model<Net, float> initial(0);
+  detail::PipelineEngine<Net, Policy, SGD> engine(devices::cpu(Policy::devices_needed), {},
+                                                  initial, sgd, Policy::schedule);
+  std::vector<double> step, hidden;
+  run_steps(engine, data, o, [&](double step_ms) {
+    step.push_back(step_ms);
+    Clock::time_point passes_end{};
+    for (std::size_t i = 0; i < Policy::devices_needed; ++i)
+      passes_end = std::max(passes_end, engine.report(i).end);
+    double reducing = 0.0, overlapped = 0.0;
+    for (std::size_t i = 0; i < Policy::devices_needed; ++i) {
+      const auto r = engine.report(i);
+      for (std::size_t b = 0; b < r.reduce_begin.size(); ++b) {
+        reducing += ms(r.reduce_end[b] - r.reduce_begin[b]);
+        overlapped += std::max(0.0, ms(std::min(r.reduce_end[b], passes_end) - r.reduce_begin[b]));
+      }
+    }
+    hidden.push_back(reducing > 0.0 ? overlapped / reducing : 0.0);
+  });
+  return {median(step), median(hidden)};
+}
+
 // Per-stage busy time beside the cost model's share of the work.
 template <class Net, class Partition>
 void balance(const char* network, const char* cut, const Batches& data, const Options& o) {
@@ -188,7 +228,8 @@ void balance(const char* network, const char* cut, const Batches& data, const Op
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"ModelSplit on CPU worker devices: bubble, throughput, balance (JSON lines)"};
+  CLI::App app{"ModelSplit and Hybrid on CPU worker devices: bubble, throughput, balance (JSON "
+               "lines)"};
   Options o;
   app.add_option("--batch", o.batch, "global batch")->capture_default_str();
   app.add_option("--micro-batches", o.micro_batches, "M values for the bubble")->capture_default_str();
@@ -221,6 +262,24 @@ int main(int argc, char** argv) {
     j["model_split_over_data_parallel"] = dp / split.step_ms;
     std::cout << j.dump() << std::endl;
 
+    {
+      using Grid = Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>;
+      const double dp4 = data_parallel_ms<DeepMlp, DataParallel<>>(data, o, 4);
+      const auto split4 = pipeline<DeepMlp, ModelSplit<Balanced<4>, OneFOneB<8>>>(
+          data, o, OneFOneB<8>::schedule);
+      const auto grid = hybrid<DeepMlp, Grid>(data, o);
+      auto h = line("hybrid_throughput", "deep_mlp", o.batch, o);
+      h["devices"] = 4;
+      h["single_device_images_per_s"] = 1000.0 * n / single;
+      h["data_parallel_images_per_s"] = 1000.0 * n / dp4;
+      h["model_split_images_per_s"] = 1000.0 * n / split4.step_ms;
+      h["model_split_schedule"] = "Balanced<4>, 1F1B, M = 8";
+      h["hybrid_images_per_s"] = 1000.0 * n / grid.step_ms;
+      h["hybrid_layout"] = "2 replicas x Balanced<2>, 1F1B, M = 4 per replica";
+      h["hybrid_over_data_parallel"] = dp4 / grid.step_ms;
+      h["hybrid_reduce_hidden"] = grid.hidden;
+      std::cout << h.dump() << std::endl;
+    }
     balance<LeNet, Balanced<2>>("lenet", "Balanced<2>", data, o);
     balance<LeNet, At<4>>("lenet", "At<4>", data, o);
     balance<LeNet, Balanced<4>>("lenet", "Balanced<4>", data, o);

@@ -10,6 +10,9 @@
 //                     devices, or S stages over the GPUs (built by nvcc), or
 //                     the S processes of mpirun (CPU), with
 //                     --schedule gpipe|1f1b and --micro-batches M
+//   --policy hybrid   Hybrid<R, ModelSplit<Balanced<S>>>: R = --replicas
+//                     pipelines of S = devices / R stages (--devices CPU
+//                     worker devices, or the processes of mpirun)
 // Without --policy: single for one device, data for more, data under mpirun.
 #pragma once
 
@@ -38,6 +41,7 @@ struct Options {
   std::string policy;  // empty: by the device count
   std::string schedule = "1f1b";
   std::size_t micro_batches = 4;
+  int replicas = 2;
 };
 
 // Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
@@ -50,13 +54,16 @@ void train(const char* title, const Options& o, const data::Split& data,
   out << "loom " << title << " on Fashion-MNIST: " << Net::parameter_count << " parameters, "
       << data.train.count << " training and " << data.test.count << " test images, "
       << Policy::name;
-  if constexpr (is_model_split<Policy>) {
+  if constexpr (is_pipelined<Policy>) {
     trainer_options.schedule = {o.schedule == "gpipe" ? PipelineKind::gpipe
                                                       : PipelineKind::one_f_one_b,
                                 o.micro_batches};
     constexpr auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
-    out << " (" << pipeline_kind_name(trainer_options.schedule.kind) << ", "
-        << o.micro_batches << " micro-batches; stages start at layers";
+    out << " (";
+    if constexpr (is_hybrid<Policy>)
+      out << Policy::replicas << " replicas x " << Policy::stages << " stages; ";
+    out << pipeline_kind_name(trainer_options.schedule.kind) << ", " << o.micro_batches
+        << " micro-batches; stages start at layers";
     for (std::size_t k = 0; k < Policy::stages; ++k) out << ' ' << bounds[k] + 1;
     out << ')';
   }
@@ -97,6 +104,32 @@ void train_split(const char* title, const Options& o, const data::Split& data, i
     default:
       LOOM_FAIL("--policy split takes 2 to 4 stages (--devices, or mpirun -np), not ", stages);
   }
+}
+
+// Hybrid: `replicas` pipelines of balanced stages over `ranks` devices or
+// processes (each grid is a type of its own: 2 x 2, 2 x 3, 2 x 4, 3 x 2, 4 x 2).
+template <class Net>
+void train_hybrid(const char* title, const Options& o, const data::Split& data, int ranks,
+                  std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+  const int r = o.replicas, s = ranks / std::max(1, o.replicas);
+  const auto run = [&]<class Policy>() {
+    train<Net, Policy>(title, o, data, devices, processes, out);
+  };
+  if (r * s == ranks && r == 2 && s == 2)
+    run.template operator()<Hybrid<2, ModelSplit<Balanced<2>>>>();
+  else if (r * s == ranks && r == 2 && s == 3)
+    run.template operator()<Hybrid<2, ModelSplit<Balanced<3>>>>();
+  else if (r * s == ranks && r == 2 && s == 4)
+    run.template operator()<Hybrid<2, ModelSplit<Balanced<4>>>>();
+  else if (r * s == ranks && r == 3 && s == 2)
+    run.template operator()<Hybrid<3, ModelSplit<Balanced<2>>>>();
+  else if (r * s == ranks && r == 4 && s == 2)
+    run.template operator()<Hybrid<4, ModelSplit<Balanced<2>>>>();
+  else
+    LOOM_FAIL("--policy hybrid lays ", ranks, " devices (--devices, or mpirun -np) out as "
+              "--replicas ", o.replicas, " x stages; this example builds the grids 2 x 2, 2 x 3, "
+              "2 x 4, 3 x 2 and 4 x 2 (replicas x stages): give 4, 6 or 8 devices and a "
+              "matching --replicas");
 }
 
 template <class Net>
@@ -143,14 +176,18 @@ int example_main(int argc, char** argv, const char* title, Options o) {
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--policy", o.policy,
-                 "single, data (DataParallel) or split (ModelSplit, a pipeline of --devices "
-                 "balanced stages); default: single for one device, data for more")
-      ->check(CLI::IsMember({"single", "data", "split"}));
-  app.add_option("--schedule", o.schedule, "pipeline schedule of --policy split")
+                 "single, data (DataParallel), split (ModelSplit, a pipeline of --devices "
+                 "balanced stages) or hybrid (--replicas pipelines sharing --devices); default: "
+                 "single for one device, data for more")
+      ->check(CLI::IsMember({"single", "data", "split", "hybrid"}));
+  app.add_option("--replicas", o.replicas, "pipelines of --policy hybrid")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--schedule", o.schedule, "pipeline schedule of --policy split or hybrid")
       ->check(CLI::IsMember({"gpipe", "1f1b"}))
       ->capture_default_str();
   app.add_option("--micro-batches", o.micro_batches,
-                 "micro-batches per step of --policy split")
+                 "micro-batches per step (of each pipeline) of --policy split or hybrid")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -168,6 +205,8 @@ int example_main(int argc, char** argv, const char* title, Options o) {
       const comm::Comm world(mpi->world());
       if (o.policy == "split")
         train_split<Net>(title, o, data, mpi->size(), mpi->devices(), world, out);
+      else if (o.policy == "hybrid")
+        train_hybrid<Net>(title, o, data, mpi->size(), mpi->devices(), world, out);
       else
         train<Net, DataParallel<>>(title, o, data, mpi->devices(), world, out);
       return 0;
@@ -184,6 +223,10 @@ int example_main(int argc, char** argv, const char* title, Options o) {
         for (std::size_t k = 0; k < stages.size(); ++k) stages[k] = gpus[k % gpus.size()];
       }
       train_split<Net>(title, o, data, o.devices, stages, {}, out);
+    } else if (policy == "hybrid") {
+      LOOM_CHECK(first.kind == Device::Kind::cpu, "--policy hybrid runs on CPU worker devices or "
+                 "MPI processes so far; on GPUs use --policy split");
+      train_hybrid<Net>(title, o, data, o.devices, devices::cpu(o.devices), {}, out);
     } else if (first.kind == Device::Kind::cuda) {
       LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
                  ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,

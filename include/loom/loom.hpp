@@ -21,6 +21,7 @@
 #include "optim/sgd.hpp"
 #include "parallel/buckets.hpp"
 #include "parallel/data_parallel.hpp"
+#include "parallel/hybrid.hpp"
 #include "parallel/model_split.hpp"
 #include "parallel/partition.hpp"
 #include "parallel/schedule.hpp"

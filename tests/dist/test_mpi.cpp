@@ -10,20 +10,15 @@
 
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
+#include "mpi_test.hpp"
+#include "policy_test.hpp"
 
 using namespace loom;
 namespace test = loom::test;
-
-namespace {
-
-dist::Environment* environment = nullptr;
-
-using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
-                         MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
-using Logistic = Sequential<Input<1, 28, 28>, Flatten, Linear<10>>;
-const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
-
-}  // namespace
+using test::LeNet;
+using test::Logistic;
+using test::environment;
+using test::sgd;
 
 TEST_CASE("mpi: two ranks, one node") {
   REQUIRE(environment->size() == 2);
@@ -154,15 +149,4 @@ TEST_CASE("mpi: ranks that train different networks stop with a clear error, not
                                               "than rank " +
                                               std::to_string(environment->rank())) &&
                                   Catch::Contains("Start every rank from the same program"));
-}
-
-int main(int argc, char** argv) {
-  try {
-    dist::Environment env(argc, argv);
-    environment = &env;
-    return Catch::Session().run(argc, argv);
-  } catch (const Error& error) {
-    std::fprintf(stderr, "%s\n", error.what());
-    return 1;
-  }
 }

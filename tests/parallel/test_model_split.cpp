@@ -166,27 +166,9 @@ TEST_CASE("ModelSplit: gradient accumulation, callbacks' loss and evaluation mat
                       single_device<LeNet>(part, {.epochs = 1, .batch_size = 60, .seed = 6}),
                       {1e-6, 1e-4}, "2 stages, 3 x 20, a short last group");
 
-  struct Record {
-    std::vector<StepInfo>* steps;
-    void on_step(const StepInfo& s) { steps->push_back(s); }
-  };
-  std::vector<StepInfo> split_steps, single_steps;
-  const FitOptions fit{.epochs = 1, .batch_size = 50, .seed = 8};
   Trainer<LeNet, ModelSplit<Balanced<3>, OneFOneB<4>>> pipeline(devices::cpu(3), sgd, {.seed = 7});
-  pipeline.fit(part, fit, Record{&split_steps});
-  Trainer<LeNet> single(devices::cpu(1), sgd, {.seed = 7});
-  single.fit(part, fit, Record{&single_steps});
-  REQUIRE(split_steps.size() == 6);
-  for (std::size_t i = 0; i < split_steps.size(); ++i) {
-    REQUIRE(split_steps[i].samples == single_steps[i].samples);
-    REQUIRE(split_steps[i].loss == Approx(single_steps[i].loss).epsilon(1e-5));
-    REQUIRE(split_steps[i].accuracy == single_steps[i].accuracy);
-  }
-  const auto a = pipeline.evaluate(fashion().test);
-  const auto b = single.evaluate(fashion().test);
-  REQUIRE(a.samples == 10000);
-  REQUIRE(a.loss == Approx(b.loss).epsilon(1e-5));
-  REQUIRE(a.accuracy == Approx(b.accuracy).margin(1e-4));
+  test::require_same_reports(pipeline, part, {.epochs = 1, .batch_size = 50, .seed = 8},
+                             fashion().test, 6);
 }
 
 TEST_CASE("ModelSplit: weights changed through model() go back to the stages") {

@@ -34,4 +34,32 @@ std::vector<float> single_device(const data::Dataset& data, FitOptions fit, int 
   return trained(trainer, data, fit);
 }
 
+// Fits `trainer` (seed 7) and one device on the same data: the loss,
+// accuracy and sample count each optimizer step reports to callbacks, and
+// the evaluation of the test set, must match.
+template <class Net, class Policy>
+void require_same_reports(Trainer<Net, Policy>& trainer, const data::Dataset& data,
+                          FitOptions fit, const data::Dataset& test, std::size_t steps) {
+  struct Record {
+    std::vector<StepInfo>* steps;
+    void on_step(const StepInfo& s) { steps->push_back(s); }
+  };
+  std::vector<StepInfo> policy_steps, single_steps;
+  trainer.fit(data, fit, Record{&policy_steps});
+  Trainer<Net> single(devices::cpu(1), sgd, {.seed = 7});
+  single.fit(data, fit, Record{&single_steps});
+  REQUIRE(policy_steps.size() == steps);
+  REQUIRE(single_steps.size() == steps);
+  for (std::size_t i = 0; i < steps; ++i) {
+    REQUIRE(policy_steps[i].samples == single_steps[i].samples);
+    REQUIRE(policy_steps[i].loss == Approx(single_steps[i].loss).epsilon(1e-5));
+    REQUIRE(policy_steps[i].accuracy == single_steps[i].accuracy);
+  }
+  const auto a = trainer.evaluate(test);
+  const auto b = single.evaluate(test);
+  REQUIRE(a.samples == test.count);
+  REQUIRE(a.loss == Approx(b.loss).epsilon(1e-5));
+  REQUIRE(a.accuracy == Approx(b.accuracy).margin(1e-4));
+}
+
 }  // namespace loom::test

@@ -132,9 +132,15 @@ class Model {
   // writing d(loss)/d(input) to input_gradient (n x input_size) for the
   // stage before.
   void backward(std::size_t slot, bool accumulate, T* input_gradient) {
+    backward(slot, accumulate, input_gradient, [](std::size_t) {});
+  }
+  // The same, calling done(i) as each executed layer's gradients become
+  // final (Hybrid reduces a stage's gradients over its copies meanwhile).
+  template <class OnLayerDone>
+  void backward(std::size_t slot, bool accumulate, T* input_gradient, OnLayerDone&& done) {
     LOOM_CHECK(slot < slots_.size(), "Model::backward: activation slot ", slot, " of ",
                slots_.size(), " reserved");
-    backward_slot(slot, accumulate, input_gradient, [](std::size_t) {});
+    backward_slot(slot, accumulate, input_gradient, done);
   }
 
   std::span<T> parameters() { return params_; }

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -42,9 +43,11 @@
 #include "../data/dataset.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
+#include "buckets.hpp"
 #include "crew.hpp"
 #include "data_parallel.hpp"
 #include "partition.hpp"
+#include "reducer.hpp"
 #include "schedule.hpp"
 
 #if defined(LOOM_WITH_MPI)
@@ -58,6 +61,7 @@ struct ModelSplit {
   using partition = Partition_;
   using schedule_type = Schedule_;
   static constexpr std::size_t stages = Partition_::stages;
+  static constexpr std::size_t replicas = 1;  // Hybrid<R, ModelSplit<...>> runs R pipelines
   static constexpr std::size_t devices_needed = stages;
   static constexpr PipelineSchedule schedule = Schedule_::schedule;
   static constexpr const char* name = "ModelSplit";
@@ -115,10 +119,15 @@ constexpr std::array<StageMemory, Policy::stages> pipeline_memory_plan(
 // What a stage measured in its last step (ModelSplit's engine on CPU devices).
 struct StageReport {
   std::size_t stage = 0;
+  std::size_t replica = 0;              // Hybrid: which pipeline (0 for ModelSplit)
   std::size_t peak_in_flight = 0;       // since the engine started
   std::size_t activation_elements = 0;  // held now: Model's arena plus kept inputs
   double busy_seconds = 0.0;            // forward, loss and backward passes, last step
   std::chrono::steady_clock::time_point begin, end;  // the last step's passes
+  // Hybrid: when each gradient bucket went to the stage's communication
+  // thread in the last step, and when its all-reduce over the stage's
+  // copies began and ended (empty for ModelSplit).
+  std::vector<std::chrono::steady_clock::time_point> reduce_posted, reduce_begin, reduce_end;
 };
 
 namespace detail {
@@ -132,10 +141,15 @@ class PipelineStage {
   virtual const float* forward(const float* input, std::size_t n, std::size_t slot) = 0;
   virtual float* output_gradient() = 0;
   virtual void backward(std::size_t slot, bool accumulate, float* input_gradient) = 0;
+  // The same, calling done(i) as each executed layer's gradients become final.
+  virtual void backward(std::size_t slot, bool accumulate, float* input_gradient,
+                        const std::function<void(std::size_t)>& done) = 0;
   virtual void update(float lr) = 0;
   virtual std::span<float> parameters() = 0;
+  virtual std::span<float> gradients() = 0;
   virtual std::size_t arena_elements() const = 0;
   std::size_t input_size = 0, output_size = 0, parameter_offset = 0;
+  std::vector<GradientBucket> buckets;  // Hybrid: the stage's gradients, reduced over its copies
 };
 
 template <class StageNet, class Optimizer>
@@ -158,11 +172,16 @@ class StageOf final : public PipelineStage {
   void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
     model_.backward(slot, accumulate, input_gradient);
   }
+  void backward(std::size_t slot, bool accumulate, float* input_gradient,
+                const std::function<void(std::size_t)>& done) override {
+    model_.backward(slot, accumulate, input_gradient, done);
+  }
   void update(float lr) override {
     if (optimizer_.options().lr != lr) optimizer_.set_lr(lr);
     optimizer_.step(model_.parameters(), model_.gradients());
   }
   std::span<float> parameters() override { return model_.parameters(); }
+  std::span<float> gradients() override { return model_.gradients(); }
   std::size_t arena_elements() const override { return model_.arena_elements(); }
 
  private:
@@ -264,26 +283,42 @@ class Outbox {
   std::thread thread_;
 };
 
+// The gradient-bucket size of a pipelined policy (Hybrid's; a lone
+// pipeline reduces nothing).
+template <class Policy>
+constexpr std::size_t pipeline_bucket_bytes() {
+  if constexpr (requires { Policy::bucket_bytes; })
+    return Policy::bucket_bytes;
+  else
+    return default_bucket_bytes;
+}
+
+// Runs ModelSplit (one pipeline) and Hybrid (Policy::replicas pipelines) on
+// a grid of ranks: rank w is replica w / S, stage w % S. Each replica
+// streams its share of every global batch through its own stages; stage k
+// of every replica sums its gradients with the other replicas' stage k.
 template <class Net, class Policy, class Optimizer>
 class PipelineEngine {
  public:
   using Partition = typename Policy::partition;
   static constexpr std::size_t stages = Policy::stages;
+  static constexpr std::size_t replicas = Policy::replicas;
+  static constexpr std::size_t ranks = replicas * stages;
   static constexpr std::size_t classes = Net::output_shape::size;
 
-  // One stage per device, ranks of a LocalComm; or, with `processes` (an MPI
-  // world of `stages` ranks), stage = rank on this process's one device.
+  // One rank per device, ranks of a LocalComm; or, with `processes` (an MPI
+  // world of R x S ranks), the rank of this process on its one device.
   PipelineEngine(const std::vector<Device>& devices, comm::Comm processes,
                  const Model<Net, float>& initial, typename Optimizer::Options options,
                  PipelineSchedule schedule)
       : schedule_(schedule), crew_(Policy::name, devices.front().threads) {
     if (schedule_.micro_batches == 0) schedule_.micro_batches = Policy::schedule.micro_batches;
     std::vector<comm::Comm> comms;
-    const bool local = !processes;  // LocalComm: buffered sends
+    local_ = !processes;  // LocalComm: buffered sends
     if (processes) {
-      LOOM_CHECK(static_cast<std::size_t>(processes.size()) == stages, Policy::name, " has ",
-                 stages, " stages, one per process, but ", processes.size(),
-                 " processes were started; start ", stages, " (mpirun -np ", stages, ")");
+      LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, Policy::name, " has ",
+                 layout(), ", one per process, but ", processes.size(),
+                 " processes were started; start ", ranks, " (mpirun -np ", ranks, ")");
       LOOM_CHECK(devices.size() == 1, Policy::name, " over processes runs one stage per process "
                  "on one device, but this one was given ", devices.size(),
                  "; pass dist::Environment::devices()");
@@ -298,25 +333,23 @@ class PipelineEngine {
 #endif
       comms.push_back(std::move(processes));
     } else {
-      for (auto& local : comm::LocalComm::create(static_cast<int>(stages)))
+      LOOM_CHECK(devices.size() == ranks, Policy::name, " has ", layout(), " and needs ", ranks,
+                 " devices, one each, but ", devices.size(), " were given");
+      for (auto& local : comm::LocalComm::create(static_cast<int>(ranks)))
         comms.emplace_back(std::move(local));
     }
     for (auto& c : comms) {
       auto rank = std::make_unique<Rank>();
-      rank->stage = static_cast<std::size_t>(c.rank());
+      const auto w = static_cast<std::size_t>(c.rank());
+      rank->replica = w / stages;
+      rank->stage = w % stages;
       rank->net = make_stage(rank->stage, initial, options);
-      rank->comm = c;
-      const bool threaded = !local;
-      if (rank->stage + 1 < stages)
-        rank->to_next = std::make_unique<Outbox>(c, static_cast<int>(rank->stage + 1), threaded);
-      if (rank->stage > 0)
-        rank->to_previous =
-            std::make_unique<Outbox>(c, static_cast<int>(rank->stage - 1), threaded);
+      rank->world = std::move(c);
       ranks_.push_back(std::move(rank));
     }
     crew_.start(
         ranks_.size(), [this](std::size_t i, const Job& job) { work(*ranks_[i], job); },
-        [this](std::size_t i, const std::string& why) { ranks_[i]->comm.cancel(why); });
+        [this](std::size_t i, const std::string& why) { cancel(*ranks_[i], why); });
     try {
       crew_.run({.kind = JobKind::start});
     } catch (...) {
@@ -331,12 +364,12 @@ class PipelineEngine {
 
   const PipelineSchedule& schedule() const { return schedule_; }
   std::size_t local_stages() const { return ranks_.size(); }
-  // Stages are ranks of the pipeline: all local, or this process's one.
-  bool all_local() const { return ranks_.size() == stages; }
+  // Every rank of the grid is here (worker devices), or only this process's.
+  bool all_local() const { return ranks_.size() == ranks; }
 
   // One batch of an optimizer step (see DataParallelEngine::micro_step).
   // Returns the step's loss and correct-count sums when `last`; a
-  // non-finite loss skips the update on every stage (checked by the caller).
+  // non-finite loss skips the update on every rank (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last, float lr) {
     crew_.run({.kind = JobKind::train,
@@ -350,8 +383,9 @@ class PipelineEngine {
     return loss_sums(ranks_.front()->stats);
   }
 
-  // Loss and correct-count sums over a data set, in pieces of `batch`
-  // samples, each streamed through the stages in micro-batches.
+  // Loss and correct-count sums over a data set: each replica takes its
+  // share, in pieces of `batch` samples, each streamed through its stages
+  // in micro-batches.
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
     crew_.run({.kind = JobKind::evaluate, .n = batch, .dataset = &dataset});
     return loss_sums(ranks_.front()->stats);
@@ -367,11 +401,30 @@ class PipelineEngine {
     crew_.run({.kind = JobKind::scatter, .whole = const_cast<float*>(whole.parameters().data())});
   }
 
-  StageReport report(std::size_t local_stage) const {
-    const Rank& r = *ranks_.at(local_stage);
+  // i: this process's ranks in grid order (replica-major).
+  StageReport report(std::size_t i) const {
+    const Rank& r = *ranks_.at(i);
     std::size_t inputs = 0;
     for (const auto& buffer : r.inputs) inputs += buffer.size();
-    return {r.stage, r.peak_in_flight, r.net->arena_elements() + inputs, r.busy, r.begin, r.end};
+    StageReport report;
+    report.stage = r.stage;
+    report.replica = r.replica;
+    report.peak_in_flight = r.peak_in_flight;
+    report.activation_elements = r.net->arena_elements() + inputs;
+    report.busy_seconds = r.busy;
+    report.begin = r.begin;
+    report.end = r.end;
+    if (r.reducer) {
+      report.reduce_posted = r.reducer->posted();
+      report.reduce_begin = r.reducer->begun();
+      report.reduce_end = r.reducer->ended();
+    }
+    return report;
+  }
+
+  // A rank's stage weights (Hybrid: the replicas' copies stay equal).
+  std::span<const float> stage_parameters(std::size_t i) const {
+    return ranks_.at(i)->net->parameters();
   }
 
  private:
@@ -381,10 +434,12 @@ class PipelineEngine {
   using Job = EngineJob<JobKind>;
 
   struct Rank {
-    std::size_t stage = 0;
+    std::size_t replica = 0, stage = 0;
     std::unique_ptr<PipelineStage> net;
-    comm::Comm comm;
-    std::unique_ptr<Outbox> to_next, to_previous;  // after comm: destroyed first
+    comm::Comm world;     // every rank of the grid
+    comm::Comm pipeline;  // this replica's stages (rank = stage)
+    std::unique_ptr<Reducer> reducer;              // Hybrid: over this stage's copies
+    std::unique_ptr<Outbox> to_next, to_previous;  // destroyed first
     std::vector<std::vector<float>> inputs;        // per slot: the received activations
     std::vector<float> input_gradient;             // the backward's, for the stage before
     std::vector<const float*> outputs;             // per slot: the forward's output
@@ -395,15 +450,26 @@ class PipelineEngine {
     Clock::time_point begin, end;
   };
 
+  static std::string layout() {
+    std::string text = std::to_string(stages) + " stage" + (stages == 1 ? "" : "s");
+    if constexpr (replicas > 1)
+      text = std::to_string(replicas) + " replicas x " + text + " = " + std::to_string(ranks) +
+             " ranks";
+    return text;
+  }
+
   static std::unique_ptr<PipelineStage> make_stage(std::size_t k, const Model<Net, float>& whole,
                                                    typename Optimizer::Options options) {
     std::unique_ptr<PipelineStage> made;
     static_for<stages>([&](auto K) {
       using StageNet = stage_net_t<Net, Partition, K>;
+      using Plan = BucketPlan<StageNet, pipeline_bucket_bytes<Policy>(), float>;
       constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
-      if (K == k)
+      if (K == k) {
         made = std::make_unique<StageOf<StageNet, Optimizer>>(
             whole.parameters().subspan(offset, StageNet::parameter_count), options, offset);
+        made->buckets.assign(Plan::buckets.begin(), Plan::buckets.end());
+      }
     });
     return made;
   }
@@ -411,10 +477,17 @@ class PipelineEngine {
   bool first(const Rank& r) const { return r.stage == 0; }
   bool last(const Rank& r) const { return r.stage + 1 == stages; }
 
+  // A failing rank wakes every group it belongs to, so no rank waits for it.
+  static void cancel(Rank& r, const std::string& why) {
+    r.world.cancel(why);
+    if (r.pipeline) r.pipeline.cancel(why);
+    if (r.reducer) r.reducer->comm().cancel(why);
+  }
+
   void work(Rank& r, const Job& job) {
     switch (job.kind) {
       case JobKind::start:
-        check_same_program<Net, Policy, Optimizer>(r.comm);
+        start(r);
         break;
       case JobKind::train:
         train(r, job);
@@ -431,6 +504,26 @@ class PipelineEngine {
         break;
       }
     }
+  }
+
+  // Checks every rank runs this program, then makes the grid's groups:
+  // each replica's pipeline, and (Hybrid) each stage's copies.
+  void start(Rank& r) {
+    check_same_program<Net, Policy, Optimizer>(r.world);
+    if constexpr (replicas > 1) {
+      r.pipeline = r.world.split(static_cast<int>(r.replica), static_cast<int>(r.stage));
+      r.reducer = std::make_unique<Reducer>(
+          r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica)),
+          r.net->buckets.size());
+    } else {
+      r.pipeline = r.world;
+    }
+    const bool threaded = !local_;
+    if (!last(r))
+      r.to_next = std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage + 1), threaded);
+    if (!first(r))
+      r.to_previous =
+          std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage - 1), threaded);
   }
 
   // Room for micro-batches of up to `micro_batch` samples, `slots` at once;
@@ -456,7 +549,8 @@ class PipelineEngine {
   const float* receive_input(Rank& r, const float* images, std::size_t n, std::size_t slot) {
     if (first(r)) return images;
     float* buffer = r.inputs[slot].data();
-    r.comm.recv(std::span<float>(buffer, n * r.net->input_size), static_cast<int>(r.stage - 1));
+    r.pipeline.recv(std::span<float>(buffer, n * r.net->input_size),
+                    static_cast<int>(r.stage - 1));
     return buffer;
   }
 
@@ -464,104 +558,136 @@ class PipelineEngine {
     r.to_next->send(std::span<const float>(output, n * r.net->output_size));
   }
 
+  void post_bucket(Rank& r, std::size_t b) {
+    const auto& bucket = r.net->buckets[b];
+    r.reducer->post(r.net->gradients().subspan(bucket.begin, bucket.size()), b);
+  }
+
   void train(Rank& r, const Job& job) {
-    const std::size_t micro = std::min(schedule_.micro_batches, job.n);
-    prepare(r, batch_share(job.n, micro, 0).count,
-            pipeline_in_flight(schedule_.kind, stages, r.stage, micro));
+    // This replica's share of the global batch, in micro-batches.
+    const auto share = batch_share(job.n, replicas, r.replica);
+    const std::size_t micro = std::min(schedule_.micro_batches, share.count);
+    if (micro > 0)
+      prepare(r, batch_share(share.count, micro, 0).count,
+              pipeline_in_flight(schedule_.kind, stages, r.stage, micro));
     r.slot_of.assign(micro, 0);
     if (!job.accumulate) r.stats = {};
     bool accumulate = job.accumulate;
+    // Hybrid: the step's last backward hands each bucket to the reducer as
+    // soon as its layers are done.
+    const bool reduce = replicas > 1 && job.last;
+    std::size_t backwards = 0, next_bucket = 0;
+    const std::function<void(std::size_t)> layer_done = [&](std::size_t layer) {
+      while (next_bucket < r.net->buckets.size() &&
+             r.net->buckets[next_bucket].ready_after == layer)
+        post_bucket(r, next_bucket++);
+    };
     r.busy = 0.0;
     r.begin = Clock::now();
     for_each_pipeline_op(schedule_.kind, stages, r.stage, micro, [&](PipelineOp op) {
-      const auto share = batch_share(job.n, micro, op.micro_batch);
+      const auto piece = batch_share(share.count, micro, op.micro_batch);
+      const std::size_t first_sample = share.first + piece.first;
       if (op.forward) {
         const std::size_t slot = r.free_slots.back();
         r.free_slots.pop_back();
         r.slot_of[op.micro_batch] = slot;
         r.peak_in_flight = std::max(r.peak_in_flight, ++r.in_flight);
         const float* input = receive_input(
-            r, job.images + share.first * Net::input_shape::size, share.count, slot);
+            r, job.images + first_sample * Net::input_shape::size, piece.count, slot);
         const auto started = Clock::now();
-        const float* output = r.net->forward(input, share.count, slot);
+        const float* output = r.net->forward(input, piece.count, slot);
         r.busy += seconds_since(started);
         if (last(r))
           r.outputs[slot] = output;
         else
-          send_output(r, output, share.count);
+          send_output(r, output, piece.count);
       } else {
         const std::size_t slot = r.slot_of[op.micro_batch];
         float* dy = r.net->output_gradient();
         if (!last(r))
-          r.comm.recv(std::span<float>(dy, share.count * r.net->output_size),
-                      static_cast<int>(r.stage + 1));
+          r.pipeline.recv(std::span<float>(dy, piece.count * r.net->output_size),
+                          static_cast<int>(r.stage + 1));
         const auto started = Clock::now();
         if (last(r)) {
           const auto sums = SoftmaxCrossEntropy::evaluate<float>(
-              r.outputs[slot], job.labels + share.first, share.count, classes, job.group_samples,
-              dy);
+              r.outputs[slot], job.labels + first_sample, piece.count, classes,
+              job.group_samples, dy);
           r.stats[0] += sums.loss;
           r.stats[1] += static_cast<double>(sums.correct);
         }
-        r.net->backward(slot, accumulate, first(r) ? nullptr : r.input_gradient.data());
+        float* input_gradient = first(r) ? nullptr : r.input_gradient.data();
+        if (reduce && ++backwards == micro)
+          r.net->backward(slot, accumulate, input_gradient, layer_done);
+        else
+          r.net->backward(slot, accumulate, input_gradient);
         r.busy += seconds_since(started);
         if (!first(r))
-          r.to_previous->send(
-              std::span<const float>(r.input_gradient.data(), share.count * r.net->input_size));
+          r.to_previous->send(std::span<const float>(r.input_gradient.data(),
+                                                     piece.count * r.net->input_size));
         accumulate = true;
         r.free_slots.push_back(slot);
         --r.in_flight;
       }
     });
     r.end = Clock::now();
+    // A replica with no sample of the step adds zeros to the sums.
+    if (micro == 0 && !job.accumulate) std::ranges::fill(r.net->gradients(), 0.0f);
     if (!job.last) return;
+    if (reduce)
+      while (next_bucket < r.net->buckets.size()) post_bucket(r, next_bucket++);
     drain(r);
-    // Only the last stage has the loss; every stage learns it, so all skip
-    // a non-finite step or all take it.
-    r.comm.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+    if (reduce) r.reducer->drain();
+    // Only the last stages have the loss; every rank learns the sum, so
+    // all skip a non-finite step or all take it.
+    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
     if (std::isfinite(r.stats[0])) r.net->update(job.lr);
   }
 
   void evaluate(Rank& r, const Job& job) {
     const auto& data = *job.dataset;
     const std::size_t sample = data.sample_size();
+    const auto share = batch_share(data.count, replicas, r.replica);
     const std::size_t micro = std::min(schedule_.micro_batches, job.n);
     prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.inputs.size()));
     r.stats = {};
-    for (std::size_t at = 0; at < data.count; at += job.n) {
-      const std::size_t n = std::min(job.n, data.count - at);
+    for (std::size_t at = 0; at < share.count; at += job.n) {
+      const std::size_t n = std::min(job.n, share.count - at);
       const std::size_t pieces = std::min(micro, n);
       for (std::size_t m = 0; m < pieces; ++m) {
-        const auto share = batch_share(n, pieces, m);
-        const std::size_t first_sample = at + share.first;
+        const auto piece = batch_share(n, pieces, m);
+        const std::size_t first_sample = share.first + at + piece.first;
         const float* input =
-            receive_input(r, data.images.data() + first_sample * sample, share.count, 0);
-        const float* output = r.net->forward(input, share.count, 0);
+            receive_input(r, data.images.data() + first_sample * sample, piece.count, 0);
+        const float* output = r.net->forward(input, piece.count, 0);
         if (last(r)) {
           const auto sums = SoftmaxCrossEntropy::evaluate<float>(
-              output, data.labels.data() + first_sample, share.count, classes, share.count,
+              output, data.labels.data() + first_sample, piece.count, classes, piece.count,
               nullptr);
           r.stats[0] += sums.loss;
           r.stats[1] += static_cast<double>(sums.correct);
         } else {
-          send_output(r, output, share.count);
+          send_output(r, output, piece.count);
         }
       }
     }
     drain(r);
-    r.comm.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
   }
 
+  // Replica 0's stages hold the weights (the copies are equal).
   void gather(Rank& r, float* whole) {
     const auto mine = r.net->parameters();
     if (all_local()) {
-      std::copy(mine.begin(), mine.end(), whole + r.net->parameter_offset);
+      if (r.replica == 0) std::copy(mine.begin(), mine.end(), whole + r.net->parameter_offset);
       return;
     }
-    // Each rank adds its slice into zeros: the sum is every slice, exactly.
+    // Each stage of replica 0 adds its slice into zeros: the sum is every
+    // slice, exactly.
     std::vector<float> all(Net::parameter_count, 0.0f);
-    std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(r.net->parameter_offset));
-    r.comm.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
+    if (r.replica == 0)
+      std::copy(mine.begin(), mine.end(),
+                all.begin() + static_cast<std::ptrdiff_t>(r.net->parameter_offset));
+    r.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
     std::copy(all.begin(), all.end(), whole);
   }
 
@@ -575,6 +701,7 @@ class PipelineEngine {
   }
 
   PipelineSchedule schedule_;
+  bool local_ = true;
   std::vector<std::unique_ptr<Rank>> ranks_;
   Crew<Job> crew_;  // after ranks_: its threads stop before the ranks go
 };

@@ -26,7 +26,11 @@ class Reducer {
 
   // `tags`: how many gradient slices a step posts (each timed by its tag).
   Reducer(comm::Comm comm, std::size_t tags)
-      : comm_(std::move(comm)), begun_(tags), ended_(tags), thread_([this] { run(); }) {}
+      : comm_(std::move(comm)),
+        posted_at_(tags),
+        begun_(tags),
+        ended_(tags),
+        thread_([this] { run(); }) {}
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
   ~Reducer() {
@@ -41,7 +45,10 @@ class Reducer {
   comm::Comm& comm() { return comm_; }
 
   // Sums `data` over the ranks, in place (tag: which slice, for timing).
-  void post(std::span<float> data, std::size_t tag) { push({data, {}, tag}); }
+  void post(std::span<float> data, std::size_t tag) {
+    posted_at_[tag] = Clock::now();
+    push({data, {}, tag});
+  }
   // Sums bookkeeping (a step's loss and correct count), untimed.
   void post(std::span<double> data) { push({{}, data, 0}); }
 
@@ -53,8 +60,9 @@ class Reducer {
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
-  // When the all-reduce of each tag last began and ended (from the call,
-  // so a wait for slower ranks counts in it).
+  // When each tag was last posted, and when its all-reduce began and ended
+  // (from the call, so a wait for slower ranks counts in it).
+  const std::vector<Clock::time_point>& posted() const { return posted_at_; }
   const std::vector<Clock::time_point>& begun() const { return begun_; }
   const std::vector<Clock::time_point>& ended() const { return ended_; }
 
@@ -110,6 +118,7 @@ class Reducer {
   }
 
   comm::Comm comm_;
+  std::vector<Clock::time_point> posted_at_;  // written by the posting thread
   std::vector<Clock::time_point> begun_, ended_;
   std::mutex mutex_;
   std::condition_variable changed_;

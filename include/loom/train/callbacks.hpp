@@ -56,6 +56,8 @@ class Progress {
     *options_.out << "training: " << info.samples_per_epoch << " samples, " << info.epochs
                   << " epoch(s) of " << info.steps_per_epoch << " steps, batch " << info.batch_size
                   << '\n';
+    if (info.placement.size() > 1)
+      *options_.out << "placement (" << info.policy << "):\n" << describe_placement(info.placement);
     options_.out->flush();
   }
 

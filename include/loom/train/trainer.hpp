@@ -21,6 +21,7 @@
 #include "../net/model.hpp"
 #include "../optim/sgd.hpp"
 #include "../parallel/data_parallel.hpp"
+#include "../parallel/hybrid.hpp"
 #include "../parallel/model_split.hpp"
 #include "../parallel/single_device.hpp"
 
@@ -66,6 +67,8 @@ struct FitInfo {
   std::size_t steps_per_epoch = 0;  // optimizer steps
   std::size_t samples_per_epoch = 0;
   std::size_t batch_size = 0;
+  const char* policy = "";
+  std::vector<Placement> placement;  // Trainer::placement()
 };
 
 struct StepInfo {
@@ -146,12 +149,16 @@ class Trainer {
                  " needs at least one device; pass devices::all() or devices::cpu(n)");
     else if (!processes)  // across processes each has its own (checked by the engine)
       LOOM_CHECK(devices_.size() == Policy::devices_needed, Policy::name, " runs on ",
-                 Policy::devices_needed, " device(s) but ", devices_.size(),
+                 Policy::devices_needed, " device(s)", grid_text(), " but ", devices_.size(),
                  " were given; pass that many (e.g. devices::cpu(", Policy::devices_needed, "))");
     LOOM_CHECK(!devices_.empty(), Policy::name, " was given no device");
-    LOOM_CHECK(!processes || is_data_parallel<Policy> || is_model_split<Policy>, Policy::name,
-               " does not run across processes; use DataParallel<> or ModelSplit<...> with a "
-               "communicator");
+    LOOM_CHECK(!processes || is_data_parallel<Policy> || is_pipelined<Policy>, Policy::name,
+               " does not run across processes; use DataParallel<>, ModelSplit<...> or "
+               "Hybrid<...> with a communicator");
+    if (processes) {
+      process_count_ = static_cast<std::size_t>(processes.size());
+      process_rank_ = static_cast<std::size_t>(processes.rank());
+    }
     for (const auto& device : devices_) {
       LOOM_CHECK(device.kind == devices_.front().kind, "devices ", devices_.front().name(), " and ",
                  device.name(), " are of different kinds; give one kind");
@@ -170,15 +177,25 @@ class Trainer {
       else
         processes_ = std::move(processes);
     }
-    if constexpr (is_model_split<Policy>) {
+    if constexpr (is_pipelined<Policy>) {
       // On GPUs the stages are made by the first fit() or evaluate(), for its batch size.
       if (devices_.front().kind == Device::Kind::cpu)
         pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
                                                trainer_options.schedule);
+      else if constexpr (is_hybrid<Policy>)
+        LOOM_FAIL(Policy::name, " runs on CPU devices so far (worker devices or MPI processes); "
+                  "on GPUs use ModelSplit<...> in one process, or DataParallel<> with one "
+                  "process per GPU");
       else
         LOOM_CHECK(!processes, Policy::name, " across processes runs on CPU devices so far; on "
                    "GPUs give one process all the stages' GPUs (a GPU may hold several stages)");
     }
+  }
+
+  // Which device (or MPI process) holds which replica and stage, and its
+  // layers; callbacks::Progress prints it when fit() begins.
+  std::vector<Placement> placement() const {
+    return loom::placement<Net, Policy>(devices_, process_count_, process_rank_);
   }
 
   template <class... Callbacks>
@@ -191,10 +208,11 @@ class Trainer {
         train,
         {.batch_size = options.batch_size, .shuffle = options.shuffle, .seed = options.seed});
     const std::size_t k = options.accumulation_steps;
-    const FitInfo info{options.epochs, (loader.batches_per_epoch() + k - 1) / k, train.count,
-                       options.batch_size};
+    const FitInfo info{options.epochs,      (loader.batches_per_epoch() + k - 1) / k,
+                       train.count,         options.batch_size,
+                       Policy::name,        placement()};
 #if defined(__CUDACC__)
-    if constexpr (is_model_split<Policy>) {
+    if constexpr (is_pipelined<Policy>) {
       if (on_gpu()) gpu_split(options.batch_size);
     } else if (on_gpu()) {
       fit_gpu(loader, options, info, callbacks...);
@@ -204,7 +222,7 @@ class Trainer {
     cpu::set_threads(devices_.front().threads);
     if constexpr (is_data_parallel<Policy>)
       engine_->reserve(options.batch_size);
-    else if constexpr (is_model_split<Policy>)
+    else if constexpr (is_pipelined<Policy>)
       scatter_if_changed();
     else
       model_.reserve(options.batch_size);
@@ -234,7 +252,7 @@ class Trainer {
       }
       // Before the callbacks, like the GPU's copy; across processes model()
       // cannot gather (it is not collective) and returns these.
-      if constexpr (is_model_split<Policy>)
+      if constexpr (is_pipelined<Policy>)
         with_split([&](auto& engine) { engine.gather(model_); });
       [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
                                             step.accuracy, step.samples,   seconds_since(start)};
@@ -251,18 +269,18 @@ class Trainer {
     double loss_sum = 0.0;
     std::size_t correct = 0;
 #if defined(__CUDACC__)
-    if (on_gpu() && !is_model_split<Policy>) {
+    if (on_gpu() && !is_pipelined<Policy>) {
       const auto sums = evaluate_gpu(dataset, batch_size);
       loss_sum = sums.loss;
       correct = sums.correct;
     }
 #endif
-    if (!on_gpu() || is_model_split<Policy>) {
+    if (!on_gpu() || is_pipelined<Policy>) {
       if constexpr (is_data_parallel<Policy>) {
         const auto sums = engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
         loss_sum = sums.loss;
         correct = sums.correct;
-      } else if constexpr (is_model_split<Policy>) {
+      } else if constexpr (is_pipelined<Policy>) {
         // On GPUs: in pieces of at most the batch the stages were planned for.
 #if defined(__CUDACC__)
         if (on_gpu() && !gpu_pipeline_) gpu_split(batch_size == 0 ? 256 : batch_size);
@@ -298,7 +316,7 @@ class Trainer {
   Model<Net, float>& model() {
     if constexpr (is_data_parallel<Policy>)
       if (!on_gpu()) return engine_->model();
-    if constexpr (is_model_split<Policy>) {
+    if constexpr (is_pipelined<Policy>) {
       if (split_ready())
         with_split([&](auto& engine) {
           if (engine.all_local()) engine.gather(model_);
@@ -323,7 +341,7 @@ class Trainer {
 
   // ModelSplit's engine on CPU devices (its stages' reports, its schedule).
   auto& model_split()
-    requires is_model_split<Policy>
+    requires is_pipelined<Policy>
   {
     LOOM_CHECK(pipeline_ != nullptr, "Trainer::model_split(): the engine is the CPU devices'; "
                "on GPUs the stages are DeviceStages");
@@ -598,7 +616,7 @@ class Trainer {
   cpu::LossSums micro_step(const data::Batch& batch, std::size_t group_samples, bool accumulate,
                            bool last, int epoch, std::size_t step) {
     cpu::LossSums sums;
-    if constexpr (is_data_parallel<Policy> || is_model_split<Policy>) {
+    if constexpr (is_data_parallel<Policy> || is_pipelined<Policy>) {
       const auto run = [&](auto& engine) {
         return engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
                                  accumulate, last, optimizer_.options().lr);
@@ -628,7 +646,7 @@ class Trainer {
 
   // model() handed out the weights: the stages take them back.
   void scatter_if_changed() {
-    if constexpr (is_model_split<Policy>)
+    if constexpr (is_pipelined<Policy>)
       if (split_ready() && std::exchange(host_changed_, false))
         with_split([&](auto& engine) { engine.scatter(model_); });
   }
@@ -637,7 +655,8 @@ class Trainer {
   template <class F>
   decltype(auto) with_split(F&& f) {
 #if defined(__CUDACC__)
-    if (on_gpu()) return f(*gpu_pipeline_);
+    if constexpr (is_model_split<Policy>)
+      if (on_gpu()) return f(*gpu_pipeline_);
 #endif
     return f(*pipeline_);
   }
@@ -692,6 +711,15 @@ class Trainer {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
+  // " (R replicas x S stages)" for the policies laid out as a grid.
+  static std::string grid_text() {
+    if constexpr (is_hybrid<Policy>)
+      return " (" + std::to_string(Policy::replicas) + " replicas x " +
+             std::to_string(Policy::stages) + " stages)";
+    else
+      return "";
+  }
+
   template <class C>
   static void call_fit_begin(C& callback, const FitInfo& info) {
     if constexpr (requires { callback.on_fit_begin(info); }) callback.on_fit_begin(info);
@@ -713,7 +741,7 @@ class Trainer {
                                     detail::DataParallelEngine<Net, Policy, Optimizer>, NoEngine>;
   struct NoPipeline {};
   using Pipeline =
-      std::conditional_t<is_model_split<Policy>, detail::PipelineEngine<Net, Policy, Optimizer>,
+      std::conditional_t<is_pipelined<Policy>, detail::PipelineEngine<Net, Policy, Optimizer>,
                          NoPipeline>;
 #if defined(__CUDACC__)
   using GpuPipeline =
@@ -728,6 +756,7 @@ class Trainer {
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Pipeline> pipeline_;
   comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
+  std::size_t process_count_ = 0, process_rank_ = 0;  // across MPI processes
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
 #if defined(__CUDACC__)
   std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica

@@ -1,0 +1,110 @@
+// Hybrid<R, ModelSplit<Partition, Schedule>>: data and model parallelism at
+// once. The devices form a grid of R replicas x S stages; each replica is a
+// pipeline (ModelSplit's stages and schedule) that trains on its share of
+// every global batch, and stage k's gradients are summed over the R copies
+// of stage k only (a communicator split per stage: LocalComm::split,
+// MPI_Comm_split), bucket by bucket as the stage's last backward of the step
+// finishes them, as DataParallel does.
+//
+// Placement: rank w of the grid (device w, or MPI process w) is replica
+// w / S, stage w % S, so each replica's stages are neighbouring devices
+// (on a multi-GPU node, activations cross the fastest links) and the copies
+// of a stage are S apart. Trainer::placement() lists it; callbacks::Progress
+// prints it when fit() begins.
+//
+// Exactness: as in DataParallel, every micro-batch's loss gradient is scaled
+// by 1/(global batch), so the summed gradient is the global mean whatever
+// the shares. Hybrid<1, Split> trains as Split does, bit for bit, and
+// Hybrid<R, ModelSplit<At<>, GPipe<1>>> (one stage, one micro-batch) as
+// DataParallel over R devices.
+#pragma once
+
+#include <cstddef>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../core/device.hpp"
+#include "data_parallel.hpp"
+#include "model_split.hpp"
+
+namespace loom {
+
+template <std::size_t Replicas, class Split, std::size_t BucketBytes = default_bucket_bytes>
+struct Hybrid {
+  static_assert(is_model_split<Split>,
+                "Hybrid<R, Split>: Split must be a ModelSplit<Partition, Schedule>, the pipeline "
+                "each replica runs");
+  static_assert(Replicas >= 1, "Hybrid<R, Split>: R, the replica count, must be at least 1");
+  using split = Split;
+  using partition = typename Split::partition;
+  using schedule_type = typename Split::schedule_type;
+  static constexpr std::size_t replicas = Replicas;
+  static constexpr std::size_t stages = Split::stages;
+  static constexpr std::size_t devices_needed = Replicas * stages;
+  static constexpr PipelineSchedule schedule = Split::schedule;
+  static constexpr std::size_t bucket_bytes = BucketBytes;
+  static constexpr const char* name = "Hybrid";
+};
+
+template <class Policy>
+inline constexpr bool is_hybrid = false;
+template <std::size_t R, class S, std::size_t B>
+inline constexpr bool is_hybrid<Hybrid<R, S, B>> = true;
+
+// The policies whose ranks run pipelines (ModelSplit is Hybrid with R = 1).
+template <class Policy>
+inline constexpr bool is_pipelined = is_model_split<Policy> || is_hybrid<Policy>;
+
+// What one device (or process) of a policy holds.
+struct Placement {
+  std::size_t rank = 0;     // in the policy's grid: replica * stages + stage
+  std::size_t replica = 0;  // DataParallel/Hybrid: which copy
+  std::size_t stage = 0;    // ModelSplit/Hybrid: which pipeline stage
+  std::size_t first_layer = 0, last_layer = 0;  // user layers, 1-based, inclusive
+  std::string device;  // its name, or "process w" for another MPI process's
+};
+
+// The placement of Net under Policy on `devices` (or, with `processes` > 0,
+// one device per MPI process, this one `process` with `devices.front()`).
+template <class Net, class Policy>
+std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t processes = 0,
+                                 std::size_t process = 0) {
+  std::size_t replicas = 1, stages = 1;
+  std::vector<std::size_t> starts{0, Net::layer_count};  // stage k: layers starts[k] + 1 ...
+  if constexpr (is_pipelined<Policy>) {
+    replicas = Policy::replicas;
+    stages = Policy::stages;
+    const auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
+    starts.assign(bounds.begin(), bounds.end());
+  } else if constexpr (is_data_parallel<Policy>) {
+    replicas = processes > 0 ? processes : devices.size();
+  }
+  std::vector<Placement> out;
+  for (std::size_t w = 0; w < replicas * stages; ++w) {
+    Placement p;
+    p.rank = w;
+    p.replica = w / stages;
+    p.stage = w % stages;
+    p.first_layer = starts[p.stage] + 1;
+    p.last_layer = starts[p.stage + 1];
+    if (processes == 0)
+      p.device = w < devices.size() ? devices[w].name() : "(missing)";
+    else
+      p.device = w == process ? "process " + std::to_string(w) + ": " + devices.front().name()
+                              : "process " + std::to_string(w);
+    out.push_back(p);
+  }
+  return out;
+}
+
+// One line per device: "  cpu:2  replica 1  stage 0  layers 1-6".
+inline std::string describe_placement(const std::vector<Placement>& places) {
+  std::ostringstream text;
+  for (const auto& p : places)
+    text << "  " << p.device << "  replica " << p.replica << "  stage " << p.stage << "  layers "
+         << p.first_layer << '-' << p.last_layer << '\n';
+  return text.str();
+}
+
+}  // namespace loom

@@ -1,0 +1,191 @@
+// Hybrid<R, ModelSplit<...>> on CPU worker devices against single-device
+// training on the same global batches, and against the two policies it
+// combines: with one replica it is ModelSplit, with one stage DataParallel,
+// bit for bit. Also its placement, uneven and empty shares, accumulation,
+// evaluation, the overlap of a stage's reduction with backward, and errors.
+#include <loom/loom.hpp>
+#include <limits>
+#include <vector>
+
+#include "fashion_test.hpp"
+#include "loom_test.hpp"
+#include "policy_test.hpp"
+
+using namespace loom;
+namespace test = loom::test;
+using test::fashion;
+using test::head;
+using test::LeNet;
+using test::Logistic;
+using test::sgd;
+using test::single_device;
+using test::trained;
+
+namespace {
+
+template <class Net, class Policy>
+std::vector<float> grid(const data::Dataset& data, FitOptions fit) {
+  Trainer<Net, Policy> trainer(devices::cpu(Policy::devices_needed), sgd, {.seed = 7});
+  return trained(trainer, data, fit);
+}
+
+}  // namespace
+
+TEST_CASE("Hybrid: the grid's shape at compile time") {
+  using H = Hybrid<3, ModelSplit<At<4, 8>, GPipe<2>>>;
+  STATIC_REQUIRE(H::replicas == 3);
+  STATIC_REQUIRE(H::stages == 3);
+  STATIC_REQUIRE(H::devices_needed == 9);
+  STATIC_REQUIRE(H::schedule.kind == PipelineKind::gpipe);
+  STATIC_REQUIRE(H::schedule.micro_batches == 2);
+  STATIC_REQUIRE(is_pipelined<H>);
+  STATIC_REQUIRE(is_pipelined<ModelSplit<At<4>>>);
+  STATIC_REQUIRE(!is_pipelined<DataParallel<>>);
+  STATIC_REQUIRE(Hybrid<2, ModelSplit<At<>>>::stages == 1);
+}
+
+TEST_CASE("Hybrid 2x2 on 4 CPU workers reaches the single-device weights, both schedules") {
+  // 490 samples in batches of 60: each replica pipelines 30 (the last step: 5 each).
+  const auto part = head(fashion().train, 490);
+  const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
+  const auto reference = single_device<LeNet>(part, fit);
+  const test::Tolerance tolerance{1e-6, 1e-4};
+  test::require_close(grid<LeNet, Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>>(part, fit),
+                      reference, tolerance, "2 x Balanced<2>, 1F1B<4>");
+  test::require_close(grid<LeNet, Hybrid<2, ModelSplit<At<4>, GPipe<3>>>>(part, fit), reference,
+                      tolerance, "2 x At<4>, GPipe<3>");
+  // Uneven shares: 60 = 20 + 20 + 20, the last step's 10 = 4 + 3 + 3.
+  test::require_close(grid<LeNet, Hybrid<3, ModelSplit<At<7>, OneFOneB<2>>>>(part, fit),
+                      reference, tolerance, "3 x At<7>, 1F1B<2>");
+}
+
+TEST_CASE("Hybrid<1, Split> is ModelSplit and Hybrid<R, one stage> is DataParallel, bit for bit") {
+  const auto part = head(fashion().train, 300);
+  const FitOptions fit{.epochs = 2, .batch_size = 50, .seed = 4};
+  using Split = ModelSplit<At<4, 7>, OneFOneB<4>>;
+  Trainer<LeNet, Split> split(devices::cpu(3), sgd, {.seed = 7});
+  test::require_equal(grid<LeNet, Hybrid<1, Split>>(part, fit), trained(split, part, fit),
+                      "Hybrid<1, ModelSplit<At<4, 7>>> against ModelSplit");
+  // One stage and one micro-batch: each replica runs DataParallel's arithmetic,
+  // and the stage's copies sum in the same rank order.
+  Trainer<LeNet, DataParallel<>> data_parallel(devices::cpu(2), sgd, {.seed = 7});
+  test::require_equal(grid<LeNet, Hybrid<2, ModelSplit<At<>, GPipe<1>>>>(part, fit),
+                      trained(data_parallel, part, fit),
+                      "Hybrid<2, ModelSplit<At<>>> against DataParallel over 2");
+}
+
+TEST_CASE("Hybrid: reproducible, a replica without samples adds zeros, accumulation") {
+  using H = Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>;
+  const auto part = head(fashion().train, 200);
+  const FitOptions fit{.epochs = 1, .batch_size = 40, .seed = 5};
+  test::require_equal(grid<LeNet, H>(part, fit), grid<LeNet, H>(part, fit), "two runs");
+  // Batches of one sample: replica 1 has none in every step.
+  const auto tiny = head(fashion().train, 6);
+  const FitOptions single_samples{.epochs = 2, .batch_size = 1, .seed = 5};
+  test::require_close(grid<LeNet, H>(tiny, single_samples),
+                      single_device<LeNet>(tiny, single_samples), {1e-6, 1e-4},
+                      "12 steps of one sample");
+  const auto more = head(fashion().train, 290);
+  const FitOptions accumulated{.epochs = 1, .batch_size = 20, .seed = 6, .accumulation_steps = 3};
+  test::require_close(grid<LeNet, H>(more, accumulated),
+                      single_device<LeNet>(more, {.epochs = 1, .batch_size = 60, .seed = 6}),
+                      {1e-6, 1e-4}, "3 x 20 per step, a short last group");
+}
+
+TEST_CASE("Hybrid: callbacks' loss and evaluation match one device") {
+  Trainer<LeNet, Hybrid<2, ModelSplit<Balanced<2>, GPipe<4>>>> hybrid(devices::cpu(4), sgd,
+                                                                      {.seed = 7});
+  test::require_same_reports(hybrid, head(fashion().train, 290),
+                             {.epochs = 1, .batch_size = 50, .seed = 8}, fashion().test, 6);
+}
+
+TEST_CASE("Hybrid: placement lists each device's replica, stage and layers") {
+  Trainer<LeNet, Hybrid<2, ModelSplit<At<4>>>> trainer(devices::cpu(4), sgd);
+  const auto places = trainer.placement();
+  REQUIRE(places.size() == 4);
+  const std::vector<std::vector<std::size_t>> expected{
+      {0, 0, 1, 3}, {0, 1, 4, 10}, {1, 0, 1, 3}, {1, 1, 4, 10}};
+  for (std::size_t w = 0; w < 4; ++w) {
+    INFO("rank " << w);
+    CHECK(places[w].rank == w);
+    CHECK(places[w].device == "cpu:" + std::to_string(w));
+    CHECK(places[w].replica == expected[w][0]);
+    CHECK(places[w].stage == expected[w][1]);
+    CHECK(places[w].first_layer == expected[w][2]);
+    CHECK(places[w].last_layer == expected[w][3]);
+  }
+  REQUIRE(describe_placement(places) ==
+          "  cpu:0  replica 0  stage 0  layers 1-3\n"
+          "  cpu:1  replica 0  stage 1  layers 4-10\n"
+          "  cpu:2  replica 1  stage 0  layers 1-3\n"
+          "  cpu:3  replica 1  stage 1  layers 4-10\n");
+  // Progress prints it when fit begins.
+  std::ostringstream out;
+  trainer.fit(head(fashion().train, 64), {.epochs = 1, .batch_size = 64},
+              callbacks::Progress({.out = &out}));
+  REQUIRE_THAT(out.str(), Catch::Contains("placement (Hybrid):\n  cpu:0  replica 0  stage 0"));
+  // Other policies: DataParallel's replicas hold every layer.
+  Trainer<LeNet, DataParallel<>> data_parallel(devices::cpu(2), sgd);
+  REQUIRE(describe_placement(data_parallel.placement()) ==
+          "  cpu:0  replica 0  stage 0  layers 1-10\n"
+          "  cpu:1  replica 1  stage 0  layers 1-10\n");
+}
+
+TEST_CASE("Hybrid: a stage's gradients go to be reduced while backward still runs") {
+  const auto part = head(fashion().train, 512);
+  // Stage 0: conv1 .. pool2, gradients in two 64 KiB buckets (conv2, conv1);
+  // stage 1: the Linears, one bucket.
+  Trainer<LeNet, Hybrid<2, ModelSplit<At<7>, GPipe<4>>>> trainer(devices::cpu(4), sgd,
+                                                                 {.seed = 7});
+  trainer.fit(part, {.epochs = 1, .batch_size = 256});
+  const auto first = trainer.model_split().report(0), second = trainer.model_split().report(1);
+  REQUIRE(first.stage == 0);
+  REQUIRE(second.stage == 1);
+  REQUIRE(first.reduce_begin.size() == 2);
+  REQUIRE(second.reduce_begin.size() == 1);
+  // conv2's bucket goes to the communication thread while conv1 still
+  // back-propagates (whether that thread gets a core then is the
+  // scheduler's: model_split_bench measures the overlap) ...
+  CHECK(first.reduce_posted[0] < first.end);
+  CHECK(first.reduce_begin[0] >= first.reduce_posted[0]);
+  CHECK(first.reduce_begin[1] >= first.reduce_end[0]);
+  // ... and the Linears' before stage 0 has even received its last gradient.
+  CHECK(second.reduce_posted[0] < first.end);
+  REQUIRE(trainer.model_split().report(2).replica == 1);
+  // ModelSplit reduces nothing.
+  Trainer<LeNet, ModelSplit<At<7>>> split(devices::cpu(2), sgd);
+  split.fit(head(part, 64), {.epochs = 1, .batch_size = 64});
+  REQUIRE(split.model_split().report(0).reduce_begin.empty());
+}
+
+TEST_CASE("Hybrid: a NaN loss stops fit at the same step as one device, weights kept") {
+  auto part = head(fashion().train, 200);
+  part.images[3 * 40 * 784 + 17] = std::numeric_limits<float>::quiet_NaN();  // step 4
+  const FitOptions fit{.epochs = 1, .batch_size = 40, .shuffle = false};
+  Trainer<LeNet, Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>> hybrid(devices::cpu(4), sgd,
+                                                                         {.seed = 2});
+  REQUIRE_THROWS_WITH(hybrid.fit(part, fit), Catch::Contains("the training loss became nan") &&
+                                                 Catch::Contains("at epoch 1, step 4"));
+  Trainer<LeNet> single(devices::cpu(1), sgd, {.seed = 2});
+  REQUIRE_THROWS_WITH(single.fit(part, fit), Catch::Contains("at epoch 1, step 4"));
+  test::require_close(hybrid.model().parameters(), single.model().parameters(), {1e-6, 1e-4},
+                      "weights of step 3");
+  part = head(fashion().train, 200);
+  hybrid.fit(part, fit);  // every rank skipped the update: training goes on
+}
+
+TEST_CASE("Hybrid: wrong device counts and a failing rank are clear errors, not hangs") {
+  REQUIRE_THROWS_WITH((Trainer<LeNet, Hybrid<2, ModelSplit<Balanced<2>>>>(devices::cpu(3), sgd)),
+                      Catch::Contains("Hybrid runs on 4 device(s) (2 replicas x 2 stages) but 3 "
+                                      "were given"));
+  const auto part = head(fashion().train, 100);
+  std::vector<std::int32_t> labels(part.labels);
+  labels[80] = 12;  // replica 1's share (50..99), its micro-batch 2 (76..87)
+  Trainer<LeNet, Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>> trainer(devices::cpu(4), sgd);
+  auto& engine = trainer.model_split();
+  REQUIRE_THROWS_WITH(engine.micro_step(part.images.data(), labels.data(), 100, 100, false, true,
+                                        0.01f),
+                      Catch::Contains("label 12 of sample 4 is outside the network's 10 classes"));
+  REQUIRE_THROWS_WITH(trainer.fit(part, {.epochs = 1, .batch_size = 100}),
+                      Catch::Contains("an earlier step failed"));
+}
