@@ -11,8 +11,9 @@
 //                     the S processes of mpirun (CPU), with
 //                     --schedule gpipe|1f1b and --micro-batches M
 //   --policy hybrid   Hybrid<R, ModelSplit<Balanced<S>>>: R = --replicas
-//                     pipelines of S = devices / R stages (--devices CPU
-//                     worker devices, or the processes of mpirun)
+//                     pipelines of S = --devices / R stages, on CPU worker
+//                     devices or over the GPUs (built by nvcc), or over the
+//                     processes of mpirun (CPU)
 // Without --policy: single for one device, data for more, data under mpirun.
 #pragma once
 
@@ -214,19 +215,18 @@ int example_main(int argc, char** argv, const char* title, Options o) {
 #endif
     const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
     const Device first = devices::all().front();
-    if (policy == "split") {
-      // A stage per CPU worker device, or the stages spread over the GPUs
-      // round-robin (several on one GPU run on streams of their own).
-      std::vector<Device> stages = devices::cpu(o.devices);
+    if (policy == "split" || policy == "hybrid") {
+      // A rank (stage) per CPU worker device, or the ranks spread over the
+      // GPUs round-robin (several on one GPU run on streams of their own).
+      std::vector<Device> ranks = devices::cpu(o.devices);
       if (first.kind == Device::Kind::cuda) {
         const auto gpus = devices::gpus();
-        for (std::size_t k = 0; k < stages.size(); ++k) stages[k] = gpus[k % gpus.size()];
+        for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = gpus[k % gpus.size()];
       }
-      train_split<Net>(title, o, data, o.devices, stages, {}, out);
-    } else if (policy == "hybrid") {
-      LOOM_CHECK(first.kind == Device::Kind::cpu, "--policy hybrid runs on CPU worker devices or "
-                 "MPI processes so far; on GPUs use --policy split");
-      train_hybrid<Net>(title, o, data, o.devices, devices::cpu(o.devices), {}, out);
+      if (policy == "split")
+        train_split<Net>(title, o, data, o.devices, ranks, {}, out);
+      else
+        train_hybrid<Net>(title, o, data, o.devices, ranks, {}, out);
     } else if (first.kind == Device::Kind::cuda) {
       LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
                  ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,

@@ -297,14 +297,16 @@ TEST_CASE("cuda trainer: gradient accumulation on a GPU equals one step on the w
   check(parallel, steps, "DataParallel, 3 x 20 against 60");
 }
 
-// ModelSplit with every stage on the one GPU (its own streams): the stages'
-// passes and the device-to-device links between them.
+// ModelSplit (and Hybrid) with every rank on the one GPU (its own
+// streams): the stages' passes, the device-to-device links between them,
+// and Hybrid's sums over each stage's copies.
 template <class Policy>
-void split_follows_cpu(const char* what, PipelineSchedule schedule) {
+void split_follows_cpu(const char* what, PipelineSchedule schedule,
+                       FitOptions fit = {.epochs = 2, .batch_size = 60, .seed = 3},
+                       std::size_t samples = 490) {
   INFO(what);
-  const std::vector<Device> gpus(Policy::stages, devices::gpus().front());
-  const auto part = head(fashion().train, 490);  // 8 steps of 60, then 10
-  const FitOptions fit{.epochs = 2, .batch_size = 60, .seed = 3};
+  const std::vector<Device> gpus(Policy::devices_needed, devices::gpus().front());
+  const auto part = head(fashion().train, samples);  // by default 8 steps of 60, then 10
   const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
   std::vector<StepInfo> cpu_steps, gpu_steps;
   struct Record {
@@ -345,6 +347,34 @@ TEST_CASE("cuda ModelSplit: stages sharing one GPU follow single-device training
   // mask per micro-batch in flight).
   split_follows_cpu<ModelSplit<At<9>, GPipe<3>>>("At<9>, GPipe, 3 micro-batches",
                                                  GPipe<3>::schedule);
+}
+
+TEST_CASE("cuda Hybrid: replicas of pipelines on one GPU follow single-device training on the CPU") {
+  split_follows_cpu<Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>>(
+      "2 x Balanced<2>, 1F1B, 4 micro-batches", OneFOneB<4>::schedule);
+  split_follows_cpu<Hybrid<3, ModelSplit<At<4, 7>, GPipe<3>>>>("3 x At<4, 7>, GPipe, 3 micro-batches",
+                                                              GPipe<3>::schedule);
+  // One stage: DataParallel's arithmetic, summed over copies by the leader.
+  split_follows_cpu<Hybrid<2, ModelSplit<At<>, GPipe<2>>>>("2 x one stage, GPipe, 2 micro-batches",
+                                                          GPipe<2>::schedule);
+  // Batches of 2 over 3 replicas: replica 2 has no sample in any step.
+  split_follows_cpu<Hybrid<3, ModelSplit<At<7>, OneFOneB<2>>>>(
+      "3 x At<7>, batches of 2", OneFOneB<2>::schedule, {.epochs = 1, .batch_size = 2, .seed = 5},
+      24);
+}
+
+TEST_CASE("cuda Hybrid: a NaN loss stops fit at the same step on every replica, weights kept") {
+  auto part = head(fashion().train, 256);
+  part.images[5 * 32 * 784 + 20 * 784 + 3] = std::numeric_limits<float>::quiet_NaN();  // replica 1
+  const FitOptions fit{.epochs = 1, .batch_size = 32, .shuffle = false};
+  const std::vector<Device> gpus(4, devices::gpus().front());
+  Trainer<LeNet, Hybrid<2, ModelSplit<At<8>, OneFOneB<4>>>> trainer(gpus, {.lr = 0.01f}, {.seed = 1});
+  REQUIRE_THROWS_WITH(trainer.fit(part, fit), Catch::Contains("the training loss became nan") &&
+                                                  Catch::Contains("at epoch 1, step 6"));
+  Trainer<LeNet> reference(devices::cpu(1), {.lr = 0.01f}, {.seed = 1});
+  REQUIRE_THROWS_WITH(reference.fit(part, fit), Catch::Contains("at epoch 1, step 6"));
+  test::require_close(trainer.model().parameters(), reference.model().parameters(), {1e-5, 1e-3},
+                      "weights kept after the NaN step");
 }
 
 TEST_CASE("cuda ModelSplit: a NaN loss stops fit at the same step, every stage keeps its weights") {

@@ -182,10 +182,6 @@ class Trainer {
       if (devices_.front().kind == Device::Kind::cpu)
         pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
                                                trainer_options.schedule);
-      else if constexpr (is_hybrid<Policy>)
-        LOOM_FAIL(Policy::name, " runs on CPU devices so far (worker devices or MPI processes); "
-                  "on GPUs use ModelSplit<...> in one process, or DataParallel<> with one "
-                  "process per GPU");
       else
         LOOM_CHECK(!processes, Policy::name, " across processes runs on CPU devices so far; on "
                    "GPUs give one process all the stages' GPUs (a GPU may hold several stages)");
@@ -655,8 +651,7 @@ class Trainer {
   template <class F>
   decltype(auto) with_split(F&& f) {
 #if defined(__CUDACC__)
-    if constexpr (is_model_split<Policy>)
-      if (on_gpu()) return f(*gpu_pipeline_);
+    if (on_gpu()) return f(*gpu_pipeline_);
 #endif
     return f(*pipeline_);
   }
@@ -668,10 +663,10 @@ class Trainer {
   }
 
 #if defined(__CUDACC__)
-  // ModelSplit on GPUs: stages planned for global batches up to `batch`
+  // ModelSplit or Hybrid on GPUs: stages planned for global batches up to `batch`
   // (made again, weights and momentum carried over, when a larger one comes).
   void gpu_split(std::size_t batch) {
-    if constexpr (is_model_split<Policy>) {
+    if constexpr (is_pipelined<Policy>) {
       if (gpu_pipeline_ && gpu_pipeline_->max_batch() >= batch) return;
       // The old stages hand over weights and momentum; weights changed
       // through model() since follow (scatter_if_changed).
@@ -745,7 +740,7 @@ class Trainer {
                          NoPipeline>;
 #if defined(__CUDACC__)
   using GpuPipeline =
-      std::conditional_t<is_model_split<Policy>, gpu::PipelineEngine<Net, Policy>, NoPipeline>;
+      std::conditional_t<is_pipelined<Policy>, gpu::PipelineEngine<Net, Policy>, NoPipeline>;
 #endif
 
   std::vector<Device> devices_;
@@ -761,7 +756,7 @@ class Trainer {
 #if defined(__CUDACC__)
   std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica
   std::vector<GpuReplica> gpus_;      // after nccl_: destroyed first
-  std::unique_ptr<GpuPipeline> gpu_pipeline_;  // ModelSplit on GPUs
+  std::unique_ptr<GpuPipeline> gpu_pipeline_;  // ModelSplit or Hybrid on GPUs
 #endif
 };
 

@@ -1,4 +1,4 @@
-// ModelSplit on GPUs: each stage a DeviceStage on its GPU (several stages may
+// ModelSplit and Hybrid on GPUs: each stage a DeviceStage on its GPU (several stages may
 // share one GPU, each on streams of its own), driven by a host thread that
 // enqueues its schedule's passes (schedule.hpp) without waiting for the GPU.
 //
@@ -35,7 +35,9 @@
 #include "../../parallel/crew.hpp"
 #include "../../parallel/data_parallel.hpp"
 #include "../../parallel/model_split.hpp"
+#include "memory.hpp"
 #include "model.cuh"
+#include "stream.hpp"
 
 namespace loom::gpu {
 
@@ -206,6 +208,9 @@ class DeviceStageBase {
   // first_of_step: the step's first backward (overwrites the accumulator).
   virtual void backward(std::size_t slot, std::size_t n, bool first_of_step) = 0;
   virtual void update(float lr) = 0;
+  // The step's micro-batches' gradients, summed (Hybrid sums it over copies).
+  virtual float* accumulator() = 0;
+  virtual void zero_accumulator() = 0;
   // Waits for the stream; returns the totals since the last call and zeroes them.
   virtual LossTotals take_totals() = 0;
   virtual void copy_parameters(float* host, cudaMemcpyKind kind) = 0;
@@ -354,6 +359,11 @@ class DeviceStage final : public DeviceStageBase {
                sgd_.nesterov, stream());
   }
 
+  float* accumulator() override { return accum_; }
+  void zero_accumulator() override {
+    LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layout::total * sizeof(float), stream()));
+  }
+
   LossTotals take_totals() override {
     LOOM_CUDA_CHECK(cudaMemcpyAsync(totals_host_.data(), totals_, sizeof(LossTotals),
                                     cudaMemcpyDeviceToHost, stream()));
@@ -475,13 +485,25 @@ class DeviceStage final : public DeviceStageBase {
   Event backward_done_;           // the last backward (it read output_gradient())
 };
 
-// The pipeline of one process's GPUs: stage k on devices[k] (a GPU may hold
-// several stages). SGD only, like the rest of the CUDA backend.
+// The pipelines of one process's GPUs: ModelSplit (one pipeline, stage k on
+// devices[k]) or Hybrid (Policy::replicas pipelines: rank w = replica w / S,
+// stage w % S on devices[w]). A GPU may hold several ranks. SGD only, like
+// the rest of the CUDA backend.
+//
+// Hybrid sums each stage's accumulated gradients over its copies after the
+// step's last backward: replica 0's copy (the leader) adds the others' in
+// replica order (peer copies, then one add kernel each; deterministic, and
+// copies may share a GPU, which NCCL refuses), then each copy takes the sum
+// back before its update. Events order it: the leader waits for each copy's
+// gradients, the copies for the sum, and the leader's next step for every
+// copy to have taken it.
 template <class Net, class Policy>
 class PipelineEngine {
  public:
   using Partition = typename Policy::partition;
   static constexpr std::size_t stages = Policy::stages;
+  static constexpr std::size_t replicas = Policy::replicas;
+  static constexpr std::size_t ranks = replicas * stages;
   static constexpr std::size_t classes = Net::output_shape::size;
 
   // Planned for global batches of up to max_batch samples; `previous` (same
@@ -493,8 +515,13 @@ class PipelineEngine {
         max_batch_(max_batch),
         crew_(Policy::name, devices::hardware_threads()) {
     if (schedule_.micro_batches == 0) schedule_.micro_batches = Policy::schedule.micro_batches;
-    LOOM_CHECK(devices.size() == stages, Policy::name, " has ", stages, " stages but ",
-               devices.size(), " GPUs were given (a GPU may be named more than once)");
+    if constexpr (replicas > 1)
+      LOOM_CHECK(devices.size() == ranks, Policy::name, " has ", replicas, " replicas x ", stages,
+                 " stages and needs ", ranks, " GPUs, one per rank, but ", devices.size(),
+                 " were given (a GPU may be named more than once)");
+    else
+      LOOM_CHECK(devices.size() == stages, Policy::name, " has ", stages, " stages but ",
+                 devices.size(), " GPUs were given (a GPU may be named more than once)");
     try {
       make_stages(devices, initial, sgd, allow_tf32, previous);
     } catch (...) {
@@ -502,7 +529,7 @@ class PipelineEngine {
       throw;
     }
     crew_.start(
-        stages, [this](std::size_t k, const Job& job) { work(k, job); },
+        ranks, [this](std::size_t w, const Job& job) { work(w, job); },
         [this](std::size_t, const std::string& why) {
           for (auto& link : forward_) link->cancel(why);
           for (auto& link : backward_) link->cancel(why);
@@ -517,7 +544,7 @@ class PipelineEngine {
 
   std::size_t max_batch() const { return max_batch_; }
   bool all_local() const { return true; }
-  std::size_t local_stages() const { return stages; }
+  std::size_t local_stages() const { return ranks; }
 
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last, float lr) {
@@ -531,23 +558,26 @@ class PipelineEngine {
                .accumulate = accumulate,
                .last = last});
     if (!last) return {};
-    const LossTotals& t = totals_;
+    const LossTotals t = total();
     if (t.halted == halt_bad_label)
       LOOM_FAIL("label ", t.bad_label, " of sample ", t.bad_row, " of a micro-batch is outside the network's ",
                 classes, " classes");
     if (t.halted == halt_nonfinite_loss) return {t.halt_loss, 0};  // no stage updates
+    if constexpr (replicas > 1) crew_.run({.kind = JobKind::reduce});
     crew_.run({.kind = JobKind::update, .lr = lr});
     return {t.loss, static_cast<std::size_t>(t.correct)};
   }
 
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
     crew_.run({.kind = JobKind::evaluate, .n = std::min(batch, max_batch_), .dataset = &dataset});
-    if (totals_.halted == halt_bad_label)
-      LOOM_FAIL("evaluate: dataset '", dataset.name, "': label ", totals_.bad_label,
+    const LossTotals t = total();
+    if (t.halted == halt_bad_label)
+      LOOM_FAIL("evaluate: dataset '", dataset.name, "': label ", t.bad_label,
                 " of a sample is outside the network's ", classes, " classes");
-    return {totals_.loss, static_cast<std::size_t>(totals_.correct)};
+    return {t.loss, static_cast<std::size_t>(t.correct)};
   }
 
+  // Replica 0's stages hold the weights (the copies are equal).
   void gather(Model<Net, float>& whole) {
     for (std::size_t k = 0; k < stages; ++k) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
@@ -555,51 +585,97 @@ class PipelineEngine {
     }
   }
   void scatter(const Model<Net, float>& whole) {
-    for (std::size_t k = 0; k < stages; ++k) {
-      LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
-      stages_[k]->copy_parameters(const_cast<float*>(whole.parameters().data()) + offsets_[k],
-                                  cudaMemcpyHostToDevice);
+    for (std::size_t w = 0; w < ranks; ++w) {
+      LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
+      stages_[w]->copy_parameters(
+          const_cast<float*>(whole.parameters().data()) + offsets_[w % stages],
+          cudaMemcpyHostToDevice);
     }
   }
 
  private:
-  enum class JobKind { train, evaluate, update };
+  enum class JobKind { train, evaluate, reduce, update };
   using Job = ::loom::detail::EngineJob<JobKind>;
+
+  // Hybrid: what the copies of one stage share for their reduction.
+  struct StageGroup {
+    DeviceBuffer<float> scratch;  // on the leader's GPU: one copy's gradients at a time
+    std::unique_ptr<Event> reduced;  // the leader's stream: the sum is in its accumulator
+  };
+
+  static std::size_t replica_of(std::size_t w) { return w / stages; }
+  static std::size_t stage_of(std::size_t w) { return w % stages; }
+  // Link between stage k and k + 1 of replica r.
+  static std::size_t link(std::size_t r, std::size_t k) { return r * (stages - 1) + k; }
 
   void make_stages(const std::vector<Device>& devices, const Model<Net, float>& initial,
                    SGD::Options sgd, bool allow_tf32, PipelineEngine* previous) {
-    const std::size_t micro = std::max<std::size_t>(1, std::min(schedule_.micro_batches, max_batch_));
-    const std::size_t most = batch_share(max_batch_, micro, 0).count;
+    // Each replica pipelines its share of a batch.
+    replica_batch_ = std::max<std::size_t>(1, batch_share(max_batch_, replicas, 0).count);
+    const std::size_t micro =
+        std::max<std::size_t>(1, std::min(schedule_.micro_batches, replica_batch_));
+    const std::size_t most = batch_share(replica_batch_, micro, 0).count;
+    stages_.resize(ranks);
+    offsets_.resize(stages);
     static_for<stages>([&](auto k) {
       constexpr std::size_t K = decltype(k)::value;
       using StageNet = stage_net_t<Net, Partition, K>;
       constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
-      const int device = devices[K].index;
-      LOOM_CUDA_CHECK(cudaSetDevice(device));
-      stages_.push_back(std::make_unique<DeviceStage<StageNet, K == 0>>(
-          device, initial.parameters().subspan(offset, StageNet::parameter_count), sgd, most,
-          pipeline_in_flight(schedule_.kind, stages, K, micro), allow_tf32));
-      offsets_.push_back(offset);
-      if (previous != nullptr) stages_.back()->copy_state_from(*previous->stages_[K]);
+      offsets_[K] = offset;
+      for (std::size_t r = 0; r < replicas; ++r) {
+        const std::size_t w = r * stages + K;
+        const int device = devices[w].index;
+        LOOM_CUDA_CHECK(cudaSetDevice(device));
+        stages_[w] = std::make_unique<DeviceStage<StageNet, K == 0>>(
+            device, initial.parameters().subspan(offset, StageNet::parameter_count), sgd, most,
+            pipeline_in_flight(schedule_.kind, stages, K, micro), allow_tf32);
+        if (previous != nullptr) stages_[w]->copy_state_from(*previous->stages_[w]);
+      }
     });
-    for (std::size_t k = 0; k + 1 < stages; ++k) {
-      enable_peer_access(stages_[k]->device(), stages_[k + 1]->device());
-      forward_.push_back(std::make_unique<DeviceLink>(stages_[k]->device(), stages_[k + 1]->device()));
-      backward_.push_back(std::make_unique<DeviceLink>(stages_[k + 1]->device(), stages_[k]->device()));
+    for (std::size_t r = 0; r < replicas; ++r)
+      for (std::size_t k = 0; k + 1 < stages; ++k) {
+        const int from = stages_[r * stages + k]->device(), to = stages_[r * stages + k + 1]->device();
+        enable_peer_access(from, to);
+        forward_.push_back(std::make_unique<DeviceLink>(from, to));
+        backward_.push_back(std::make_unique<DeviceLink>(to, from));
+      }
+    if constexpr (replicas > 1) {
+      for (std::size_t w = 0; w < ranks; ++w) {
+        LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
+        ready_.push_back(std::make_unique<Event>());
+        pulled_.push_back(std::make_unique<Event>());
+      }
+      for (std::size_t k = 0; k < stages; ++k) {
+        DeviceStageBase& leader = *stages_[k];
+        for (std::size_t r = 1; r < replicas; ++r)
+          enable_peer_access(leader.device(), stages_[r * stages + k]->device());
+        LOOM_CUDA_CHECK(cudaSetDevice(leader.device()));
+        groups_.push_back({DeviceBuffer<float>(leader.device_parameters(),
+                                               "Hybrid's reduction of stage " + std::to_string(k)),
+                           std::make_unique<Event>()});
+      }
     }
   }
 
-
   // Every stage's work (and the copies between them) ends before any
-  // stage's memory goes; each stage is freed with its own GPU current.
+  // stage's memory goes; each GPU's memory is freed with that GPU current.
   void release() noexcept {
     for (auto& stage : stages_) {
+      if (!stage) continue;
       LOOM_CUDA_RELEASE(cudaSetDevice(stage->device()));
       stage->synchronize();
     }
     forward_.clear();
     backward_.clear();
+    for (std::size_t k = 0; k < groups_.size(); ++k) {
+      LOOM_CUDA_RELEASE(cudaSetDevice(stages_[k]->device()));
+      groups_[k] = {};
+    }
+    groups_.clear();
+    ready_.clear();
+    pulled_.clear();
     for (auto& stage : stages_) {
+      if (!stage) continue;
       LOOM_CUDA_RELEASE(cudaSetDevice(stage->device()));
       stage.reset();
     }
@@ -621,28 +697,60 @@ class PipelineEngine {
     }
   }
 
-  void work(std::size_t k, const Job& job) {
-    DeviceStageBase& stage = *stages_[k];
+  void work(std::size_t w, const Job& job) {
+    DeviceStageBase& stage = *stages_[w];
     LOOM_CUDA_CHECK(cudaSetDevice(stage.device()));
-    if (job.kind == JobKind::update) {
-      stage.update(job.lr);
-      return;
+    switch (job.kind) {
+      case JobKind::train:
+        train(w, stage, job);
+        break;
+      case JobKind::evaluate:
+        evaluate(w, stage, *job.dataset, job.n);
+        break;
+      case JobKind::reduce:
+        if (replica_of(w) == 0) reduce(w, stage);
+        break;
+      case JobKind::update:
+        if (replicas > 1 && replica_of(w) > 0) take_sum(w, stage);
+        stage.update(job.lr);
+        break;
     }
-    if (job.kind == JobKind::evaluate) {
-      evaluate(k, stage, *job.dataset, job.n);
-      return;
-    }
-    train(k, stage, job);
   }
 
-  // Micro-batch `share` of a host batch into the first stage's slot (and
+  // The leader of stage k adds its copies' accumulated gradients to its own.
+  void reduce(std::size_t k, DeviceStageBase& leader) {
+    const std::size_t count = leader.device_parameters();
+    StageGroup& group = groups_[k];
+    for (std::size_t r = 1; r < replicas; ++r) {
+      DeviceStageBase& copy = *stages_[r * stages + k];
+      ready_[r * stages + k]->wait_on(leader.stream());
+      LOOM_CUDA_CHECK(cudaMemcpyPeerAsync(group.scratch.data(), leader.device(), copy.accumulator(),
+                                          copy.device(), count * sizeof(float), leader.stream()));
+      add_into(leader.accumulator(), group.scratch.data(), count, leader.stream());
+    }
+    group.reduced->record(leader.stream());
+  }
+
+  // A copy takes its leader's sum before updating.
+  void take_sum(std::size_t w, DeviceStageBase& copy) {
+    DeviceStageBase& leader = *stages_[stage_of(w)];
+    groups_[stage_of(w)].reduced->wait_on(copy.stream());
+    LOOM_CUDA_CHECK(cudaMemcpyPeerAsync(copy.accumulator(), copy.device(), leader.accumulator(),
+                                        leader.device(), copy.device_parameters() * sizeof(float),
+                                        copy.stream()));
+    pulled_[w]->record(copy.stream());
+  }
+
+  // Micro-batch `count` of a host batch into the first stage's slot (and
   // its labels into the last stage's), on the compute stream.
-  void load(std::size_t k, DeviceStageBase& stage, std::size_t slot, const float* images,
+  void load(std::size_t w, DeviceStageBase& stage, std::size_t slot, const float* images,
             const std::int32_t* labels, std::size_t count) {
+    const std::size_t r = replica_of(w), k = stage_of(w);
     // A stage of in-place layers sends from its input buffer: it waits for
     // the next stage to have copied the last micro-batch out of it.
     if (k + 1 < stages && stage.output(slot) == stage.input(slot))
-      forward_[k]->before_overwrite(stage.input(slot), k == 0 ? stage.stream() : stage.copy_stream());
+      forward_[link(r, k)]->before_overwrite(stage.input(slot),
+                                             k == 0 ? stage.stream() : stage.copy_stream());
     const bool first = k == 0, last = k + 1 == stages;
     if (first || last) stage.staged(slot).synchronize();  // the slot's pinned memory is free
     if (first) {
@@ -652,7 +760,9 @@ class PipelineEngine {
                                       values * sizeof(float), cudaMemcpyHostToDevice,
                                       stage.stream()));
     } else {
-      receive_input(k, stage, slot, count);
+      forward_[link(r, k - 1)]->receive(stage.input(slot), count * stage.input_size(),
+                                        stage.copy_stream(), &stage.slot_done(slot),
+                                        stage.stream());
     }
     if (last) {
       std::copy_n(labels, count, stage.pinned_labels(slot));
@@ -663,80 +773,116 @@ class PipelineEngine {
     if (first || last) stage.staged(slot).record(stage.stream());
   }
 
-  void receive_input(std::size_t k, DeviceStageBase& stage, std::size_t slot, std::size_t count) {
-    forward_[k - 1]->receive(stage.input(slot), count * stage.input_size(), stage.copy_stream(),
-                             &stage.slot_done(slot), stage.stream());
-  }
-
-  void forward_pass(std::size_t k, DeviceStageBase& stage, std::size_t slot, std::size_t count) {
+  void forward_pass(std::size_t w, DeviceStageBase& stage, std::size_t slot, std::size_t count) {
+    const std::size_t r = replica_of(w), k = stage_of(w);
     const bool sends = k + 1 < stages;
-    if (sends) forward_[k]->before_overwrite(stage.output(slot), stage.stream());
+    if (sends) forward_[link(r, k)]->before_overwrite(stage.output(slot), stage.stream());
     stage.forward(slot, count);
     stage.slot_done(slot).record(stage.stream());
-    if (sends) forward_[k]->send(stage.output(slot), count * stage.output_size(), stage.stream());
+    if (sends)
+      forward_[link(r, k)]->send(stage.output(slot), count * stage.output_size(), stage.stream());
   }
 
-  void train(std::size_t k, DeviceStageBase& stage, const Job& job) {
-    const std::size_t micro = std::min(schedule_.micro_batches, job.n);
+  void train(std::size_t w, DeviceStageBase& stage, const Job& job) {
+    const std::size_t r = replica_of(w), k = stage_of(w);
+    // This replica's share of the batch, in micro-batches.
+    const auto share = batch_share(job.n, replicas, r);
+    const std::size_t micro = std::min(schedule_.micro_batches, share.count);
+    // The leader overwrites its accumulator only once every copy has taken
+    // the last step's sum out of it.
+    if (replicas > 1 && r == 0 && !job.accumulate)
+      for (std::size_t c = 1; c < replicas; ++c) pulled_[c * stages + k]->wait_on(stage.stream());
     std::vector<std::size_t> free_slots, slot_of(micro, 0);
     for (std::size_t s = pipeline_in_flight(schedule_.kind, stages, k, micro); s-- > 0;)
       free_slots.push_back(s);
     bool first_backward = !job.accumulate;
     const std::size_t sample = Net::input_shape::size;
     for_each_pipeline_op(schedule_.kind, stages, k, micro, [&](PipelineOp op) {
-      const auto share = batch_share(job.n, micro, op.micro_batch);
+      const auto piece = batch_share(share.count, micro, op.micro_batch);
+      const std::size_t first_sample = share.first + piece.first;
       if (op.forward) {
         const std::size_t slot = free_slots.back();
         free_slots.pop_back();
         slot_of[op.micro_batch] = slot;
-        load(k, stage, slot, job.images + share.first * sample, job.labels + share.first,
-             share.count);
-        forward_pass(k, stage, slot, share.count);
+        load(w, stage, slot, job.images + first_sample * sample, job.labels + first_sample,
+             piece.count);
+        forward_pass(w, stage, slot, piece.count);
         return;
       }
       const std::size_t slot = slot_of[op.micro_batch];
       if (k + 1 == stages)
-        stage.loss(slot, share.count, job.group_samples, true);
+        stage.loss(slot, piece.count, job.group_samples, true);
       else
-        backward_[k]->receive(stage.output_gradient(), share.count * stage.output_size(),
-                              stage.copy_stream(), &stage.backward_done(), stage.stream());
-      if (k > 0) backward_[k - 1]->before_overwrite(stage.input_gradient(), stage.stream());
-      stage.backward(slot, share.count, std::exchange(first_backward, false));
+        backward_[link(r, k)]->receive(stage.output_gradient(), piece.count * stage.output_size(),
+                                       stage.copy_stream(), &stage.backward_done(),
+                                       stage.stream());
+      if (k > 0) backward_[link(r, k - 1)]->before_overwrite(stage.input_gradient(), stage.stream());
+      stage.backward(slot, piece.count, std::exchange(first_backward, false));
       stage.backward_done().record(stage.stream());
       stage.slot_done(slot).record(stage.stream());
       if (k > 0)
-        backward_[k - 1]->send(stage.input_gradient(), share.count * stage.input_size(),
-                               stage.stream());
+        backward_[link(r, k - 1)]->send(stage.input_gradient(), piece.count * stage.input_size(),
+                                        stage.stream());
       free_slots.push_back(slot);
     });
-    if (job.last && k + 1 == stages) totals_ = stage.take_totals();
+    // A replica without a sample in the step adds zeros to the sum.
+    if (micro == 0 && !job.accumulate) stage.zero_accumulator();
+    if (!job.last) return;
+    if constexpr (replicas > 1) ready_[w]->record(stage.stream());
+    if (k + 1 == stages) totals_[r] = stage.take_totals();
   }
 
-  void evaluate(std::size_t k, DeviceStageBase& stage, const data::Dataset& data,
-                std::size_t piece) {
+  // Each replica evaluates its share of the data set in pieces of up to
+  // `batch` samples (at most what a replica was planned for).
+  void evaluate(std::size_t w, DeviceStageBase& stage, const data::Dataset& data,
+                std::size_t batch) {
+    const std::size_t r = replica_of(w), k = stage_of(w);
+    const auto share = batch_share(data.count, replicas, r);
+    const std::size_t piece = std::min(batch, replica_batch_);
     const std::size_t sample = data.sample_size();
     const std::size_t micro = std::min(schedule_.micro_batches, piece);
-    for (std::size_t at = 0; at < data.count; at += piece) {
-      const std::size_t n = std::min(piece, data.count - at);
+    for (std::size_t at = 0; at < share.count; at += piece) {
+      const std::size_t n = std::min(piece, share.count - at);
       const std::size_t pieces = std::min(micro, n);
       for (std::size_t m = 0; m < pieces; ++m) {
-        const auto share = batch_share(n, pieces, m);
-        const std::size_t first = at + share.first;
-        load(k, stage, 0, data.images.data() + first * sample, data.labels.data() + first,
-             share.count);
-        forward_pass(k, stage, 0, share.count);
-        if (k + 1 == stages) stage.loss(0, share.count, share.count, false);
+        const auto part = batch_share(n, pieces, m);
+        const std::size_t first = share.first + at + part.first;
+        load(w, stage, 0, data.images.data() + first * sample, data.labels.data() + first,
+             part.count);
+        forward_pass(w, stage, 0, part.count);
+        if (k + 1 == stages) stage.loss(0, part.count, part.count, false);
       }
     }
-    if (k + 1 == stages) totals_ = stage.take_totals();
+    if (k + 1 == stages) totals_[r] = stage.take_totals();
+  }
+
+  // The replicas' last stages' totals, summed; a halt (a non-finite loss,
+  // a bad label) in any replica is the step's.
+  LossTotals total() const {
+    LossTotals sum{};
+    for (const auto& t : totals_) {
+      sum.loss += t.loss;
+      sum.correct += t.correct;
+      sum.samples += t.samples;
+      if (t.halted != halt_none && sum.halted == halt_none) {
+        sum.halted = t.halted;
+        sum.bad_label = t.bad_label;
+        sum.bad_row = t.bad_row;
+        sum.halt_loss = t.halt_loss;
+      }
+    }
+    return sum;
   }
 
   PipelineSchedule schedule_;
   std::size_t max_batch_;
-  std::vector<std::unique_ptr<DeviceStageBase>> stages_;
+  std::size_t replica_batch_ = 1;  // the most samples of a batch one replica takes
+  std::vector<std::unique_ptr<DeviceStageBase>> stages_;  // by rank: replica * stages + stage
   std::vector<std::size_t> offsets_;  // where each stage's slice of the whole network's weights starts
-  std::vector<std::unique_ptr<DeviceLink>> forward_, backward_;  // link k: stage k and k + 1
-  LossTotals totals_{};  // the last stage's, after an optimizer step or an evaluation
+  std::vector<std::unique_ptr<DeviceLink>> forward_, backward_;  // by link(replica, stage)
+  std::vector<StageGroup> groups_;                  // Hybrid: per stage
+  std::vector<std::unique_ptr<Event>> ready_, pulled_;  // Hybrid: per rank
+  std::array<LossTotals, replicas> totals_{};  // per replica: its last stage's, after a step or an evaluation
   ::loom::detail::Crew<Job> crew_;  // last: its threads stop before the rest goes
 };
 
