@@ -10,8 +10,10 @@
 // staged from host memory) with DataParallel<> on GPU 0 (one NCCL rank: the
 // policy's cost; more GPUs take one process each, under mpirun) against
 // SingleDevice, as "lenet_fit_epoch" lines ("library":"loom" is DataParallel,
-// "loom-single-device" its peer), and ModelSplit<Balanced<2>, OneFOneB<4>>
-// with both stages on GPU 0, each on its own streams ("loom-model-split").
+// "loom-single-device" its peer), ModelSplit<Balanced<2>, OneFOneB<4>>
+// with both stages on GPU 0, each on its own streams ("loom-model-split"),
+// and Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>, its 4 ranks on GPU 0
+// ("loom-hybrid": the cost of the grid and of summing the stage copies).
 #include <iostream>
 #include <loom/backend/cuda/model.cuh>
 
@@ -59,7 +61,7 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
 
 template <class Policy>
 nlohmann::json fit_epoch(const loom::data::Dataset& train, std::size_t batch, const char* library) {
-  // One GPU for each device the policy takes (ModelSplit: a stage each).
+  // One GPU for each device the policy takes (ModelSplit, Hybrid: a rank each).
   const std::vector<loom::Device> gpu(std::max<std::size_t>(Policy::devices_needed, 1),
                                       loom::devices::gpus().front());
   loom::Trainer<loom::bench::LeNet, Policy> trainer(gpu, {.lr = 0.01f, .momentum = 0.9f});
@@ -103,6 +105,10 @@ int main(int argc, char** argv) {
                 << std::endl;
       std::cout << fit_epoch<loom::ModelSplit<loom::Balanced<2>, loom::OneFOneB<4>>>(
                        train, batch, "loom-model-split")
+                       .dump()
+                << std::endl;
+      std::cout << fit_epoch<loom::Hybrid<2, loom::ModelSplit<loom::Balanced<2>, loom::OneFOneB<4>>>>(
+                       train, batch, "loom-hybrid")
                        .dump()
                 << std::endl;
     }
