@@ -524,16 +524,17 @@ class PipelineEngine {
                  devices.size(), " GPUs were given (a GPU may be named more than once)");
     try {
       make_stages(devices, initial, sgd, allow_tf32, previous);
+      crew_.start(
+          ranks, [this](std::size_t w, const Job& job) { work(w, job); },
+          [this](std::size_t, const std::string& why) {
+            for (auto& link : forward_) link->cancel(why);
+            for (auto& link : backward_) link->cancel(why);
+          });
     } catch (...) {
+      crew_.stop();
       release();  // no destructor runs for a constructor that throws
       throw;
     }
-    crew_.start(
-        ranks, [this](std::size_t w, const Job& job) { work(w, job); },
-        [this](std::size_t, const std::string& why) {
-          for (auto& link : forward_) link->cancel(why);
-          for (auto& link : backward_) link->cancel(why);
-        });
   }
   PipelineEngine(const PipelineEngine&) = delete;
   PipelineEngine& operator=(const PipelineEngine&) = delete;
@@ -558,10 +559,12 @@ class PipelineEngine {
                .accumulate = accumulate,
                .last = last});
     if (!last) return {};
-    const LossTotals t = total();
+    std::size_t replica = 0;
+    const LossTotals t = total(&replica);
     if (t.halted == halt_bad_label)
-      LOOM_FAIL("label ", t.bad_label, " of sample ", t.bad_row, " of a micro-batch is outside the network's ",
-                classes, " classes");
+      LOOM_FAIL("label ", t.bad_label, " of sample ", t.bad_row, " of a micro-batch",
+                replicas > 1 ? " of replica " + std::to_string(replica) : std::string(),
+                " is outside the network's ", classes, " classes");
     if (t.halted == halt_nonfinite_loss) return {t.halt_loss, 0};  // no stage updates
     if constexpr (replicas > 1) crew_.run({.kind = JobKind::reduce});
     crew_.run({.kind = JobKind::update, .lr = lr});
@@ -690,8 +693,10 @@ class PipelineEngine {
       if (!can) continue;  // copies then go through the host
       LOOM_CUDA_CHECK(cudaSetDevice(from));
       const cudaError_t status = cudaDeviceEnablePeerAccess(to, 0);
-      if (status == cudaErrorPeerAccessAlreadyEnabled)
-        cudaGetLastError();  // clears it: already enabled is what we want
+      // Already enabled is what we want; out of peer slots (large nodes),
+      // copies still work, through the host. Either way the error is cleared.
+      if (status == cudaErrorPeerAccessAlreadyEnabled || status == cudaErrorTooManyPeers)
+        cudaGetLastError();
       else
         LOOM_CUDA_CHECK(status);
     }
@@ -788,10 +793,12 @@ class PipelineEngine {
     // This replica's share of the batch, in micro-batches.
     const auto share = batch_share(job.n, replicas, r);
     const std::size_t micro = std::min(schedule_.micro_batches, share.count);
-    // The leader overwrites its accumulator only once every copy has taken
-    // the last step's sum out of it.
-    if (replicas > 1 && r == 0 && !job.accumulate)
-      for (std::size_t c = 1; c < replicas; ++c) pulled_[c * stages + k]->wait_on(stage.stream());
+    // The leader overwrites its accumulator (the step's first backward)
+    // only once every copy has taken the last step's sum out of it.
+    const auto wait_for_copies = [&] {
+      if (replicas > 1 && r == 0)
+        for (std::size_t c = 1; c < replicas; ++c) pulled_[c * stages + k]->wait_on(stage.stream());
+    };
     std::vector<std::size_t> free_slots, slot_of(micro, 0);
     for (std::size_t s = pipeline_in_flight(schedule_.kind, stages, k, micro); s-- > 0;)
       free_slots.push_back(s);
@@ -817,6 +824,7 @@ class PipelineEngine {
                                        stage.copy_stream(), &stage.backward_done(),
                                        stage.stream());
       if (k > 0) backward_[link(r, k - 1)]->before_overwrite(stage.input_gradient(), stage.stream());
+      if (first_backward) wait_for_copies();
       stage.backward(slot, piece.count, std::exchange(first_backward, false));
       stage.backward_done().record(stage.stream());
       stage.slot_done(slot).record(stage.stream());
@@ -826,7 +834,10 @@ class PipelineEngine {
       free_slots.push_back(slot);
     });
     // A replica without a sample in the step adds zeros to the sum.
-    if (micro == 0 && !job.accumulate) stage.zero_accumulator();
+    if (micro == 0 && !job.accumulate) {
+      wait_for_copies();
+      stage.zero_accumulator();
+    }
     if (!job.last) return;
     if constexpr (replicas > 1) ready_[w]->record(stage.stream());
     if (k + 1 == stages) totals_[r] = stage.take_totals();
@@ -858,17 +869,23 @@ class PipelineEngine {
 
   // The replicas' last stages' totals, summed; a halt (a non-finite loss,
   // a bad label) in any replica is the step's.
-  LossTotals total() const {
+  // A bad label outranks a non-finite loss (it is the user's data to fix,
+  // and the CPU engine raises it first). `replica`: whose halt it is.
+  LossTotals total(std::size_t* replica = nullptr) const {
     LossTotals sum{};
-    for (const auto& t : totals_) {
+    for (std::size_t r = 0; r < replicas; ++r) {
+      const LossTotals& t = totals_[r];
       sum.loss += t.loss;
       sum.correct += t.correct;
       sum.samples += t.samples;
-      if (t.halted != halt_none && sum.halted == halt_none) {
+      if (t.halted != halt_none &&
+          (sum.halted == halt_none ||
+           (t.halted == halt_bad_label && sum.halted != halt_bad_label))) {
         sum.halted = t.halted;
         sum.bad_label = t.bad_label;
         sum.bad_row = t.bad_row;
         sum.halt_loss = t.halt_loss;
+        if (replica != nullptr) *replica = r;
       }
     }
     return sum;
