@@ -30,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -445,6 +446,7 @@ class PipelineEngine {
     std::vector<const float*> outputs;             // per slot: the forward's output
     std::vector<std::size_t> free_slots, slot_of;  // slot_of: per micro-batch
     std::size_t capacity = 0, in_flight = 0, peak_in_flight = 0;
+    std::size_t next_bucket = 0;  // Hybrid: the next gradient bucket to reduce this step
     std::array<double, 2> stats{};  // loss sum, correct count
     double busy = 0.0;
     Clock::time_point begin, end;
@@ -558,9 +560,15 @@ class PipelineEngine {
     r.to_next->send(std::span<const float>(output, n * r.net->output_size));
   }
 
-  void post_bucket(Rank& r, std::size_t b) {
-    const auto& bucket = r.net->buckets[b];
-    r.reducer->post(r.net->gradients().subspan(bucket.begin, bucket.size()), b);
+  // Hands the reducer every bucket that executed layer `layer` completes
+  // (all that are left, with no layer).
+  static void post_ready(Rank& r, std::optional<std::size_t> layer) {
+    const auto& buckets = r.net->buckets;
+    while (r.next_bucket < buckets.size() &&
+           (!layer || buckets[r.next_bucket].ready_after == *layer)) {
+      const auto& bucket = buckets[r.next_bucket];
+      r.reducer->post(r.net->gradients().subspan(bucket.begin, bucket.size()), r.next_bucket++);
+    }
   }
 
   void train(Rank& r, const Job& job) {
@@ -576,12 +584,8 @@ class PipelineEngine {
     // Hybrid: the step's last backward hands each bucket to the reducer as
     // soon as its layers are done.
     const bool reduce = replicas > 1 && job.last;
-    std::size_t backwards = 0, next_bucket = 0;
-    const std::function<void(std::size_t)> layer_done = [&](std::size_t layer) {
-      while (next_bucket < r.net->buckets.size() &&
-             r.net->buckets[next_bucket].ready_after == layer)
-        post_bucket(r, next_bucket++);
-    };
+    std::size_t backwards = 0;
+    r.next_bucket = 0;
     r.busy = 0.0;
     r.begin = Clock::now();
     for_each_pipeline_op(schedule_.kind, stages, r.stage, micro, [&](PipelineOp op) {
@@ -616,8 +620,10 @@ class PipelineEngine {
           r.stats[1] += static_cast<double>(sums.correct);
         }
         float* input_gradient = first(r) ? nullptr : r.input_gradient.data();
+        // The capture is one pointer: std::function holds it without allocating.
         if (reduce && ++backwards == micro)
-          r.net->backward(slot, accumulate, input_gradient, layer_done);
+          r.net->backward(slot, accumulate, input_gradient,
+                          [rank = &r](std::size_t layer) { post_ready(*rank, layer); });
         else
           r.net->backward(slot, accumulate, input_gradient);
         r.busy += seconds_since(started);
@@ -634,7 +640,7 @@ class PipelineEngine {
     if (micro == 0 && !job.accumulate) std::ranges::fill(r.net->gradients(), 0.0f);
     if (!job.last) return;
     if (reduce)
-      while (next_bucket < r.net->buckets.size()) post_bucket(r, next_bucket++);
+      post_ready(r, std::nullopt);
     drain(r);
     if (reduce) r.reducer->drain();
     // Only the last stages have the loss; every rank learns the sum, so
