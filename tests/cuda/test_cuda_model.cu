@@ -198,18 +198,27 @@ TEST_CASE("cuda trainer: one epoch of LeNet on a GPU reaches 85% test accuracy")
   REQUIRE(result.accuracy >= 0.85);
 }
 
-TEST_CASE("cuda trainer: a NaN loss stops fit with the epoch and step, weights kept") {
+// 256 samples, unshuffled batches of 32, a NaN pixel in sample `poisoned`
+// (of step 6): fit on GPU 0 (every device the policy takes) stops at step 6,
+// as the CPU's does, with the weights of step 5 (within `tolerance`).
+template <class Net, class Policy>
+void nan_stops_at_step_6(std::size_t poisoned, test::Tolerance tolerance) {
   auto part = head(fashion().train, 256);
-  part.images[5 * 32 * 784 + 3] = std::numeric_limits<float>::quiet_NaN();  // step 6, no shuffle
+  part.images[poisoned * 784 + 3] = std::numeric_limits<float>::quiet_NaN();
   const FitOptions fit{.epochs = 1, .batch_size = 32, .shuffle = false};
-  Trainer<Logistic> trainer({devices::gpus().front()}, {.lr = 0.01f}, {.seed = 1});
+  const std::vector<Device> gpus(std::max<std::size_t>(Policy::devices_needed, 1),
+                                 devices::gpus().front());
+  Trainer<Net, Policy> trainer(gpus, {.lr = 0.01f}, {.seed = 1});
   REQUIRE_THROWS_WITH(trainer.fit(part, fit), Catch::Contains("the training loss became nan") &&
                                                   Catch::Contains("at epoch 1, step 6"));
-  // The weights are those after step 5, where the CPU trainer stops too.
-  Trainer<Logistic> reference(devices::cpu(1), {.lr = 0.01f}, {.seed = 1});
+  Trainer<Net> reference(devices::cpu(1), {.lr = 0.01f}, {.seed = 1});
   REQUIRE_THROWS_WITH(reference.fit(part, fit), Catch::Contains("at epoch 1, step 6"));
-  test::require_close(trainer.model().parameters(), reference.model().parameters(), {1e-6, 1e-4},
+  test::require_close(trainer.model().parameters(), reference.model().parameters(), tolerance,
                       "weights kept after the NaN step");
+}
+
+TEST_CASE("cuda trainer: a NaN loss stops fit with the epoch and step, weights kept") {
+  nan_stops_at_step_6<Logistic, SingleDevice>(5 * 32, {1e-6, 1e-4});
 }
 
 TEST_CASE("cuda trainer: a label outside the classes is a loom::Error naming the data set") {
@@ -364,31 +373,12 @@ TEST_CASE("cuda Hybrid: replicas of pipelines on one GPU follow single-device tr
 }
 
 TEST_CASE("cuda Hybrid: a NaN loss stops fit at the same step on every replica, weights kept") {
-  auto part = head(fashion().train, 256);
-  part.images[5 * 32 * 784 + 20 * 784 + 3] = std::numeric_limits<float>::quiet_NaN();  // replica 1
-  const FitOptions fit{.epochs = 1, .batch_size = 32, .shuffle = false};
-  const std::vector<Device> gpus(4, devices::gpus().front());
-  Trainer<LeNet, Hybrid<2, ModelSplit<At<8>, OneFOneB<4>>>> trainer(gpus, {.lr = 0.01f}, {.seed = 1});
-  REQUIRE_THROWS_WITH(trainer.fit(part, fit), Catch::Contains("the training loss became nan") &&
-                                                  Catch::Contains("at epoch 1, step 6"));
-  Trainer<LeNet> reference(devices::cpu(1), {.lr = 0.01f}, {.seed = 1});
-  REQUIRE_THROWS_WITH(reference.fit(part, fit), Catch::Contains("at epoch 1, step 6"));
-  test::require_close(trainer.model().parameters(), reference.model().parameters(), {1e-5, 1e-3},
-                      "weights kept after the NaN step");
+  // Sample 20 of step 6: in replica 1's share.
+  nan_stops_at_step_6<LeNet, Hybrid<2, ModelSplit<At<8>, OneFOneB<4>>>>(5 * 32 + 20, {1e-5, 1e-3});
 }
 
 TEST_CASE("cuda ModelSplit: a NaN loss stops fit at the same step, every stage keeps its weights") {
-  auto part = head(fashion().train, 256);
-  part.images[5 * 32 * 784 + 3] = std::numeric_limits<float>::quiet_NaN();  // step 6, no shuffle
-  const FitOptions fit{.epochs = 1, .batch_size = 32, .shuffle = false};
-  const std::vector<Device> gpus(2, devices::gpus().front());
-  Trainer<LeNet, ModelSplit<At<8>, OneFOneB<4>>> trainer(gpus, {.lr = 0.01f}, {.seed = 1});
-  REQUIRE_THROWS_WITH(trainer.fit(part, fit), Catch::Contains("the training loss became nan") &&
-                                                  Catch::Contains("at epoch 1, step 6"));
-  Trainer<LeNet> reference(devices::cpu(1), {.lr = 0.01f}, {.seed = 1});
-  REQUIRE_THROWS_WITH(reference.fit(part, fit), Catch::Contains("at epoch 1, step 6"));
-  test::require_close(trainer.model().parameters(), reference.model().parameters(), {1e-5, 1e-3},
-                      "weights kept after the NaN step");
+  nan_stops_at_step_6<LeNet, ModelSplit<At<8>, OneFOneB<4>>>(5 * 32, {1e-5, 1e-3});
 }
 
 TEST_CASE("cuda DataParallel: several GPUs in one process are refused with what to do instead") {

@@ -2,8 +2,12 @@
 // and the single-device weights every policy must reproduce.
 #pragma once
 
+#include <limits>
 #include <loom/loom.hpp>
 #include <vector>
+
+#include "fashion_test.hpp"
+#include "loom_test.hpp"
 
 namespace loom::test {
 
@@ -60,6 +64,24 @@ void require_same_reports(Trainer<Net, Policy>& trainer, const data::Dataset& da
   REQUIRE(a.samples == test.count);
   REQUIRE(a.loss == Approx(b.loss).epsilon(1e-5));
   REQUIRE(a.accuracy == Approx(b.accuracy).margin(1e-4));
+}
+
+// A NaN pixel in step 4 of 40-sample batches, unshuffled: `trainer` (made
+// with seed 2) stops there as one device does, keeps the weights of step 3
+// (within `tolerance`), and trains on afterwards: every rank skipped the
+// update together.
+template <class Net, class Policy>
+void require_nan_stops_like_one_device(Trainer<Net, Policy>& trainer, Tolerance tolerance) {
+  auto part = head(fashion().train, 200);
+  part.images[3 * 40 * 784 + 17] = std::numeric_limits<float>::quiet_NaN();
+  const FitOptions fit{.epochs = 1, .batch_size = 40, .shuffle = false};
+  REQUIRE_THROWS_WITH(trainer.fit(part, fit), Catch::Contains("the training loss became nan") &&
+                                                  Catch::Contains("at epoch 1, step 4"));
+  Trainer<Net> single(devices::cpu(1), sgd, {.seed = 2});
+  REQUIRE_THROWS_WITH(single.fit(part, fit), Catch::Contains("at epoch 1, step 4"));
+  require_close(trainer.model().parameters(), single.model().parameters(), tolerance,
+                "weights of step 3");
+  trainer.fit(head(fashion().train, 200), fit);
 }
 
 }  // namespace loom::test
