@@ -93,10 +93,14 @@ TEST_CASE("partition: each stage is a network of its own whose forward chains to
   using S0 = stage_net_t<LeNet, Cut, 0>;
   using S1 = stage_net_t<LeNet, Cut, 1>;
   using S2 = stage_net_t<LeNet, Cut, 2>;
-  STATIC_REQUIRE(std::is_same_v<S0, Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>>>);
+  // Each stage keeps its layers' numbers in the whole network (1, 4 and 8).
+  STATIC_REQUIRE(std::is_same_v<S0, detail::Network<1, Shape<1, 28, 28>, Conv2d<20, 5>, ReLU,
+                                                    MaxPool2d<2>>>);
+  STATIC_REQUIRE(std::is_same_v<S1, detail::Network<4, Shape<20, 12, 12>, Conv2d<50, 5>, ReLU,
+                                                    MaxPool2d<2>, Flatten>>);
   STATIC_REQUIRE(
-      std::is_same_v<S1, Sequential<Input<20, 12, 12>, Conv2d<50, 5>, ReLU, MaxPool2d<2>, Flatten>>);
-  STATIC_REQUIRE(std::is_same_v<S2, Sequential<Input<800>, Linear<500>, ReLU, Linear<10>>>);
+      std::is_same_v<S2, detail::Network<8, Shape<800>, Linear<500>, ReLU, Linear<10>>>);
+  STATIC_REQUIRE(type_at_t<0, S1::layers>::index == 4);
   STATIC_REQUIRE(S0::parameter_count + S1::parameter_count + S2::parameter_count ==
                  LeNet::parameter_count);
   STATIC_REQUIRE(stage_parameter_offset<LeNet, Cut, 1> == S0::parameter_count);

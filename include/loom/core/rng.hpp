@@ -1,6 +1,6 @@
 // Counter-based random numbers: a value is a pure function of (seed, stream,
 // counter), never of a thread, rank or call order, so weights, data order and
-// (later) dropout masks are the same on every backend, policy and device count.
+// dropout masks are the same on every backend, policy and device count.
 #pragma once
 
 #include <cmath>
@@ -22,7 +22,7 @@ constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint64_t stream, std::
 
 // What a random stream is for. Each purpose keys its streams apart, so that
 // (seed, epoch k)'s shuffle never repeats (seed, layer k)'s weights.
-enum class RngPurpose : std::uint64_t { init = 1, shuffle = 2 };
+enum class RngPurpose : std::uint64_t { init = 1, shuffle = 2, dropout = 3, augment = 4 };
 
 constexpr std::uint64_t stream_key(RngPurpose purpose, std::uint64_t index) {
   return mix64((static_cast<std::uint64_t>(purpose) << 56) ^ index);

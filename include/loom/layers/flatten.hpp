@@ -11,11 +11,13 @@ namespace loom {
 
 struct Flatten {};
 
-template <class In, std::size_t Index>
-struct Bind<Flatten, In, Index> : LayerBase<Flatten, In, Shape<In::size>, Index> {
+namespace detail {
+
+// A layer that only renames the shape: its output aliases its input (every
+// backend runs kind "flatten" as nothing at all).
+template <class Spec, class In, class Out, std::size_t Index>
+struct AliasLayer : LayerBase<Spec, In, Out, Index> {
   static constexpr bool in_place = true;
-  static constexpr std::size_t forward_flops = 0;
-  static constexpr std::size_t backward_flops = 0;
   static constexpr std::string_view kind = "flatten";
 
   template <class T>
@@ -23,5 +25,10 @@ struct Bind<Flatten, In, Index> : LayerBase<Flatten, In, Shape<In::size>, Index>
   template <class T>
   static void backward(const T*, const T*, const T*, const T*, T*, T*, T*, std::size_t, bool) {}
 };
+
+}  // namespace detail
+
+template <class In, std::size_t Index>
+struct Bind<Flatten, In, Index> : detail::AliasLayer<Flatten, In, Shape<In::size>, Index> {};
 
 }  // namespace loom

@@ -19,6 +19,25 @@
 
 namespace loom {
 
+// How a forward runs: in training (batch statistics, dropout) or evaluation,
+// and where its samples sit in the step's global batch. Dropout's mask is a
+// function of (seed, step, global sample index), so every policy draws the
+// same masks as one device.
+struct Pass {
+  bool training = false;
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;
+  std::size_t first_sample = 0;
+};
+
+// What a contextual layer gets besides its tensors.
+template <class T>
+struct LayerContext {
+  Pass pass;
+  T* state = nullptr;  // the layer's state_count elements (running statistics)
+  T* saved = nullptr;  // saved x n elements, kept from the forward to its backward
+};
+
 // Spec wrapper produced by the fusion pass: Layer followed by Activation, run as one.
 template <class Layer_, class Activation_>
 struct Fused {
@@ -37,7 +56,7 @@ struct layer_input_rank_mismatch {
                 "loom shape error: the layer's input has the wrong number of dimensions "
                 "(template arguments: layer index, layer, expected rank, actual rank). "
                 "Conv2d and pooling take C x H x W; Linear takes a flat vector: insert Flatten "
-                "before it");
+                "before it; GRU and LSTM take Steps x Features: insert Reshape<Steps, Features>");
   static constexpr bool ok = ExpectedRank == ActualRank;
 };
 
@@ -108,17 +127,47 @@ struct LayerBase {
   static constexpr std::size_t backward_flops = 0;  // per sample
   static constexpr bool in_place = false;           // output aliases input (no copy, no buffer)
   static constexpr bool is_relu = false;
+  // Layers that need a LayerContext (running statistics, saved tensors, the
+  // Pass) set this and take it as the last argument of forward and backward.
+  static constexpr bool contextual = false;
+  static constexpr std::size_t saved = 0;        // elements per sample, per activation slot
+  static constexpr std::size_t state_count = 0;  // not trained: updated by forward
   static constexpr bool checked = true;  // shape checks passed (layers with rules override)
 
   template <class T>
   static void init(T*, std::uint64_t, bool) {}
+  template <class T>
+  static void init_state(T*) {}
 };
+
+namespace detail {
+
+// Calls a bound layer's forward/backward, with the context when it takes one.
+template <class L, class T>
+void run_forward(const T* params, const T* x, T* y, T* work, std::size_t n,
+                 const LayerContext<T>& context) {
+  if constexpr (L::contextual)
+    L::template forward<T>(params, x, y, work, n, context);
+  else
+    L::template forward<T>(params, x, y, work, n);
+}
+
+template <class L, class T>
+void run_backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
+                  T* work, std::size_t n, bool accumulate, const LayerContext<T>& context) {
+  if constexpr (L::contextual)
+    L::template backward<T>(params, x, y, dy, dx, dparams, work, n, accumulate, context);
+  else
+    L::template backward<T>(params, x, y, dy, dx, dparams, work, n, accumulate);
+}
+
+}  // namespace detail
 
 template <class Spec_, class In_, std::size_t Index_>
 struct Bind : LayerBase<Spec_, In_, In_, Index_> {
   static_assert(dependent_false<Spec_>,
                 "No loom layer implementation for this type; is it a layer from loom/layers "
-                "(Conv2d, MaxPool2d, AvgPool2d, Linear, ReLU, Flatten)?");
+                "(Conv2d, MaxPool2d, AvgPool2d, Linear, ReLU, Flatten, BatchNorm, Residual, GRU, ...)?");
 };
 
 }  // namespace loom

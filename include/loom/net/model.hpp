@@ -27,11 +27,15 @@ class Model {
   using executed = typename Net::executed;
   static constexpr std::size_t layer_count = executed::size;
   static constexpr std::size_t parameter_count = Net::parameter_count;
+  static constexpr std::size_t state_count = Net::state_count;
   static constexpr std::size_t input_size = Net::input_shape::size;
   static constexpr std::size_t output_size = Net::output_shape::size;
 
   explicit Model(std::uint64_t seed = 0, std::size_t max_batch = 0)
-      : params_(parameter_count), grads_(parameter_count), arena_(0, "Model activations") {
+      : params_(parameter_count),
+        grads_(parameter_count),
+        state_(state_count),
+        arena_(0, "Model activations") {
     initialize(seed);
     if (max_batch > 0) reserve(max_batch);
   }
@@ -44,6 +48,7 @@ class Model {
       using L = type_at_t<i, user_layers>;
       L::init(params_.data() + detail::list_info<user_layers>::param_offsets[i], seed,
               relu_follows<i>());
+      L::init_state(state_.data() + detail::list_info<user_layers>::state_offsets[i]);
     });
   }
 
@@ -66,6 +71,7 @@ class Model {
       static_for<layer_count>([&](auto i) {
         using L = type_at_t<i, executed>;
         if constexpr (!L::in_place) slot.outputs[i] = arena_.take(L::output_shape::size * max_batch);
+        if constexpr (L::saved > 0) slot.saved[i] = arena_.take(L::saved * max_batch);
       });
     capacity_ = max_batch;
   }
@@ -79,6 +85,7 @@ class Model {
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (!L::in_place) outputs += Pad::padded_size(L::output_shape::size * max_batch);
+      if constexpr (L::saved > 0) outputs += Pad::padded_size(L::saved * max_batch);
     });
     return Pad::padded_size(plan.workspace_elements(max_batch)) +
            2 * Pad::padded_size(plan.activation_gradients / 2 * max_batch) + slots * outputs;
@@ -92,17 +99,20 @@ class Model {
   // Runs the network on n samples (n x input_size, NCHW). Returns the
   // outputs (n x output_size), valid until the next forward on that slot.
   // The input must stay valid until the slot's backward (layers read it).
-  const T* forward(const T* input, std::size_t n, std::size_t slot = 0) {
+  // `pass` says training or evaluation (BatchNorm, Dropout); the default,
+  // evaluation, uses the running statistics and drops nothing.
+  const T* forward(const T* input, std::size_t n, std::size_t slot = 0, const Pass& pass = {}) {
     check_batch(n, "forward");
     LOOM_CHECK(slot < slots_.size(), "Model::forward: activation slot ", slot, " of ",
                slots_.size(), " reserved");
     Slot& s = slots_[slot];
     s.input = input;
     s.batch = n;
+    s.pass = pass;
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
-      L::template forward<T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s), workspace_,
-                             n);
+      detail::run_forward<L, T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s),
+                                workspace_, n, context<i>(s));
     });
     return layer_output<layer_count - 1>(s);
   }
@@ -147,6 +157,10 @@ class Model {
   std::span<const T> parameters() const { return params_; }
   std::span<T> gradients() { return grads_; }
   std::span<const T> gradients() const { return grads_; }
+  // Running statistics (BatchNorm's mean and variance), updated by training
+  // forwards, read by evaluation ones.
+  std::span<T> state() { return state_; }
+  std::span<const T> state() const { return state_; }
 
  private:
   // Whether user layer I is followed by a ReLU (He rather than Glorot init).
@@ -172,12 +186,20 @@ class Model {
   T* layer_grads() {
     return grads_.data() + detail::list_info<executed>::param_offsets[I];
   }
-  // Per micro-batch in flight: its input and every layer's output.
+  // Per micro-batch in flight: its input, pass, every layer's output and
+  // what layers saved for backward.
   struct Slot {
     const T* input = nullptr;
     std::size_t batch = 0;
+    Pass pass;
     std::array<T*, layer_count> outputs{};
+    std::array<T*, layer_count> saved{};
   };
+
+  template <std::size_t I>
+  LayerContext<T> context(const Slot& s) {
+    return {s.pass, state_.data() + detail::list_info<executed>::state_offsets[I], s.saved[I]};
+  }
 
   template <class OnLayerDone>
   void backward_slot(std::size_t slot, bool accumulate, T* input_gradient, OnLayerDone&& done) {
@@ -188,8 +210,8 @@ class Model {
       using L = type_at_t<i, executed>;
       const T* dy = grad_buffers_[current];
       T* dx = i == 0 ? input_gradient : grad_buffers_[1 - current];
-      L::template backward<T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s), dy, dx,
-                              layer_grads<i>(), workspace_, s.batch, accumulate);
+      detail::run_backward<L, T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s), dy, dx,
+                                 layer_grads<i>(), workspace_, s.batch, accumulate, context<i>(s));
       if (!L::in_place) current = 1 - current;
       done(std::size_t{i});
     });
@@ -218,6 +240,7 @@ class Model {
 
   std::vector<T> params_;
   std::vector<T> grads_;
+  std::vector<T> state_;
   Arena<T> arena_;
   std::size_t capacity_ = 0;
   std::vector<Slot> slots_;

@@ -32,6 +32,15 @@ struct bind_all<In, I, TypeList<Done...>, L, Rest...> {
                                  Rest...>::type;
 };
 
+// Where each of a run of blocks starts when laid end to end (and the total).
+template <std::size_t... Sizes>
+constexpr std::array<std::size_t, sizeof...(Sizes) + 1> offsets_of() {
+  std::array<std::size_t, sizeof...(Sizes) + 1> offsets{};
+  const std::array<std::size_t, sizeof...(Sizes)> sizes{Sizes...};
+  for (std::size_t i = 0; i < sizes.size(); ++i) offsets[i + 1] = offsets[i] + sizes[i];
+  return offsets;
+}
+
 template <class List>
 struct list_info;
 
@@ -39,15 +48,13 @@ template <class... Ls>
 struct list_info<TypeList<Ls...>> {
   static constexpr std::size_t count = sizeof...(Ls);
   static constexpr std::size_t parameter_count = (std::size_t{0} + ... + Ls::param_count);
-  static constexpr std::array<std::size_t, count + 1> param_offsets = [] {
-    std::array<std::size_t, count + 1> offsets{};
-    const std::array<std::size_t, count> sizes{Ls::param_count...};
-    for (std::size_t i = 0; i < count; ++i) offsets[i + 1] = offsets[i] + sizes[i];
-    return offsets;
-  }();
-  // Per sample, in elements: every output that is not an alias of its input.
+  static constexpr auto param_offsets = offsets_of<Ls::param_count...>();
+  static constexpr std::size_t state_count = (std::size_t{0} + ... + Ls::state_count);
+  static constexpr auto state_offsets = offsets_of<Ls::state_count...>();
+  // Per sample, in elements: every output that is not an alias of its input,
+  // and what layers save for their backward.
   static constexpr std::size_t activations =
-      (std::size_t{0} + ... + (Ls::in_place ? 0 : Ls::output_shape::size));
+      (std::size_t{0} + ... + ((Ls::in_place ? 0 : Ls::output_shape::size) + Ls::saved));
   // Whose buffer holds layer i's output: the last layer at or before i that
   // is not in place (in-place layers alias their input), or -1: the input.
   static constexpr std::array<int, count> output_owner = [] {
@@ -108,26 +115,26 @@ constexpr MemoryPlan plan_of(std::size_t parameters) {
 
 }  // namespace detail
 
-template <class Input_, class... Layers_>
-struct Sequential {
-  static_assert(dependent_false<Input_>,
-                "Sequential's first argument must be Input<C, H, W> (or Input<F>), "
-                "e.g. Sequential<Input<1, 28, 28>, Flatten, Linear<10>>");
-};
+namespace detail {
 
-template <std::size_t... Dims, class... Layers_>
-struct Sequential<Input<Dims...>, Layers_...> {
+// The layers bound from `In`, numbered from FirstIndex: Sequential numbers
+// from 1; a pipeline stage keeps the numbers its layers have in the whole
+// network, so seeds that name a layer (Dropout's masks) are the same.
+template <std::size_t FirstIndex, class In, class... Layers_>
+struct Network {
   static_assert(sizeof...(Layers_) > 0, "Sequential needs at least one layer after Input");
 
-  using input_shape = Shape<Dims...>;
-  // The layers as written, each bound to its input shape and index (1-based).
-  using layers = typename detail::bind_all<input_shape, 1, TypeList<>, Layers_...>::type;
+  using input_shape = In;
+  // The layers as written, each bound to its input shape and index.
+  using layers = typename detail::bind_all<input_shape, FirstIndex, TypeList<>, Layers_...>::type;
   // The layers that run: the fusion pass's rewrite of `layers`.
   using executed = fuse_t<layers>;
   using output_shape = typename type_at_t<sizeof...(Layers_) - 1, layers>::output_shape;
 
   static constexpr std::size_t layer_count = sizeof...(Layers_);
   static constexpr std::size_t parameter_count = detail::list_info<layers>::parameter_count;
+  // Running statistics (BatchNorm): kept beside the weights, never trained.
+  static constexpr std::size_t state_count = detail::list_info<layers>::state_count;
 
   // Per-sample FLOPs of layer i (1-based, as in error messages) at index i - 1.
   static constexpr auto forward_flops = []<class... Ls>(TypeList<Ls...>) {
@@ -139,6 +146,18 @@ struct Sequential<Input<Dims...>, Layers_...> {
 
   static constexpr MemoryPlan memory_plan = detail::plan_of<executed>(parameter_count);
 };
+
+}  // namespace detail
+
+template <class Input_, class... Layers_>
+struct Sequential {
+  static_assert(dependent_false<Input_>,
+                "Sequential's first argument must be Input<C, H, W> (or Input<F>), "
+                "e.g. Sequential<Input<1, 28, 28>, Flatten, Linear<10>>");
+};
+
+template <std::size_t... Dims, class... Layers_>
+struct Sequential<Input<Dims...>, Layers_...> : detail::Network<1, Shape<Dims...>, Layers_...> {};
 
 // The same network with the fusion pass switched off: every layer runs on its
 // own. It computes the same function; tests compare the two.

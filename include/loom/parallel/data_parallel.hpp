@@ -182,7 +182,8 @@ class DataParallelEngine {
   // Returns the step's global loss and correct-count sums when `last`;
   // a non-finite loss skips the update on every rank (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
-                           std::size_t group_samples, bool accumulate, bool last, float lr) {
+                           std::size_t group_samples, bool accumulate, bool last, float lr,
+                           const Pass& pass = {.training = true}) {
     run({.kind = JobKind::train,
          .images = images,
          .labels = labels,
@@ -190,7 +191,8 @@ class DataParallelEngine {
          .group_samples = group_samples,
          .accumulate = accumulate,
          .last = last,
-         .lr = lr});
+         .lr = lr,
+         .pass = pass});
     return loss_sums(replicas_.front()->stats);
   }
 
@@ -238,6 +240,14 @@ class DataParallelEngine {
     replica.comm.broadcast(replica.model.parameters(), 0);
   }
 
+  // Running statistics (BatchNorm) are replica 0's, as PyTorch's
+  // DistributedDataParallel broadcasts its buffers: every replica
+  // normalises its share with its own batch statistics, and evaluates with
+  // the same running statistics.
+  static void share_state(Replica& replica) {
+    if constexpr (Net::state_count > 0) replica.comm.broadcast(replica.model.state(), 0);
+  }
+
   void train(Replica& replica, const Job& job) {
     const auto ranks = static_cast<std::size_t>(replica.comm.size());
     const auto share = batch_share(job.n, ranks, static_cast<std::size_t>(replica.comm.rank()));
@@ -251,8 +261,12 @@ class DataParallelEngine {
       while (next_bucket < Plan::count && Plan::buckets[next_bucket].ready_after == layer)
         post_bucket(replica, next_bucket++);
     };
+    share_state(replica);
     if (share.count > 0) {
-      const float* logits = model.forward(job.images + share.first * sample_size, share.count);
+      Pass pass = job.pass;
+      pass.first_sample = share.first;
+      const float* logits =
+          model.forward(job.images + share.first * sample_size, share.count, 0, pass);
       const auto sums = SoftmaxCrossEntropy::evaluate<float>(
           logits, job.labels + share.first, share.count, classes, job.group_samples,
           model.output_gradient());
@@ -281,6 +295,7 @@ class DataParallelEngine {
   }
 
   void evaluate(Replica& replica, const Job& job) {
+    share_state(replica);
     const auto& data = *job.dataset;
     const auto share = batch_share(data.count, static_cast<std::size_t>(replica.comm.size()),
                                    static_cast<std::size_t>(replica.comm.rank()));

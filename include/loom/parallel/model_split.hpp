@@ -139,7 +139,8 @@ class PipelineStage {
  public:
   virtual ~PipelineStage() = default;
   virtual void reserve(std::size_t micro_batch, std::size_t slots) = 0;
-  virtual const float* forward(const float* input, std::size_t n, std::size_t slot) = 0;
+  virtual const float* forward(const float* input, std::size_t n, std::size_t slot,
+                               const Pass& pass) = 0;
   virtual float* output_gradient() = 0;
   virtual void backward(std::size_t slot, bool accumulate, float* input_gradient) = 0;
   // The same, calling done(i) as each executed layer's gradients become final.
@@ -148,26 +149,31 @@ class PipelineStage {
   virtual void update(float lr) = 0;
   virtual std::span<float> parameters() = 0;
   virtual std::span<float> gradients() = 0;
+  virtual std::span<float> state() = 0;
   virtual std::size_t arena_elements() const = 0;
-  std::size_t input_size = 0, output_size = 0, parameter_offset = 0;
+  std::size_t input_size = 0, output_size = 0, parameter_offset = 0, state_offset = 0;
   std::vector<GradientBucket> buckets;  // Hybrid: the stage's gradients, reduced over its copies
 };
 
 template <class StageNet, class Optimizer>
 class StageOf final : public PipelineStage {
  public:
-  StageOf(std::span<const float> weights, typename Optimizer::Options options, std::size_t offset)
+  StageOf(std::span<const float> weights, std::span<const float> state,
+          typename Optimizer::Options options, std::size_t offset, std::size_t state_at)
       : optimizer_(options, StageNet::parameter_count) {
     input_size = StageNet::input_shape::size;
     output_size = StageNet::output_shape::size;
     parameter_offset = offset;
+    state_offset = state_at;
     std::copy(weights.begin(), weights.end(), model_.parameters().begin());
+    std::copy(state.begin(), state.end(), model_.state().begin());
   }
   void reserve(std::size_t micro_batch, std::size_t slots) override {
     model_.reserve(micro_batch, slots);
   }
-  const float* forward(const float* input, std::size_t n, std::size_t slot) override {
-    return model_.forward(input, n, slot);
+  const float* forward(const float* input, std::size_t n, std::size_t slot,
+                       const Pass& pass) override {
+    return model_.forward(input, n, slot, pass);
   }
   float* output_gradient() override { return model_.output_gradient(); }
   void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
@@ -183,6 +189,7 @@ class StageOf final : public PipelineStage {
   }
   std::span<float> parameters() override { return model_.parameters(); }
   std::span<float> gradients() override { return model_.gradients(); }
+  std::span<float> state() override { return model_.state(); }
   std::size_t arena_elements() const override { return model_.arena_elements(); }
 
  private:
@@ -372,7 +379,8 @@ class PipelineEngine {
   // Returns the step's loss and correct-count sums when `last`; a
   // non-finite loss skips the update on every rank (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
-                           std::size_t group_samples, bool accumulate, bool last, float lr) {
+                           std::size_t group_samples, bool accumulate, bool last, float lr,
+                           const Pass& pass = {.training = true}) {
     crew_.run({.kind = JobKind::train,
                .images = images,
                .labels = labels,
@@ -380,7 +388,8 @@ class PipelineEngine {
                .group_samples = group_samples,
                .accumulate = accumulate,
                .last = last,
-               .lr = lr});
+               .lr = lr,
+               .pass = pass});
     return loss_sums(ranks_.front()->stats);
   }
 
@@ -392,14 +401,18 @@ class PipelineEngine {
     return loss_sums(ranks_.front()->stats);
   }
 
-  // Every stage's weights into `whole`'s slices (collective across processes:
-  // every rank gets all of them).
+  // Every stage's weights and running statistics into `whole`'s slices
+  // (collective across processes: every rank gets all of them).
   void gather(Model<Net, float>& whole) {
     crew_.run({.kind = JobKind::gather, .whole = whole.parameters().data()});
+    if constexpr (Net::state_count > 0)
+      crew_.run({.kind = JobKind::gather_state, .whole = whole.state().data()});
   }
-  // Each stage takes its slice of `whole`.
+  // Each stage takes its slices of `whole`.
   void scatter(const Model<Net, float>& whole) {
     crew_.run({.kind = JobKind::scatter, .whole = const_cast<float*>(whole.parameters().data())});
+    if constexpr (Net::state_count > 0)
+      crew_.run({.kind = JobKind::scatter_state, .whole = const_cast<float*>(whole.state().data())});
   }
 
   // i: this process's ranks in grid order (replica-major).
@@ -431,7 +444,7 @@ class PipelineEngine {
  private:
   using Clock = std::chrono::steady_clock;
 
-  enum class JobKind { start, train, evaluate, gather, scatter };
+  enum class JobKind { start, train, evaluate, gather, scatter, gather_state, scatter_state };
   using Job = EngineJob<JobKind>;
 
   struct Rank {
@@ -467,9 +480,11 @@ class PipelineEngine {
       using StageNet = stage_net_t<Net, Partition, K>;
       using Plan = BucketPlan<StageNet, pipeline_bucket_bytes<Policy>(), float>;
       constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
+      constexpr std::size_t state_at = stage_state_offset<Net, Partition, K>;
       if (K == k) {
         made = std::make_unique<StageOf<StageNet, Optimizer>>(
-            whole.parameters().subspan(offset, StageNet::parameter_count), options, offset);
+            whole.parameters().subspan(offset, StageNet::parameter_count),
+            whole.state().subspan(state_at, StageNet::state_count), options, offset, state_at);
         made->buckets.assign(Plan::buckets.begin(), Plan::buckets.end());
       }
     });
@@ -498,11 +513,19 @@ class PipelineEngine {
         evaluate(r, job);
         break;
       case JobKind::gather:
-        gather(r, job.whole);
+        gather(r, r.net->parameters(), r.net->parameter_offset, Net::parameter_count, job.whole);
+        break;
+      case JobKind::gather_state:
+        gather(r, r.net->state(), r.net->state_offset, Net::state_count, job.whole);
         break;
       case JobKind::scatter: {
         auto mine = r.net->parameters();
         std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
+        break;
+      }
+      case JobKind::scatter_state: {
+        auto mine = r.net->state();
+        std::copy_n(job.whole + r.net->state_offset, mine.size(), mine.begin());
         break;
       }
     }
@@ -572,6 +595,7 @@ class PipelineEngine {
   }
 
   void train(Rank& r, const Job& job) {
+    share_state(r);
     // This replica's share of the global batch, in micro-batches.
     const auto share = batch_share(job.n, replicas, r.replica);
     const std::size_t micro = std::min(schedule_.micro_batches, share.count);
@@ -599,7 +623,9 @@ class PipelineEngine {
         const float* input = receive_input(
             r, job.images + first_sample * Net::input_shape::size, piece.count, slot);
         const auto started = Clock::now();
-        const float* output = r.net->forward(input, piece.count, slot);
+        Pass pass = job.pass;
+        pass.first_sample = first_sample;
+        const float* output = r.net->forward(input, piece.count, slot, pass);
         r.busy += seconds_since(started);
         if (last(r))
           r.outputs[slot] = output;
@@ -649,7 +675,15 @@ class PipelineEngine {
     if (std::isfinite(r.stats[0])) r.net->update(job.lr);
   }
 
+  // Hybrid: a stage's copies take replica 0's running statistics (as
+  // DataParallel's replicas do) before each step and evaluation.
+  static void share_state(Rank& r) {
+    if constexpr (replicas > 1)
+      if (!r.net->state().empty()) r.reducer->comm().broadcast(r.net->state(), 0);
+  }
+
   void evaluate(Rank& r, const Job& job) {
+    share_state(r);
     const auto& data = *job.dataset;
     const std::size_t sample = data.sample_size();
     const auto share = batch_share(data.count, replicas, r.replica);
@@ -664,7 +698,7 @@ class PipelineEngine {
         const std::size_t first_sample = share.first + at + piece.first;
         const float* input =
             receive_input(r, data.images.data() + first_sample * sample, piece.count, 0);
-        const float* output = r.net->forward(input, piece.count, 0);
+        const float* output = r.net->forward(input, piece.count, 0, Pass{});
         if (last(r)) {
           const auto sums = SoftmaxCrossEntropy::evaluate<float>(
               output, data.labels.data() + first_sample, piece.count, classes, piece.count,
@@ -681,18 +715,18 @@ class PipelineEngine {
   }
 
   // Replica 0's stages hold the weights (the copies are equal).
-  void gather(Rank& r, float* whole) {
-    const auto mine = r.net->parameters();
+  // Replica 0's slices (weights or running statistics) into `whole`.
+  void gather(Rank& r, std::span<const float> mine, std::size_t offset, std::size_t total,
+              float* whole) {
     if (all_local()) {
-      if (r.replica == 0) std::copy(mine.begin(), mine.end(), whole + r.net->parameter_offset);
+      if (r.replica == 0) std::copy(mine.begin(), mine.end(), whole + offset);
       return;
     }
     // Each stage of replica 0 adds its slice into zeros: the sum is every
     // slice, exactly.
-    std::vector<float> all(Net::parameter_count, 0.0f);
+    std::vector<float> all(total, 0.0f);
     if (r.replica == 0)
-      std::copy(mine.begin(), mine.end(),
-                all.begin() + static_cast<std::ptrdiff_t>(r.net->parameter_offset));
+      std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(offset));
     r.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
     std::copy(all.begin(), all.end(), whole);
   }

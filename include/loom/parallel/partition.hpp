@@ -159,25 +159,19 @@ struct user_layers<Sequential<Input<Dims...>, Ls...>> {
   using type = TypeList<Ls...>;
 };
 
-template <class S>
-struct input_for;
-template <std::size_t... Dims>
-struct input_for<Shape<Dims...>> {
-  using type = Input<Dims...>;
-};
-
 template <class Net, std::size_t First, class Indices>
 struct stage_net;
 template <class Net, std::size_t First, std::size_t... I>
 struct stage_net<Net, First, std::index_sequence<I...>> {
-  using in = typename input_for<typename type_at_t<First, typename Net::layers>::input_shape>::type;
-  using type = Sequential<in, type_at_t<First + I, typename user_layers<Net>::type>...>;
+  using in = typename type_at_t<First, typename Net::layers>::input_shape;
+  using type = Network<First + 1, in, type_at_t<First + I, typename user_layers<Net>::type>...>;
 };
 
 }  // namespace detail
 
-// Stage k of a partition as a network of its own: an Input of the shape the
-// stage receives, then the user's layers of the stage (fused within it). Its
+// Stage k of a partition as a network of its own: the shape the stage
+// receives, then the user's layers of the stage (fused within it, numbered
+// as in the whole network). Its
 // parameters are a contiguous slice of the whole network's flat buffer,
 // starting at stage_parameter_offset.
 template <class Net, class Partition, std::size_t K>
@@ -189,6 +183,10 @@ using stage_net_t = typename detail::stage_net<
 template <class Net, class Partition, std::size_t K>
 inline constexpr std::size_t stage_parameter_offset =
     detail::list_info<typename Net::layers>::param_offsets[partition_bounds<Net, Partition>::bounds[K]];
+
+template <class Net, class Partition, std::size_t K>
+inline constexpr std::size_t stage_state_offset =
+    detail::list_info<typename Net::layers>::state_offsets[partition_bounds<Net, Partition>::bounds[K]];
 
 // The most expensive stage of a cut, under the cost model.
 template <class Net, std::size_t N>

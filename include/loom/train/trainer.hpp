@@ -612,10 +612,11 @@ class Trainer {
   cpu::LossSums micro_step(const data::Batch& batch, std::size_t group_samples, bool accumulate,
                            bool last, int epoch, std::size_t step) {
     cpu::LossSums sums;
+    const Pass pass{.training = true, .seed = options_.seed, .step = batches_++};
     if constexpr (is_data_parallel<Policy> || is_pipelined<Policy>) {
       const auto run = [&](auto& engine) {
         return engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
-                                 accumulate, last, optimizer_.options().lr);
+                                 accumulate, last, optimizer_.options().lr, pass);
       };
       if constexpr (is_data_parallel<Policy>)
         sums = run(*engine_);
@@ -624,7 +625,7 @@ class Trainer {
       if (!last) return {};
       check_loss(sums.loss, epoch, step);  // the replicas or stages skipped their update
     } else {
-      const float* logits = model_.forward(batch.images, batch.size);
+      const float* logits = model_.forward(batch.images, batch.size, 0, pass);
       const auto batch_sums = Loss::evaluate<float>(logits, batch.labels, batch.size, classes,
                                                     group_samples, model_.output_gradient());
       if (!accumulate) pending_ = {};
@@ -752,7 +753,8 @@ class Trainer {
   std::unique_ptr<Pipeline> pipeline_;
   comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
   std::size_t process_count_ = 0, process_rank_ = 0;  // across MPI processes
-  bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
+  bool host_changed_ = false;
+  std::uint64_t batches_ = 0;  // training batches run: Dropout's step  // model() handed out the weights since the device(s) last had them
 #if defined(__CUDACC__)
   std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica
   std::vector<GpuReplica> gpus_;      // after nccl_: destroyed first

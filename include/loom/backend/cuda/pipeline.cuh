@@ -548,7 +548,9 @@ class PipelineEngine {
   std::size_t local_stages() const { return ranks; }
 
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
-                           std::size_t group_samples, bool accumulate, bool last, float lr) {
+                           std::size_t group_samples, bool accumulate, bool last, float lr,
+                           const Pass& = {.training = true}) {
+    // The Pass is for Dropout and BatchNorm, which the CUDA backend does not run yet.
     LOOM_CHECK(n <= max_batch_, Policy::name, ": a batch of ", n, " samples; planned for ",
                max_batch_);
     crew_.run({.kind = JobKind::train,
