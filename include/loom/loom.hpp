@@ -17,6 +17,7 @@
 #include "loss/softmax_cross_entropy.hpp"
 #include "net/fusion.hpp"
 #include "net/model.hpp"
+#include "net/residual.hpp"
 #include "net/sequential.hpp"
 #include "optim/sgd.hpp"
 #include "parallel/buckets.hpp"

@@ -3,6 +3,7 @@
 // ubyte IDX files into one; fashion_mnist loads the Debian-packaged data set.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -84,6 +85,21 @@ inline Dataset make_image_dataset(const IdxArray& images, const IdxArray& labels
 struct Split {
   Dataset train, test;
 };
+
+// The first n samples of `set` (all of them when it has fewer), for short runs.
+inline Dataset head(const Dataset& set, std::size_t n) {
+  Dataset part;
+  part.count = std::min(n, set.count);
+  part.channels = set.channels;
+  part.height = set.height;
+  part.width = set.width;
+  part.classes = set.classes;
+  part.images.assign(set.images.begin(),
+                     set.images.begin() + static_cast<std::ptrdiff_t>(part.count * set.sample_size()));
+  part.labels.assign(set.labels.begin(), set.labels.begin() + static_cast<std::ptrdiff_t>(part.count));
+  part.name = set.name + " (first " + std::to_string(part.count) + ")";
+  return part;
+}
 
 inline constexpr const char* default_fashion_mnist_dir = "/usr/share/datasets/fashion-mnist";
 

@@ -1,0 +1,273 @@
+// GRU<Hidden> and LSTM<Hidden> over a sequence input Shape<Steps, Features>,
+// with PyTorch's equations, gate order and parameter layout: weight_ih
+// [G*H, F], weight_hh [G*H, H], bias_ih [G*H], bias_hh [G*H] (G = 3 gates
+// r, z, n for the GRU; 4 gates i, f, g, o for the LSTM). The initial state
+// is zero. Output: the last hidden state, Shape<Hidden>, or with
+// Sequence = true every step's, Shape<Steps, Hidden> (to stack layers).
+//
+// Forward runs the input projection of all steps as one GEMM, then one
+// GEMM per step for the recurrent projection; each step's gate values and
+// state are saved for backward (back-propagation through time), which runs
+// the steps in reverse and ends with one GEMM each for the input weights'
+// gradient and the input gradient.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <string_view>
+
+#include "../backend/cpu/cpu.hpp"
+#include "layer.hpp"
+#include "pointwise.hpp"
+
+namespace loom {
+
+template <std::size_t Hidden_, bool Sequence_ = false>
+struct GRU {
+  static constexpr std::size_t hidden = Hidden_;
+  static constexpr bool sequence = Sequence_;
+};
+
+template <std::size_t Hidden_, bool Sequence_ = false>
+struct LSTM {
+  static constexpr std::size_t hidden = Hidden_;
+  static constexpr bool sequence = Sequence_;
+};
+
+namespace detail {
+
+template <class T>
+T sigmoid(T x) {
+  return SigmoidFn::forward(x);
+}
+
+// One GRU step for one sample. Saved block per step: r, z, n, the
+// recurrent n-projection (W_hn h + b_hn, which r multiplies), h.
+struct GruCell {
+  static constexpr std::size_t gates = 3;
+  static constexpr std::size_t blocks = 5;
+  static constexpr std::size_t h_block = 4;
+  static constexpr std::string_view kind = "gru";
+
+  // xg: input projections (+ b_ih); hg: recurrent ones (+ b_hh); prev: the
+  // previous step's block or nullptr (zero state).
+  template <class T>
+  static void step(std::size_t H, const T* xg, const T* hg, const T* prev, T* cur) {
+    for (std::size_t j = 0; j < H; ++j) {
+      const T r = sigmoid(xg[j] + hg[j]);
+      const T z = sigmoid(xg[H + j] + hg[H + j]);
+      const T hn = hg[2 * H + j];
+      const T n = std::tanh(xg[2 * H + j] + r * hn);
+      const T h_prev = prev != nullptr ? prev[h_block * H + j] : T(0);
+      cur[j] = r;
+      cur[H + j] = z;
+      cur[2 * H + j] = n;
+      cur[3 * H + j] = hn;
+      cur[4 * H + j] = (T(1) - z) * n + z * h_prev;
+    }
+  }
+
+  // dh: d(loss)/d(h_t). Writes the pre-activation gradients of the input
+  // (dgi) and recurrent (dgh) projections and the part of d(loss)/d(h_t-1)
+  // that does not go through W_hh (dh_prev).
+  template <class T>
+  static void step_back(std::size_t H, const T* cur, const T* prev, const T* dh, T*, T* dgi,
+                        T* dgh, T* dh_prev) {
+    for (std::size_t j = 0; j < H; ++j) {
+      const T r = cur[j], z = cur[H + j], n = cur[2 * H + j], hn = cur[3 * H + j];
+      const T h_prev = prev != nullptr ? prev[h_block * H + j] : T(0);
+      const T dn = dh[j] * (T(1) - z);
+      const T dz = dh[j] * (h_prev - n);
+      const T dan = dn * (T(1) - n * n);
+      const T dar = dan * hn * r * (T(1) - r);
+      const T daz = dz * z * (T(1) - z);
+      dgi[j] = dar;
+      dgi[H + j] = daz;
+      dgi[2 * H + j] = dan;
+      dgh[j] = dar;
+      dgh[H + j] = daz;
+      dgh[2 * H + j] = dan * r;
+      dh_prev[j] = dh[j] * z;
+    }
+  }
+};
+
+// One LSTM step. Saved block per step: i, f, g, o, c, h.
+struct LstmCell {
+  static constexpr std::size_t gates = 4;
+  static constexpr std::size_t blocks = 6;
+  static constexpr std::size_t h_block = 5;
+  static constexpr std::string_view kind = "lstm";
+
+  template <class T>
+  static void step(std::size_t H, const T* xg, const T* hg, const T* prev, T* cur) {
+    for (std::size_t j = 0; j < H; ++j) {
+      const T i = sigmoid(xg[j] + hg[j]);
+      const T f = sigmoid(xg[H + j] + hg[H + j]);
+      const T g = std::tanh(xg[2 * H + j] + hg[2 * H + j]);
+      const T o = sigmoid(xg[3 * H + j] + hg[3 * H + j]);
+      const T c_prev = prev != nullptr ? prev[4 * H + j] : T(0);
+      const T c = f * c_prev + i * g;
+      cur[j] = i;
+      cur[H + j] = f;
+      cur[2 * H + j] = g;
+      cur[3 * H + j] = o;
+      cur[4 * H + j] = c;
+      cur[5 * H + j] = o * std::tanh(c);
+    }
+  }
+
+  // dc carries d(loss)/d(c_t) in and d(loss)/d(c_t-1) out.
+  template <class T>
+  static void step_back(std::size_t H, const T* cur, const T* prev, const T* dh, T* dc, T* dgi,
+                        T* dgh, T* dh_prev) {
+    for (std::size_t j = 0; j < H; ++j) {
+      const T i = cur[j], f = cur[H + j], g = cur[2 * H + j], o = cur[3 * H + j];
+      const T c = cur[4 * H + j];
+      const T c_prev = prev != nullptr ? prev[4 * H + j] : T(0);
+      const T tc = std::tanh(c);
+      const T dcj = dc[j] + dh[j] * o * (T(1) - tc * tc);
+      const T dai = dcj * g * i * (T(1) - i);
+      const T daf = dcj * c_prev * f * (T(1) - f);
+      const T dag = dcj * i * (T(1) - g * g);
+      const T dao = dh[j] * tc * o * (T(1) - o);
+      dgi[j] = dgh[j] = dai;
+      dgi[H + j] = dgh[H + j] = daf;
+      dgi[2 * H + j] = dgh[2 * H + j] = dag;
+      dgi[3 * H + j] = dgh[3 * H + j] = dao;
+      dc[j] = dcj * f;
+      dh_prev[j] = T(0);
+    }
+  }
+};
+
+template <class Spec, class Cell, class In, std::size_t Index>
+struct RecurrentLayer
+    : LayerBase<Spec, In,
+                std::conditional_t<Spec::sequence, Shape<dim_or_one<In, 0>, Spec::hidden>,
+                                   Shape<Spec::hidden>>,
+                Index> {
+  static constexpr bool checked = layer_argument_must_be_positive<Index, Spec, Spec::hidden>::ok &&
+                                  layer_input_rank_mismatch<Index, Spec, 2, In::rank>::ok;
+  static constexpr std::size_t H = Spec::hidden;
+  static constexpr std::size_t steps = dim_or_one<In, 0>;
+  static constexpr std::size_t features = dim_or_one<In, 1>;
+  static constexpr std::size_t GH = Cell::gates * H;
+  static constexpr std::size_t block = Cell::blocks * H;  // saved per step
+  static constexpr std::size_t stride = steps * block;    // saved per sample
+
+  static constexpr std::size_t w_ih = 0;
+  static constexpr std::size_t w_hh = w_ih + GH * features;
+  static constexpr std::size_t b_ih = w_hh + GH * H;
+  static constexpr std::size_t b_hh = b_ih + GH;
+  static constexpr std::size_t weight_count = b_ih;
+  static constexpr std::size_t bias_count = 2 * GH;
+  static constexpr std::size_t param_count = weight_count + bias_count;
+
+  static constexpr bool contextual = true;
+  static constexpr std::size_t saved = stride;
+  // Input projections of every step (their gradients in backward), one
+  // step's recurrent projections (their gradients), and three H vectors:
+  // d(loss)/d(h), its next value and the LSTM's d(loss)/d(c).
+  static constexpr std::size_t workspace = steps * GH + GH + 3 * H;
+  static constexpr std::size_t forward_flops = steps * (2 * GH * (features + H) + 8 * H);
+  static constexpr std::size_t backward_flops = steps * (4 * GH * (features + H) + 16 * H);
+  static constexpr std::string_view kind = Cell::kind;
+
+  // PyTorch's initialisation: every parameter uniform in +-1/sqrt(H).
+  template <class T>
+  static void init(T* params, std::uint64_t seed, bool) {
+    init_uniform(params, param_count, 1.0 / std::sqrt(static_cast<double>(H)), seed, Index);
+  }
+
+  template <class T>
+  static void forward(const T* params, const T* x, T* y, T* work, std::size_t n,
+                      const LayerContext<T>& context) {
+    T* xg = work;
+    T* hg = work + n * steps * GH;
+    T* saved_all = context.saved;
+    cpu::gemm<T>(false, true, n * steps, GH, features, T(1), x, features, params + w_ih, features,
+                 T(0), xg, GH);
+    cpu::bias_act_rows<Act::identity>(xg, params + b_ih, n * steps, GH);
+    for (std::size_t t = 0; t < steps; ++t) {
+      if (t == 0) {
+        for (std::size_t s = 0; s < n; ++s) std::copy_n(params + b_hh, GH, hg + s * GH);
+      } else {
+        const T* h_prev = saved_all + (t - 1) * block + Cell::h_block * H;
+        cpu::gemm<T>(false, true, n, GH, H, T(1), h_prev, stride, params + w_hh, H, T(0), hg, GH);
+        cpu::bias_act_rows<Act::identity>(hg, params + b_hh, n, GH);
+      }
+      for (std::size_t s = 0; s < n; ++s) {
+        T* sample = saved_all + s * stride;
+        Cell::step(H, xg + (s * steps + t) * GH, hg + s * GH,
+                   t > 0 ? sample + (t - 1) * block : nullptr, sample + t * block);
+        const T* h = sample + t * block + Cell::h_block * H;
+        if constexpr (Spec::sequence)
+          std::copy_n(h, H, y + (s * steps + t) * H);
+        else if (t + 1 == steps)
+          std::copy_n(h, H, y + s * H);
+      }
+    }
+  }
+
+  template <class T>
+  static void backward(const T* params, const T* x, const T*, const T* dy, T* dx, T* dparams,
+                       T* work, std::size_t n, bool accumulate, const LayerContext<T>& context) {
+    T* dgi = work;
+    T* dgh = work + n * steps * GH;
+    // Three n x H buffers: d(loss)/d(h_t), d(loss)/d(h_t-1), d(loss)/d(c_t).
+    T* dh = dgh + n * GH;
+    T* dh_prev = dh + n * H;
+    T* dc = dh_prev + n * H;
+    const T* saved_all = context.saved;
+    if (!accumulate) std::fill(dparams + w_hh, dparams + b_ih, T(0));
+    if (!accumulate) std::fill(dparams + b_hh, dparams + b_hh + GH, T(0));
+    std::fill(dh, dh + n * H, T(0));
+    std::fill(dc, dc + n * H, T(0));
+    for (std::size_t t = steps; t-- > 0;) {
+      for (std::size_t s = 0; s < n; ++s) {
+        T* d = dh + s * H;
+        if constexpr (Spec::sequence) {
+          const T* g = dy + (s * steps + t) * H;
+          for (std::size_t j = 0; j < H; ++j) d[j] += g[j];
+        } else if (t + 1 == steps) {
+          std::copy_n(dy + s * H, H, d);
+        }
+        const T* sample = saved_all + s * stride;
+        Cell::step_back(H, sample + t * block, t > 0 ? sample + (t - 1) * block : nullptr, d,
+                        dc + s * H, dgi + (s * steps + t) * GH, dgh + s * GH, dh_prev + s * H);
+        for (std::size_t g = 0; g < GH; ++g) dparams[b_hh + g] += dgh[s * GH + g];
+      }
+      if (t > 0) {
+        const T* h_prev = saved_all + (t - 1) * block + Cell::h_block * H;
+        cpu::gemm<T>(true, false, GH, H, n, T(1), dgh, GH, h_prev, stride, T(1), dparams + w_hh,
+                     H);
+        cpu::gemm<T>(false, false, n, H, GH, T(1), dgh, GH, params + w_hh, H, T(1), dh_prev, H);
+      }
+      std::swap(dh, dh_prev);
+    }
+    const std::size_t rows = n * steps;
+    cpu::gemm<T>(true, false, GH, features, rows, T(1), dgi, GH, x, features,
+                 accumulate ? T(1) : T(0), dparams + w_ih, features);
+    for (std::size_t g = 0; g < GH; ++g) {
+      T sum = 0;
+      for (std::size_t r = 0; r < rows; ++r) sum += dgi[r * GH + g];
+      dparams[b_ih + g] = accumulate ? dparams[b_ih + g] + sum : sum;
+    }
+    if (dx != nullptr)
+      cpu::gemm<T>(false, false, rows, features, GH, T(1), dgi, GH, params + w_ih, features, T(0),
+                   dx, features);
+  }
+};
+
+}  // namespace detail
+
+template <std::size_t H, bool Seq, class In, std::size_t Index>
+struct Bind<GRU<H, Seq>, In, Index> : detail::RecurrentLayer<GRU<H, Seq>, detail::GruCell, In, Index> {
+};
+template <std::size_t H, bool Seq, class In, std::size_t Index>
+struct Bind<LSTM<H, Seq>, In, Index>
+    : detail::RecurrentLayer<LSTM<H, Seq>, detail::LstmCell, In, Index> {};
+
+}  // namespace loom

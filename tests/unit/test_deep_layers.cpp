@@ -1,0 +1,364 @@
+// The layers ResNets and sequence models need: Tanh, Sigmoid, GELU,
+// BatchNorm, GlobalAvgPool, Dropout, Reshape, Residual, GRU and LSTM. Each
+// is checked inside a Model in double: backward against central finite
+// differences of every parameter and input, forward against values or a
+// plain-loop reference written here.
+#include <cmath>
+#include <limits>
+#include <loom/loom.hpp>
+#include <vector>
+
+#include "loom_test.hpp"
+
+using namespace loom;
+using loom::test::random_vector;
+using loom::test::require_close;
+
+namespace {
+
+constexpr Pass training{.training = true, .seed = 7, .step = 3};
+
+// L(x, p) = sum(forward(x, p) * r) in double. backward with dy = r gives
+// dL/dp and dL/dx; both must match central differences to 1e-6.
+template <class Net>
+void check_gradients(std::size_t batch, std::uint64_t seed, const Pass& pass = training) {
+  Model<Net, double> model(seed, batch);
+  auto params = model.parameters();
+  const auto randomized = random_vector<double>(params.size(), seed + 1, -0.5, 0.5);
+  // Random parameters rather than the initial ones, so that BatchNorm's
+  // gamma and beta are not 1 and 0 and biases are not zero.
+  for (std::size_t i = 0; i < params.size(); ++i) params[i] += randomized[i];
+  auto x = random_vector<double>(batch * Model<Net, double>::input_size, seed + 2);
+  const auto r = random_vector<double>(batch * Model<Net, double>::output_size, seed + 3);
+
+  auto objective = [&] {
+    const double* y = model.forward(x.data(), batch, 0, pass);
+    double sum = 0;
+    for (std::size_t i = 0; i < r.size(); ++i) sum += y[i] * r[i];
+    return sum;
+  };
+  objective();
+  std::copy(r.begin(), r.end(), model.output_gradient());
+  std::vector<double> dx(x.size(), -99.0);
+  model.backward(0, false, dx.data());
+  const std::vector<double> dparams(model.gradients().begin(), model.gradients().end());
+
+  constexpr double h = 1e-6;
+  auto numeric = [&](double& v) {
+    const double keep = v;
+    v = keep + h;
+    const double up = objective();
+    v = keep - h;
+    const double down = objective();
+    v = keep;
+    return (up - down) / (2 * h);
+  };
+  std::vector<double> fd_params(params.size()), fd_x(x.size());
+  for (std::size_t i = 0; i < params.size(); ++i) fd_params[i] = numeric(params[i]);
+  for (std::size_t i = 0; i < x.size(); ++i) fd_x[i] = numeric(x[i]);
+  require_close(dparams, fd_params, {1e-6, 1e-5}, "parameter gradient");
+  require_close(dx, fd_x, {1e-6, 1e-5}, "input gradient");
+}
+
+template <class Net>
+std::vector<double> run(Model<Net, double>& model, const std::vector<double>& x, std::size_t batch,
+                        const Pass& pass = training) {
+  const double* y = model.forward(x.data(), batch, 0, pass);
+  return {y, y + batch * Model<Net, double>::output_size};
+}
+
+double sigmoid(double v) { return 1 / (1 + std::exp(-v)); }
+
+}  // namespace
+
+TEST_CASE("deep layers: Tanh, Sigmoid and GELU values and gradients") {
+  using Acts = Sequential<Input<6>, Linear<5>, Tanh, Linear<4>, Sigmoid, Linear<3>, GELU>;
+  check_gradients<Acts>(3, 11);
+
+  Model<Sequential<Input<5>, GELU>, double> gelu;
+  const std::vector<double> x{-3.0, -1.0, 0.0, 1.0, 2.5};
+  const auto y = run(gelu, x, 1);
+  require_close(y,
+                std::vector<double>{-0.00404969409489, -0.158655253931457, 0.0, 0.841344746068543,
+                                    2.48447583668556},
+                {1e-12, 1e-10}, "GELU");
+  Model<Sequential<Input<4>, Sigmoid>, float> sig;
+  const std::vector<float> extremes{-800.0f, 800.0f, 0.0f, std::numeric_limits<float>::quiet_NaN()};
+  const float* s = sig.forward(extremes.data(), 1);
+  CHECK(s[0] == 0.0f);
+  CHECK(s[1] == 1.0f);
+  CHECK(s[2] == 0.5f);
+  CHECK(std::isnan(s[3]));
+}
+
+TEST_CASE("deep layers: BatchNorm2d in training normalises per channel and updates running statistics") {
+  using Net = Sequential<Input<3, 4, 5>, BatchNorm2d>;
+  constexpr std::size_t batch = 6, plane = 20, channels = 3;
+  Model<Net, double> model;
+  static_assert(Net::parameter_count == 6 && Net::state_count == 6);
+  auto params = model.parameters();
+  for (std::size_t c = 0; c < channels; ++c) {
+    params[c] = 0.5 + static_cast<double>(c);  // gamma
+    params[channels + c] = -1.0 + static_cast<double>(c);  // beta
+  }
+  const auto x = random_vector<double>(batch * channels * plane, 5, -2.0, 3.0);
+  const auto y = run(model, x, batch);
+  for (std::size_t c = 0; c < channels; ++c) {
+    double mean = 0, var = 0, ymean = 0, yvar = 0;
+    const double count = batch * plane;
+    for (std::size_t s = 0; s < batch; ++s)
+      for (std::size_t i = 0; i < plane; ++i) {
+        mean += x[(s * channels + c) * plane + i] / count;
+        ymean += y[(s * channels + c) * plane + i] / count;
+      }
+    for (std::size_t s = 0; s < batch; ++s)
+      for (std::size_t i = 0; i < plane; ++i) {
+        var += std::pow(x[(s * channels + c) * plane + i] - mean, 2) / count;
+        yvar += std::pow(y[(s * channels + c) * plane + i] - ymean, 2) / count;
+      }
+    CHECK(std::abs(ymean - params[channels + c]) < 1e-12);
+    CHECK(std::abs(yvar - params[c] * params[c] * var / (var + 1e-5)) < 1e-12);
+    // PyTorch's update: momentum 0.1, the unbiased variance.
+    CHECK(std::abs(model.state()[c] - 0.1 * mean) < 1e-12);
+    CHECK(std::abs(model.state()[channels + c] - (0.9 + 0.1 * var * count / (count - 1))) < 1e-12);
+  }
+
+  // Evaluation uses the running statistics: (x - m) / sqrt(v + eps) * gamma + beta.
+  const auto e = run(model, x, batch, Pass{});
+  for (std::size_t c = 0; c < channels; ++c) {
+    const double m = model.state()[c], v = model.state()[channels + c];
+    const double at = x[c * plane + 1];
+    CHECK(std::abs(e[c * plane + 1] - ((at - m) / std::sqrt(v + 1e-5) * params[c] +
+                                       params[channels + c])) < 1e-12);
+  }
+}
+
+TEST_CASE("deep layers: BatchNorm gradients in training and evaluation") {
+  check_gradients<Sequential<Input<2, 3, 3>, BatchNorm2d, Tanh>>(4, 21);
+  check_gradients<Sequential<Input<2, 3, 3>, BatchNorm2d, Tanh>>(4, 22, Pass{});
+  check_gradients<Sequential<Input<6>, Linear<5>, BatchNorm1d, Sigmoid, Linear<3>>>(5, 23);
+}
+
+TEST_CASE("deep layers: GlobalAvgPool and Reshape") {
+  using Net = Sequential<Input<2, 2, 3>, GlobalAvgPool>;
+  static_assert(std::is_same_v<Net::output_shape, Shape<2>>);
+  Model<Net, double> model;
+  std::vector<double> x(12);
+  for (std::size_t i = 0; i < 12; ++i) x[i] = static_cast<double>(i);
+  require_close(run(model, x, 1), std::vector<double>{2.5, 8.5}, {1e-15, 0}, "means");
+  check_gradients<Sequential<Input<3, 4, 4>, Conv2d<2, 3, 1, 1>, GlobalAvgPool, Linear<3>>>(2, 31);
+
+  using Rows = Sequential<Input<1, 4, 6>, Reshape<4, 6>, GRU<3>>;
+  static_assert(std::is_same_v<type_at_t<0, Rows::layers>::output_shape, Shape<4, 6>>);
+  static_assert(type_at_t<0, Rows::layers>::in_place);
+}
+
+TEST_CASE("deep layers: Dropout drops P of the elements, scales the rest, and its mask is a function of the global sample") {
+  using Net = Sequential<Input<1000>, Dropout<0.25>>;
+  constexpr std::size_t batch = 8;
+  Model<Net, double> model;
+  const auto x = random_vector<double>(batch * 1000, 41, 1.0, 2.0);
+
+  const auto eval = run(model, x, batch, Pass{});
+  require_close(eval, x, {0, 0}, "evaluation is the identity");
+
+  const auto y = run(model, x, batch);
+  std::size_t dropped = 0;
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    if (y[i] == 0.0)
+      ++dropped;
+    else
+      REQUIRE(y[i] == x[i] * (1.0 / 0.75));
+  }
+  // 8000 draws: 2000 expected, standard deviation 39.
+  CHECK(dropped > 1800);
+  CHECK(dropped < 2200);
+  require_close(run(model, x, batch), y, {0, 0}, "the same pass draws the same mask");
+  const auto other_step = run(model, x, batch, Pass{.training = true, .seed = 7, .step = 4});
+  CHECK(other_step != y);
+  const auto other_seed = run(model, x, batch, Pass{.training = true, .seed = 8, .step = 3});
+  CHECK(other_seed != y);
+
+  // Samples 5..7 as their own batch (a replica's or micro-batch's share) draw
+  // what they drew as part of the whole batch.
+  const std::vector<double> tail(x.begin() + 5 * 1000, x.end());
+  Pass share = training;
+  share.first_sample = 5;
+  require_close(run(model, tail, 3, share), std::vector<double>(y.begin() + 5 * 1000, y.end()),
+                {0, 0}, "a share's mask");
+
+  check_gradients<Sequential<Input<10>, Linear<8>, Dropout<0.5>, Tanh, Linear<3>>>(4, 42);
+}
+
+TEST_CASE("deep layers: Residual adds the body to the identity or to a projection") {
+  using Same = Sequential<Input<2, 5, 5>, Residual<Conv2d<2, 3, 1, 1>, BatchNorm2d, Tanh, Conv2d<2, 3, 1, 1>>>;
+  using Bound = type_at_t<0, Same::layers>;
+  static_assert(Bound::identity);
+  static_assert(Same::parameter_count == 2 * (2 * 2 * 9 + 2) + 4);
+  static_assert(Same::state_count == 4);
+  check_gradients<Same>(3, 51);
+
+  // Channels 2 -> 4 and 6 x 6 -> 3 x 3: a strided 1 x 1 convolution shortcut.
+  using Down = Sequential<Input<2, 6, 6>, Residual<Conv2d<4, 3, 2, 1>, BatchNorm2d, Tanh>, Tanh>;
+  using DownBound = type_at_t<0, Down::layers>;
+  static_assert(!DownBound::identity);
+  static_assert(std::is_same_v<Down::output_shape, Shape<4, 3, 3>>);
+  static_assert(std::is_same_v<DownBound::shortcut::spec, Conv2d<4, 1, 2>>);
+  check_gradients<Down>(3, 52);
+  check_gradients<Down>(3, 53, Pass{});
+
+  using Flat = Sequential<Input<6>, Residual<Linear<4>, Tanh>, Residual<Linear<4>, Sigmoid>>;
+  static_assert(std::is_same_v<type_at_t<0, Flat::layers>::shortcut::spec, Linear<4>>);
+  static_assert(type_at_t<1, Flat::layers>::identity);
+  check_gradients<Flat>(4, 54);
+
+  // The identity block's output is exactly body(x) + x, with the block's weights.
+  using Body = Sequential<Input<6>, Linear<6>, Tanh>;
+  using Block = Sequential<Input<6>, Residual<Linear<6>, Tanh>>;
+  Model<Body, double> body;
+  Model<Block, double> block(3);
+  std::copy(block.parameters().begin(), block.parameters().end(), body.parameters().begin());
+  const auto x = random_vector<double>(12, 55);
+  const auto fx = run(body, x, 2);
+  std::vector<double> expected(12);
+  for (std::size_t i = 0; i < 12; ++i) expected[i] = fx[i] + x[i];
+  require_close(run(block, x, 2), expected, {0, 0}, "body(x) + x");
+}
+
+namespace {
+
+// PyTorch's GRU and LSTM equations, one sample and one step at a time.
+std::vector<double> recurrent_reference(bool lstm, const std::vector<double>& p,
+                                        const std::vector<double>& x, std::size_t batch,
+                                        std::size_t steps, std::size_t F, std::size_t H,
+                                        bool sequence) {
+  const std::size_t G = lstm ? 4 : 3;
+  const double* w_ih = p.data();
+  const double* w_hh = w_ih + G * H * F;
+  const double* b_ih = w_hh + G * H * H;
+  const double* b_hh = b_ih + G * H;
+  std::vector<double> out;
+  for (std::size_t s = 0; s < batch; ++s) {
+    std::vector<double> h(H, 0.0), c(H, 0.0);
+    for (std::size_t t = 0; t < steps; ++t) {
+      const double* xt = x.data() + (s * steps + t) * F;
+      std::vector<double> xi(G * H), hh(G * H);
+      for (std::size_t g = 0; g < G * H; ++g) {
+        xi[g] = b_ih[g];
+        hh[g] = b_hh[g];
+        for (std::size_t f = 0; f < F; ++f) xi[g] += w_ih[g * F + f] * xt[f];
+        for (std::size_t k = 0; k < H; ++k) hh[g] += w_hh[g * H + k] * h[k];
+      }
+      std::vector<double> next(H);
+      for (std::size_t j = 0; j < H; ++j) {
+        if (lstm) {
+          const double i = sigmoid(xi[j] + hh[j]), f = sigmoid(xi[H + j] + hh[H + j]);
+          const double g = std::tanh(xi[2 * H + j] + hh[2 * H + j]);
+          const double o = sigmoid(xi[3 * H + j] + hh[3 * H + j]);
+          c[j] = f * c[j] + i * g;
+          next[j] = o * std::tanh(c[j]);
+        } else {
+          const double r = sigmoid(xi[j] + hh[j]), z = sigmoid(xi[H + j] + hh[H + j]);
+          const double n = std::tanh(xi[2 * H + j] + r * hh[2 * H + j]);
+          next[j] = (1 - z) * n + z * h[j];
+        }
+      }
+      h = next;
+      if (sequence || t + 1 == steps) out.insert(out.end(), h.begin(), h.end());
+    }
+  }
+  return out;
+}
+
+template <class Net>
+void check_recurrent_forward(bool lstm, bool sequence) {
+  constexpr std::size_t batch = 3, steps = 5, F = 4, H = 6;
+  Model<Net, double> model(9);
+  const auto x = random_vector<double>(batch * steps * F, 61, -2.0, 2.0);
+  const std::vector<double> p(model.parameters().begin(), model.parameters().end());
+  require_close(run(model, x, batch), recurrent_reference(lstm, p, x, batch, steps, F, H, sequence),
+                {1e-13, 1e-12}, lstm ? "LSTM" : "GRU");
+  Model<Net, float> single(9);
+  const std::vector<float> xf(x.begin(), x.end());
+  const float* y = single.forward(xf.data(), batch);
+  require_close(std::vector<float>(y, y + batch * Model<Net, float>::output_size),
+                recurrent_reference(lstm, p, x, batch, steps, F, H, sequence), {1e-5, 1e-5},
+                "float");
+}
+
+}  // namespace
+
+TEST_CASE("deep layers: GRU and LSTM forward match PyTorch's equations step by step") {
+  using G = Sequential<Input<5, 4>, GRU<6>>;
+  using GS = Sequential<Input<5, 4>, GRU<6, true>>;
+  using L = Sequential<Input<5, 4>, LSTM<6>>;
+  using LS = Sequential<Input<5, 4>, LSTM<6, true>>;
+  static_assert(G::parameter_count == 3 * 6 * (4 + 6 + 2));
+  static_assert(L::parameter_count == 4 * 6 * (4 + 6 + 2));
+  static_assert(std::is_same_v<GS::output_shape, Shape<5, 6>>);
+  check_recurrent_forward<G>(false, false);
+  check_recurrent_forward<GS>(false, true);
+  check_recurrent_forward<L>(true, false);
+  check_recurrent_forward<LS>(true, true);
+}
+
+TEST_CASE("deep layers: GRU and LSTM gradients through time") {
+  check_gradients<Sequential<Input<5, 3>, GRU<4>>>(3, 71);
+  check_gradients<Sequential<Input<5, 3>, LSTM<4>>>(3, 72);
+  // Stacked: the first layer's every step feeds the second.
+  check_gradients<Sequential<Input<4, 3>, GRU<4, true>, LSTM<3, true>, Flatten, Linear<2>>>(2, 73);
+  check_gradients<Sequential<Input<1, 4, 3>, Reshape<4, 3>, LSTM<3, true>, GRU<4>, Linear<2>>>(2, 74);
+}
+
+TEST_CASE("deep layers: gradients accumulate over micro-batches") {
+  using Net = Sequential<Input<2, 4, 4>, Residual<Conv2d<2, 3, 1, 1>, BatchNorm2d, ReLU>,
+                         GlobalAvgPool, Reshape<2, 1>, GRU<3>, Linear<2>>;
+  Model<Net, double> model(5, 4);
+  const auto x = random_vector<double>(4 * 32, 81);
+  const auto r = random_vector<double>(4 * 2, 82);
+  auto pass_of = [&](std::size_t first, std::size_t n, bool accumulate) {
+    model.forward(x.data() + first * 32, n, 0, training);
+    std::copy_n(r.begin() + static_cast<std::ptrdiff_t>(first * 2), n * 2, model.output_gradient());
+    model.backward(accumulate);
+  };
+  pass_of(0, 2, false);
+  const std::vector<double> first(model.gradients().begin(), model.gradients().end());
+  pass_of(2, 2, false);
+  std::vector<double> sum(first);
+  for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += model.gradients()[i];
+  pass_of(0, 2, false);
+  pass_of(2, 2, true);
+  require_close(model.gradients(), sum, {1e-14, 1e-12}, "accumulated");
+}
+
+TEST_CASE("deep layers: the fused ResNet block equals the unfused one bit for bit") {
+  using Net = Sequential<Input<2, 6, 6>, Conv2d<4, 3, 1, 1>, BatchNorm2d, ReLU,
+                         Residual<Conv2d<4, 3, 1, 1>, BatchNorm2d, ReLU, Conv2d<4, 3, 1, 1>,
+                                  BatchNorm2d>,
+                         ReLU, Residual<Conv2d<8, 3, 2, 1>, BatchNorm2d, ReLU>, GlobalAvgPool,
+                         Linear<3>>;
+  // Conv+ReLU and BatchNorm+ReLU fuse, at the top level and inside blocks.
+  static_assert(Net::executed::size == Net::layers::size - 1);
+  using Block = type_at_t<3, Net::layers>;
+  static_assert(Block::body::size == Block::layers::size - 1);
+  static_assert(type_at_t<1, Block::body>::kind == "batchnorm" &&
+                type_at_t<1, Block::body>::activation == Act::relu);
+
+  Model<Net, float> fused(4, 5);
+  Model<Unfused<Net>, float> unfused(4, 5);
+  const auto x = random_vector<float>(5 * 72, 91);
+  const auto r = random_vector<float>(5 * 3, 92);
+  for (const Pass& pass : {training, Pass{}}) {
+    const float* a = fused.forward(x.data(), 5, 0, pass);
+    const float* b = unfused.forward(x.data(), 5, 0, pass);
+    REQUIRE(std::vector<float>(a, a + 15) == std::vector<float>(b, b + 15));
+    std::copy(r.begin(), r.end(), fused.output_gradient());
+    std::copy(r.begin(), r.end(), unfused.output_gradient());
+    std::vector<float> dxa(x.size()), dxb(x.size());
+    fused.backward(0, false, dxa.data());
+    unfused.backward(0, false, dxb.data());
+    REQUIRE(dxa == dxb);
+    REQUIRE(std::ranges::equal(fused.gradients(), unfused.gradients()));
+    REQUIRE(std::ranges::equal(fused.state(), unfused.state()));
+  }
+}
