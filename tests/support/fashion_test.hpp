@@ -13,14 +13,7 @@ inline const data::Split& fashion() {
   return split;
 }
 
-// The first `count` samples, named "<name> (first <count>)".
-inline data::Dataset head(const data::Dataset& full, std::size_t count) {
-  data::Dataset part = full;
-  part.name = full.name + " (first " + std::to_string(count) + ")";
-  part.count = count;
-  part.images.resize(count * full.sample_size());
-  part.labels.resize(count);
-  return part;
-}
+// The first samples of a split: data::head, "<name> (first <count>)".
+using data::head;
 
 }  // namespace loom::test

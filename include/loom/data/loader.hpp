@@ -20,12 +20,50 @@
 
 namespace loom::data {
 
+// Seeded augmentation, applied by the loader thread as it gathers a batch:
+// a random crop of the image zero-padded by crop_padding pixels on every side
+// (zero is the data set's mean after normalisation), then a horizontal flip
+// with probability 1/2. Each sample's draw is a function of (seed, epoch,
+// sample index), so a run is reproducible under every policy.
+struct Augment {
+  std::size_t crop_padding = 0;
+  bool horizontal_flip = false;
+  bool active() const { return crop_padding > 0 || horizontal_flip; }
+};
+
 struct LoaderOptions {
   std::size_t batch_size = 64;
   bool shuffle = true;
   std::uint64_t seed = 0;
   bool drop_last = false;
+  Augment augment{};
 };
+
+// Crops and flips one C x H x W image in place as `augment` and the draw
+// (seed, epoch, index) say; scratch holds a copy of the image.
+inline void augment_image(float* image, std::size_t channels, std::size_t height,
+                          std::size_t width, const Augment& augment, std::uint64_t seed,
+                          std::size_t epoch, std::size_t index, std::vector<float>& scratch) {
+  const std::uint64_t stream = stream_key(RngPurpose::augment, epoch);
+  const std::uint64_t span = 2 * augment.crop_padding + 1;
+  const long dy = static_cast<long>(hash_key(seed, stream, 3 * index) % span) -
+                  static_cast<long>(augment.crop_padding);
+  const long dx = static_cast<long>(hash_key(seed, stream, 3 * index + 1) % span) -
+                  static_cast<long>(augment.crop_padding);
+  const bool flip = augment.horizontal_flip && (hash_key(seed, stream, 3 * index + 2) & 1) != 0;
+  scratch.assign(image, image + channels * height * width);
+  const long h_max = static_cast<long>(height), w_max = static_cast<long>(width);
+  for (std::size_t c = 0; c < channels; ++c)
+    for (long h = 0; h < h_max; ++h)
+      for (long w = 0; w < w_max; ++w) {
+        const long sh = h + dy, sw = (flip ? w_max - 1 - w : w) + dx;
+        image[(c * height + static_cast<std::size_t>(h)) * width + static_cast<std::size_t>(w)] =
+            sh < 0 || sh >= h_max || sw < 0 || sw >= w_max
+                ? 0.0f
+                : scratch[(c * height + static_cast<std::size_t>(sh)) * width +
+                          static_cast<std::size_t>(sw)];
+      }
+}
 
 // Valid until the next call to Loader::next() or Loader::start_epoch().
 struct Batch {
@@ -97,6 +135,7 @@ class Loader {
       // The worker reads order_ and writes a slot without the lock while it gathers.
       ready_cv_.wait(lock, [&] { return !gathering_; });
       order_ = std::move(order);
+      epoch_ = epoch;
       for (Slot& slot : slots_) {
         slot.state = Slot::State::empty;
         slot.error = nullptr;
@@ -191,6 +230,9 @@ class Loader {
       std::copy_n(dataset_.images.begin() + static_cast<std::ptrdiff_t>(index * sample_size_),
                   sample_size_,
                   slot.images.begin() + static_cast<std::ptrdiff_t>(j * sample_size_));
+      if (options_.augment.active())
+        augment_image(slot.images.data() + j * sample_size_, dataset_.channels, dataset_.height,
+                      dataset_.width, options_.augment, options_.seed, epoch_, index, scratch_);
       slot.labels[j] = label;
     }
     slot.size = size;
@@ -207,6 +249,8 @@ class Loader {
   std::condition_variable work_cv_;   // caller -> worker: a slot is free, or stop
   std::condition_variable ready_cv_;  // worker -> caller: a slot is filled, or gathering ended
   std::vector<std::size_t> order_;
+  std::size_t epoch_ = 0;
+  std::vector<float> scratch_;  // the worker's copy of the image it augments
   Slot slots_[2];
   Slot* held_ = nullptr;  // the slot behind the Batch the caller holds
   std::size_t fill_ = 0;  // next batch the worker gathers

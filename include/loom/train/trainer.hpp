@@ -54,6 +54,7 @@ struct FitOptions {
   // added up (and, with DataParallel, reduced once, on the last of them), so
   // a step sees batch_size * accumulation_steps samples; the loss is their mean.
   std::size_t accumulation_steps = 1;
+  data::Augment augment{};  // random crops and flips of the training images
 };
 
 struct EvalResult {
@@ -202,7 +203,10 @@ class Trainer {
     LOOM_CHECK(options.accumulation_steps >= 1, "fit: accumulation_steps must be >= 1");
     data::Loader loader(
         train,
-        {.batch_size = options.batch_size, .shuffle = options.shuffle, .seed = options.seed});
+        {.batch_size = options.batch_size,
+         .shuffle = options.shuffle,
+         .seed = options.seed,
+         .augment = options.augment});
     const std::size_t k = options.accumulation_steps;
     const FitInfo info{options.epochs,      (loader.batches_per_epoch() + k - 1) / k,
                        train.count,         options.batch_size,
