@@ -362,3 +362,60 @@ TEST_CASE("deep layers: the fused ResNet block equals the unfused one bit for bi
     REQUIRE(std::ranges::equal(fused.state(), unfused.state()));
   }
 }
+
+namespace {
+
+// Two replicas holding the same samples: every sum doubles.
+struct TwinReplicas final : ReplicaSum {
+  int calls = 0;
+  void sum(std::span<double> values) override {
+    ++calls;
+    for (double& v : values) v *= 2;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("deep layers: SyncBatchNorm sums its statistics over the replicas") {
+  using Sync = Sequential<Input<3, 4, 4>, SyncBatchNorm2d, Tanh>;
+  using Plain = Sequential<Input<3, 4, 4>, BatchNorm2d, Tanh>;
+  static_assert(Sync::syncs && !Plain::syncs);
+  static_assert(Sequential<Input<3, 4, 4>, Residual<SyncBatchNorm2d>>::syncs);
+  // Without replicas it is BatchNorm, bit for bit.
+  check_gradients<Sync>(4, 101);
+  Model<Sync, double> sync;
+  Model<Plain, double> plain;
+  const auto x = random_vector<double>(4 * 48, 102);
+  const auto r = random_vector<double>(4 * 48, 103);
+  require_close(run(sync, x, 4), run(plain, x, 4), {0, 0}, "no replicas");
+
+  // Twin replicas see a batch twice its size with the same statistics: the
+  // output and input gradient are one replica's, the running variance
+  // takes the larger count's correction, the parameter gradients stay local.
+  TwinReplicas twins;
+  Pass pass = training;
+  pass.replicas = &twins;
+  require_close(run(sync, x, 4, pass), run(plain, x, 4), {1e-12, 1e-10}, "twin replicas");
+  CHECK(twins.calls == 1);
+  std::vector<double> dx_sync(x.size()), dx_plain(x.size());
+  std::copy(r.begin(), r.end(), sync.output_gradient());
+  sync.backward(0, false, dx_sync.data());
+  std::copy(r.begin(), r.end(), plain.output_gradient());
+  plain.backward(0, false, dx_plain.data());
+  CHECK(twins.calls == 3);  // the backward's statistics, then its gradient sums
+  require_close(dx_sync, dx_plain, {1e-12, 1e-10}, "input gradient");
+  require_close(sync.gradients(), plain.gradients(), {1e-12, 1e-10}, "parameter gradients");
+  // Each model ran two training forwards on x; the second of `sync` saw a
+  // count of 128 rather than 64, so its running variance took 128/127 of
+  // the batch variance where `plain`'s took 64/63.
+  for (std::size_t c = 0; c < 3; ++c) {
+    double mean = 0, var = 0;
+    for (std::size_t s = 0; s < 4; ++s)
+      for (std::size_t i = 0; i < 16; ++i) mean += x[(s * 3 + c) * 16 + i] / 64;
+    for (std::size_t s = 0; s < 4; ++s)
+      for (std::size_t i = 0; i < 16; ++i) var += std::pow(x[(s * 3 + c) * 16 + i] - mean, 2) / 64;
+    CHECK(std::abs((sync.state()[3 + c] - plain.state()[3 + c]) -
+                   0.1 * var * (128.0 / 127.0 - 64.0 / 63.0)) < 1e-12);
+    CHECK(std::abs(sync.state()[c] - plain.state()[c]) < 1e-12);
+  }
+}

@@ -62,7 +62,7 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
   // Column matrix (reused for its gradient) + the GEMM output / its gradient,
   // for one chunk of samples at a time.
   static constexpr std::size_t workspace = patch * plane + Out * plane;
-  static constexpr std::size_t chunk = cpu::conv_chunk;
+  static constexpr std::size_t chunk = cpu::conv_chunk_for(patch * plane);
   static constexpr std::size_t forward_flops = 2 * Out * plane * patch + Out * plane;
   // The input-gradient GEMM is skipped for the network's first layer.
   static constexpr std::size_t backward_flops =

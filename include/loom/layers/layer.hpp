@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string_view>
 
 #include "../core/meta.hpp"
@@ -18,6 +19,13 @@
 #include "../core/shape.hpp"
 
 namespace loom {
+
+// Sums over the data-parallel replicas, for layers whose statistics span
+// the global batch (SyncBatchNorm). Every replica calls it in the same order.
+struct ReplicaSum {
+  virtual ~ReplicaSum() = default;
+  virtual void sum(std::span<double> values) = 0;
+};
 
 // How a forward runs: in training (batch statistics, dropout) or evaluation,
 // and where its samples sit in the step's global batch. Dropout's mask is a
@@ -28,6 +36,7 @@ struct Pass {
   std::uint64_t seed = 0;
   std::uint64_t step = 0;
   std::size_t first_sample = 0;
+  ReplicaSum* replicas = nullptr;  // DataParallel's, when the network syncs statistics
 };
 
 // What a contextual layer gets besides its tensors.
@@ -132,6 +141,8 @@ struct LayerBase {
   static constexpr bool contextual = false;
   static constexpr std::size_t saved = 0;        // elements per sample, per activation slot
   static constexpr std::size_t state_count = 0;  // not trained: updated by forward
+  // Calls Pass::replicas in training (SyncBatchNorm, or a block holding one).
+  static constexpr bool syncs = false;
   static constexpr bool checked = true;  // shape checks passed (layers with rules override)
 
   template <class T>

@@ -6,12 +6,19 @@
 // running variance [C]. Backward recomputes the batch statistics from x
 // rather than saving them: one extra pass, no per-slot buffer. A ReLU after
 // it is fused into the same passes (Fused<BatchNorm2d, ReLU>).
+//
+// SyncBatchNorm2d / SyncBatchNorm1d are the same layers whose training
+// statistics span the global batch: under DataParallel the replicas sum
+// their per-channel sums (forward) and gradient sums (backward), so the
+// result is one device's on the whole batch. Elsewhere (one device, a
+// pipeline's micro-batches) they are BatchNorm.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <string_view>
-#include <vector>
 
 #include "../backend/cpu/epilogue.hpp"
 #include "layer.hpp"
@@ -21,14 +28,17 @@ namespace loom {
 
 struct BatchNorm2d {};
 struct BatchNorm1d {};
+struct SyncBatchNorm2d {};
+struct SyncBatchNorm1d {};
 
 namespace detail {
 
 inline constexpr double batch_norm_eps = 1e-5;
 inline constexpr double batch_norm_momentum = 0.1;
 
-template <class Spec, class In, std::size_t Index, std::size_t Rank, Act A>
+template <class Spec, class In, std::size_t Index, std::size_t Rank, Act A, bool Sync>
 struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
+  static constexpr bool syncs = Sync;
   static constexpr bool checked = layer_input_rank_mismatch<Index, Spec, Rank, In::rank>::ok;
   static constexpr std::size_t channels = dim_or_one<In, 0>;
   static constexpr std::size_t plane = In::size / channels;
@@ -57,45 +67,83 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
     }
   }
 
-  // Channel c's batch mean and biased variance, accumulated in double.
+  // Each channel's training mean and biased variance, accumulated in
+  // double: two passes over this device's samples, or, across replicas, one
+  // pass of sums added up over all of them. Returns the sample count.
   template <class T>
-  static void batch_moments(const T* x, std::size_t n, std::size_t c, double& mean, double& var) {
-    double sum = 0, squares = 0;
-    for (std::size_t s = 0; s < n; ++s) {
-      const T* p = x + s * In::size + c * plane;
-      for (std::size_t i = 0; i < plane; ++i) sum += static_cast<double>(p[i]);
+  static double batch_moments(const T* x, std::size_t n, const Pass& pass,
+                              std::array<double, 2 * channels>& moments) {
+    if (Sync && pass.replicas != nullptr) {
+      std::array<double, 2 * channels + 1> sums{};
+      for (std::size_t c = 0; c < channels; ++c)
+        for (std::size_t s = 0; s < n; ++s) {
+          const T* p = x + s * In::size + c * plane;
+          for (std::size_t i = 0; i < plane; ++i) {
+            const double v = static_cast<double>(p[i]);
+            sums[c] += v;
+            sums[channels + c] += v * v;
+          }
+        }
+      sums[2 * channels] = static_cast<double>(n * plane);
+      pass.replicas->sum(sums);
+      const double count = sums[2 * channels];
+      for (std::size_t c = 0; c < channels; ++c) {
+        moments[c] = sums[c] / count;
+        moments[channels + c] =
+            std::max(0.0, sums[channels + c] / count - moments[c] * moments[c]);
+      }
+      return count;
     }
     const double count = static_cast<double>(n * plane);
-    mean = sum / count;
-    for (std::size_t s = 0; s < n; ++s) {
-      const T* p = x + s * In::size + c * plane;
-      for (std::size_t i = 0; i < plane; ++i) {
-        const double d = static_cast<double>(p[i]) - mean;
-        squares += d * d;
+    for (std::size_t c = 0; c < channels; ++c) {
+      double sum = 0, squares = 0;
+      for (std::size_t s = 0; s < n; ++s) {
+        const T* p = x + s * In::size + c * plane;
+        for (std::size_t i = 0; i < plane; ++i) sum += static_cast<double>(p[i]);
       }
+      const double mean = sum / count;
+      for (std::size_t s = 0; s < n; ++s) {
+        const T* p = x + s * In::size + c * plane;
+        for (std::size_t i = 0; i < plane; ++i) {
+          const double d = static_cast<double>(p[i]) - mean;
+          squares += d * d;
+        }
+      }
+      moments[c] = mean;
+      moments[channels + c] = squares / count;
     }
-    var = squares / count;
+    return count;
+  }
+
+  // The statistics a pass normalises with: the batch's in training, the
+  // running ones in evaluation. Returns the batch's sample count (training).
+  template <class T>
+  static double moments_of(const T* x, std::size_t n, const LayerContext<T>& context,
+                           std::array<double, 2 * channels>& moments) {
+    if (context.pass.training) return batch_moments(x, n, context.pass, moments);
+    for (std::size_t c = 0; c < 2 * channels; ++c)
+      moments[c] = static_cast<double>(context.state[c]);
+    return 0;
   }
 
   template <class T>
   static void forward(const T* params, const T* x, T* y, T*, std::size_t n,
                       const LayerContext<T>& context) {
-    T* running_mean = context.state;
-    T* running_var = context.state + channels;
-    const double count = static_cast<double>(n * plane);
-    for (std::size_t c = 0; c < channels; ++c) {
-      double mean, var;
-      if (context.pass.training) {
-        batch_moments(x, n, c, mean, var);
-        const double unbiased = count > 1 ? var * count / (count - 1) : var;
-        running_mean[c] = static_cast<T>((1 - batch_norm_momentum) * running_mean[c] +
-                                         batch_norm_momentum * mean);
-        running_var[c] = static_cast<T>((1 - batch_norm_momentum) * running_var[c] +
-                                        batch_norm_momentum * unbiased);
-      } else {
-        mean = static_cast<double>(running_mean[c]);
-        var = static_cast<double>(running_var[c]);
+    std::array<double, 2 * channels> moments;
+    const double count = moments_of(x, n, context, moments);
+    if (context.pass.training) {
+      // PyTorch's update: momentum 0.1, the unbiased variance.
+      const double unbiased = count > 1 ? count / (count - 1) : 1.0;
+      for (std::size_t c = 0; c < channels; ++c) {
+        T& mean = context.state[c];
+        T& var = context.state[channels + c];
+        mean = static_cast<T>((1 - batch_norm_momentum) * mean + batch_norm_momentum * moments[c]);
+        var = static_cast<T>((1 - batch_norm_momentum) * var +
+                             batch_norm_momentum * moments[channels + c] * unbiased);
       }
+    }
+    for (std::size_t c = 0; c < channels; ++c) {
+      const double mean = moments[c], var = moments[channels + c];
       const T scale = static_cast<T>(params[c] / std::sqrt(var + batch_norm_eps));
       const T shift = static_cast<T>(params[channels + c] - mean * scale);
       for (std::size_t s = 0; s < n; ++s) {
@@ -109,35 +157,40 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
   template <class T>
   static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
                        T*, std::size_t n, bool accumulate, const LayerContext<T>& context) {
-    const double count = static_cast<double>(n * plane);
+    std::array<double, 2 * channels> moments;
+    const double count = moments_of(x, n, context, moments);
+    // The gradient before the fused activation: dy masked where the ReLU cut.
+    const auto grad = [&](std::size_t s, std::size_t c, std::size_t i) {
+      const std::size_t at = s * In::size + c * plane + i;
+      return static_cast<double>(cpu::activate_grad<A>(dy[at], y[at]));
+    };
+    // Per channel: sum(dy) (beta's gradient), then sum(dy * xhat) (gamma's).
+    std::array<double, 2 * channels> sums{};
     for (std::size_t c = 0; c < channels; ++c) {
-      double mean, var;
-      if (context.pass.training) {
-        batch_moments(x, n, c, mean, var);
-      } else {
-        mean = static_cast<double>(context.state[c]);
-        var = static_cast<double>(context.state[channels + c]);
-      }
-      const double inv_std = 1.0 / std::sqrt(var + batch_norm_eps);
-      // The gradient before the fused activation: dy masked where the ReLU cut.
-      const auto grad = [&](std::size_t s, std::size_t i) {
-        const std::size_t at = s * In::size + c * plane + i;
-        return static_cast<double>(cpu::activate_grad<A>(dy[at], y[at]));
-      };
-      double dgamma = 0, dbeta = 0;
+      const double mean = moments[c];
+      const double inv_std = 1.0 / std::sqrt(moments[channels + c] + batch_norm_eps);
       for (std::size_t s = 0; s < n; ++s) {
         const T* in = x + s * In::size + c * plane;
         for (std::size_t i = 0; i < plane; ++i) {
-          const double g = grad(s, i);
-          dbeta += g;
-          dgamma += g * (static_cast<double>(in[i]) - mean) * inv_std;
+          const double g = grad(s, c, i);
+          sums[c] += g;
+          sums[channels + c] += g * (static_cast<double>(in[i]) - mean) * inv_std;
         }
       }
-      dparams[c] = static_cast<T>(accumulate ? dparams[c] + dgamma : dgamma);
-      dparams[channels + c] =
-          static_cast<T>(accumulate ? dparams[channels + c] + dbeta : dbeta);
-      if (dx == nullptr) continue;
+      dparams[c] = static_cast<T>(accumulate ? dparams[c] + sums[channels + c] : sums[channels + c]);
+      dparams[channels + c] = static_cast<T>(accumulate ? dparams[channels + c] + sums[c] : sums[c]);
+    }
+    if (dx == nullptr) return;
+    // The input gradient's batch terms span the global batch: the replicas'
+    // sums, while the parameter gradients above stay this replica's (the
+    // gradient all-reduce adds them).
+    if (Sync && context.pass.training && context.pass.replicas != nullptr)
+      context.pass.replicas->sum(sums);
+    for (std::size_t c = 0; c < channels; ++c) {
+      const double mean = moments[c];
+      const double inv_std = 1.0 / std::sqrt(moments[channels + c] + batch_norm_eps);
       const double gamma = static_cast<double>(params[c]);
+      const double dbeta = sums[c], dgamma = sums[channels + c];
       for (std::size_t s = 0; s < n; ++s) {
         const T* in = x + s * In::size + c * plane;
         T* out = dx + s * In::size + c * plane;
@@ -146,9 +199,9 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
             // The batch statistics depend on every x: the mean's and variance's terms.
             const double xhat = (static_cast<double>(in[i]) - mean) * inv_std;
             out[i] = static_cast<T>(gamma * inv_std / count *
-                                    (count * grad(s, i) - dbeta - xhat * dgamma));
+                                    (count * grad(s, c, i) - dbeta - xhat * dgamma));
           } else {
-            out[i] = static_cast<T>(gamma * inv_std * grad(s, i));
+            out[i] = static_cast<T>(gamma * inv_std * grad(s, c, i));
           }
         }
       }
@@ -158,17 +211,46 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
 
 }  // namespace detail
 
-template <class In, std::size_t Index>
-struct Bind<BatchNorm2d, In, Index>
-    : detail::BatchNormLayer<BatchNorm2d, In, Index, 3, Act::identity> {};
-template <class In, std::size_t Index>
-struct Bind<BatchNorm1d, In, Index>
-    : detail::BatchNormLayer<BatchNorm1d, In, Index, 1, Act::identity> {};
-template <class In, std::size_t Index>
-struct Bind<Fused<BatchNorm2d, ReLU>, In, Index>
-    : detail::BatchNormLayer<BatchNorm2d, In, Index, 3, Act::relu> {};
-template <class In, std::size_t Index>
-struct Bind<Fused<BatchNorm1d, ReLU>, In, Index>
-    : detail::BatchNormLayer<BatchNorm1d, In, Index, 1, Act::relu> {};
+namespace detail {
+
+template <class Spec>
+struct batch_norm_kind {
+  static constexpr bool is = false;
+};
+template <>
+struct batch_norm_kind<BatchNorm2d> {
+  static constexpr bool is = true, sync = false;
+  static constexpr std::size_t rank = 3;
+};
+template <>
+struct batch_norm_kind<BatchNorm1d> {
+  static constexpr bool is = true, sync = false;
+  static constexpr std::size_t rank = 1;
+};
+template <>
+struct batch_norm_kind<SyncBatchNorm2d> {
+  static constexpr bool is = true, sync = true;
+  static constexpr std::size_t rank = 3;
+};
+template <>
+struct batch_norm_kind<SyncBatchNorm1d> {
+  static constexpr bool is = true, sync = true;
+  static constexpr std::size_t rank = 1;
+};
+
+}  // namespace detail
+
+// The four normalisation specs, alone or fused with the ReLU after them.
+template <class Spec>
+concept BatchNormSpec = detail::batch_norm_kind<Spec>::is;
+
+template <BatchNormSpec Spec, class In, std::size_t Index>
+struct Bind<Spec, In, Index>
+    : detail::BatchNormLayer<Spec, In, Index, detail::batch_norm_kind<Spec>::rank, Act::identity,
+                             detail::batch_norm_kind<Spec>::sync> {};
+template <BatchNormSpec Spec, class In, std::size_t Index>
+struct Bind<Fused<Spec, ReLU>, In, Index>
+    : detail::BatchNormLayer<Spec, In, Index, detail::batch_norm_kind<Spec>::rank, Act::relu,
+                             detail::batch_norm_kind<Spec>::sync> {};
 
 }  // namespace loom

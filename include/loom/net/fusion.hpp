@@ -35,8 +35,7 @@ struct FusionRule<Bind<Conv2d<Out, K, S, P>, In, I>, Bind<ReLU, In2, J>> {
 
 // BatchNorm, ReLU -> the ReLU applied in the normalisation's pass, and
 // its mask applied in the backward's.
-template <class BN, class In, std::size_t I, class In2, std::size_t J>
-  requires(std::is_same_v<BN, BatchNorm2d> || std::is_same_v<BN, BatchNorm1d>)
+template <BatchNormSpec BN, class In, std::size_t I, class In2, std::size_t J>
 struct FusionRule<Bind<BN, In, I>, Bind<ReLU, In2, J>> {
   static constexpr bool fuses = true;
   using type = Bind<Fused<BN, ReLU>, In, I>;

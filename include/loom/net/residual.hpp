@@ -100,6 +100,7 @@ struct Bind<Residual<Ls...>, In, Index>
   static constexpr std::size_t param_count = body_params + shortcut_params;
   static constexpr std::size_t weight_count = param_count;
   static constexpr std::size_t state_count = info::state_count;
+  static constexpr bool syncs = info::syncs;
   static constexpr bool contextual = true;
   static constexpr std::size_t saved = detail::body_offsets<body>::offsets[body_count];
   // Two activation-gradient buffers for the body, then the largest workspace

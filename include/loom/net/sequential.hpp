@@ -50,6 +50,7 @@ struct list_info<TypeList<Ls...>> {
   static constexpr std::size_t parameter_count = (std::size_t{0} + ... + Ls::param_count);
   static constexpr auto param_offsets = offsets_of<Ls::param_count...>();
   static constexpr std::size_t state_count = (std::size_t{0} + ... + Ls::state_count);
+  static constexpr bool syncs = (false || ... || Ls::syncs);
   static constexpr auto state_offsets = offsets_of<Ls::state_count...>();
   // Per sample, in elements: every output that is not an alias of its input,
   // and what layers save for their backward.
@@ -74,6 +75,9 @@ struct list_info<TypeList<Ls...>> {
   static constexpr std::size_t chunked_workspace =
       std::max({std::size_t{0}, (Ls::chunk == 0 ? 0 : Ls::workspace)...});
   static constexpr std::size_t chunk = std::max({std::size_t{1}, Ls::chunk...});
+  // The largest workspace of one full chunk (layers choose their chunk).
+  static constexpr std::size_t chunk_workspace =
+      std::max({std::size_t{0}, (Ls::chunk == 0 ? 0 : Ls::workspace * Ls::chunk)...});
 };
 
 }  // namespace detail
@@ -87,11 +91,14 @@ struct MemoryPlan {
   std::size_t activations = 0;           // per sample
   std::size_t activation_gradients = 0;  // per sample
   std::size_t workspace = 0;             // per sample, for layers that take the whole batch
-  std::size_t chunked_workspace = 0;     // per sample, up to `chunk` samples
-  std::size_t chunk = 1;
+  std::size_t chunked_workspace = 0;     // per sample, up to a layer's chunk
+  std::size_t chunk = 1;                 // the largest chunk
+  std::size_t chunk_workspace = 0;       // the largest full chunk's
 
+  // Each chunked layer needs workspace x min(batch, its chunk); this bounds
+  // them all.
   constexpr std::size_t workspace_elements(std::size_t batch) const {
-    return std::max(workspace * batch, chunked_workspace * std::min(batch, chunk));
+    return std::max(workspace * batch, std::min(chunked_workspace * batch, chunk_workspace));
   }
   // Activations, their gradients and workspace for `batch` samples.
   constexpr std::size_t activation_elements(std::size_t batch) const {
@@ -110,7 +117,8 @@ template <class List>
 constexpr MemoryPlan plan_of(std::size_t parameters) {
   using info = list_info<List>;
   return MemoryPlan{parameters,      info::activations,       2 * info::largest_activation,
-                    info::workspace, info::chunked_workspace, info::chunk};
+                    info::workspace, info::chunked_workspace, info::chunk,
+                    info::chunk_workspace};
 }
 
 }  // namespace detail
@@ -135,6 +143,8 @@ struct Network {
   static constexpr std::size_t parameter_count = detail::list_info<layers>::parameter_count;
   // Running statistics (BatchNorm): kept beside the weights, never trained.
   static constexpr std::size_t state_count = detail::list_info<layers>::state_count;
+  // Has a SyncBatchNorm: DataParallel sums its statistics over the replicas.
+  static constexpr bool syncs = detail::list_info<layers>::syncs;
 
   // Per-sample FLOPs of layer i (1-based, as in error messages) at index i - 1.
   static constexpr auto forward_flops = []<class... Ls>(TypeList<Ls...>) {

@@ -41,7 +41,7 @@ struct EngineJob {
   bool accumulate = false;        // add to the step's earlier gradients
   bool last = true;               // the step's last batch: reduce and update
   float lr = 0.0f;
-  Pass pass;  // training: seed and step (each rank adds its samples' offset)
+  Pass pass{};  // training: seed and step (each rank adds its samples' offset)
   const data::Dataset* dataset = nullptr;
   float* whole = nullptr;  // the whole network's weights (gather, scatter)
 };

@@ -148,7 +148,10 @@ class DataParallelEngine {
       replicas_.push_back(std::make_unique<Replica>(seed, options, std::move(c)));
     crew_.start(
         replicas_.size(), [this](std::size_t i, const Job& job) { work(*replicas_[i], job); },
-        [this](std::size_t i, const std::string& why) { replicas_[i]->comm.cancel(why); });
+        [this](std::size_t i, const std::string& why) {
+          replicas_[i]->comm.cancel(why);
+          if (replicas_[i]->statistics.comm) replicas_[i]->statistics.comm.cancel(why);
+        });
     // Every rank checks it runs the same program, then takes rank 0's weights.
     try {
       run({.kind = JobKind::start});
@@ -184,6 +187,12 @@ class DataParallelEngine {
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last, float lr,
                            const Pass& pass = {.training = true}) {
+    // A replica without a sample would miss the statistics' collectives.
+    if constexpr (Net::syncs)
+      LOOM_CHECK(n >= static_cast<std::size_t>(world()), Policy::name, ": a batch of ", n,
+                 " sample(s) over ", world(), " replicas leaves a replica without one, and "
+                 "SyncBatchNorm needs every replica's statistics; use batches of at least ",
+                 world(), " (the last batch of an epoch included)");
     run({.kind = JobKind::train,
          .images = images,
          .labels = labels,
@@ -213,9 +222,17 @@ class DataParallelEngine {
       timeline.reduce_end.resize(Plan::count);
     }
 
+    // SyncBatchNorm's sums, on a communicator of their own: the reducer's
+    // thread all-reduces gradient buckets on `comm` meanwhile.
+    struct StatisticsSum final : ReplicaSum {
+      comm::Comm comm;
+      void sum(std::span<double> values) override { comm.all_reduce(values, comm::ReduceOp::sum); }
+    };
+
     Model<Net, float> model;
     OptimizerState optimizer;
     comm::Comm comm;
+    StatisticsSum statistics;  // made at start when the network syncs statistics
     std::array<double, 2> stats{};  // loss sum, correct count (this step, then global)
     StepTimeline timeline;
     Reducer reducer;  // the replica's communication thread
@@ -238,6 +255,7 @@ class DataParallelEngine {
   void start(Replica& replica) {
     check_same_program<Net, Policy, Optimizer>(replica.comm);
     replica.comm.broadcast(replica.model.parameters(), 0);
+    if constexpr (Net::syncs) replica.statistics.comm = replica.comm.split(0, replica.comm.rank());
   }
 
   // Running statistics (BatchNorm) are replica 0's, as PyTorch's
@@ -265,6 +283,7 @@ class DataParallelEngine {
     if (share.count > 0) {
       Pass pass = job.pass;
       pass.first_sample = share.first;
+      if constexpr (Net::syncs) pass.replicas = &replica.statistics;
       const float* logits =
           model.forward(job.images + share.first * sample_size, share.count, 0, pass);
       const auto sums = SoftmaxCrossEntropy::evaluate<float>(
