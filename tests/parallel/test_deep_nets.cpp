@@ -4,6 +4,8 @@
 // ModelSplit and Hybrid. BatchNorm normalises each replica's share and each
 // micro-batch on its own (as PyTorch's DDP and GPipe do), so those policies
 // reproduce one device that accumulates the same pieces' gradients.
+#include <cmath>
+#include <limits>
 #include <loom/loom.hpp>
 #include <vector>
 
@@ -148,10 +150,46 @@ TEST_CASE("deep nets: SyncBatchNorm under DataParallel trains as one device on t
     test::require_close(data_parallel.model().state(), one.model().state(), tolerance,
                         "SyncBatchNorm running statistics");
   }
-  // A batch that leaves a replica without samples is refused, not a hang.
+  // An epoch whose last batch would leave a replica without samples is
+  // refused before training, not left to hang; drop_last trains.
   auto data_parallel = make<SyncResNet, DataParallel<>>(2);
-  REQUIRE_THROWS_WITH(data_parallel.fit(head(fashion().train, 3), {.epochs = 1, .batch_size = 2}),
-                      Catch::Contains("a batch of 1 sample(s) over 2 replicas leaves a replica "
-                                      "without one, and SyncBatchNorm needs every replica's "
-                                      "statistics"));
+  REQUIRE_THROWS_WITH(
+      data_parallel.fit(head(fashion().train, 5), {.epochs = 1, .batch_size = 2}),
+      Catch::Contains("fit: the last batch of an epoch of 'fashion-mnist-train (first 5)' has 1 "
+                      "sample(s) for 2 replicas, and SyncBatchNorm needs a sample on each; set "
+                      "FitOptions::drop_last"));
+  data_parallel.fit(head(fashion().train, 5), {.epochs = 1, .batch_size = 2, .drop_last = true});
+}
+
+TEST_CASE("deep nets: a skipped non-finite step keeps the running statistics of the step before") {
+  // A NaN pixel in step 4 of 40-sample batches, unshuffled.
+  auto part = head(fashion().train, 200);
+  part.images[3 * 40 * 784 + 17] = std::numeric_limits<float>::quiet_NaN();
+  const FitOptions fit{.epochs = 1, .batch_size = 40, .shuffle = false};
+  // What three good steps leave.
+  const auto three = one_device<SmallResNet>(head(fashion().train, 120), fit);
+  const auto check = [&](auto& trainer, const char* what) {
+    REQUIRE_THROWS_WITH(trainer.fit(part, fit), Catch::Contains("at epoch 1, step 4"));
+    test::require_close(trainer.model().state(), three.model().state(), tolerance, what);
+    for (float v : trainer.model().state()) REQUIRE(std::isfinite(v));
+  };
+  auto one = make<SmallResNet, SingleDevice>(1);
+  check(one, "one device");
+  auto data_parallel = make<SmallResNet, DataParallel<>>(2);
+  data_parallel.fit(head(fashion().train, 120), {.epochs = 1, .batch_size = 40, .shuffle = false});
+  // Replica 0's statistics after three steps of its halves differ from one
+  // device's; what matters is that the fourth step leaves them as they were.
+  std::vector<float> before(data_parallel.model().state().begin(),
+                            data_parallel.model().state().end());
+  auto poisoned = head(fashion().train, 40);
+  poisoned.images[17] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE_THROWS_WITH(data_parallel.fit(poisoned, {.epochs = 1, .batch_size = 40}),
+                      Catch::Contains("at epoch 1, step 1"));
+  test::require_equal(data_parallel.model().state(), before, "DataParallel");
+  auto split = make<SmallResNet, ModelSplit<At<4>, GPipe<2>>>(2);
+  split.fit(head(fashion().train, 120), {.epochs = 1, .batch_size = 40, .shuffle = false});
+  before.assign(split.model().state().begin(), split.model().state().end());
+  REQUIRE_THROWS_WITH(split.fit(poisoned, {.epochs = 1, .batch_size = 40}),
+                      Catch::Contains("at epoch 1, step 1"));
+  test::require_equal(split.model().state(), before, "ModelSplit");
 }

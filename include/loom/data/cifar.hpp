@@ -62,6 +62,9 @@ inline void read_cifar_file(const std::string& path, const CifarNormalize& norma
   if (bytes.empty())
     LOOM_FAIL("CIFAR-10 file '", path, "' is empty; expected records of ", cifar_record,
               " bytes (a label, then 3 x 32 x 32 pixels)");
+  if (bytes.size() % cifar_record != 0 && bytes.size() % (cifar_record + 1) == 0)
+    LOOM_FAIL("CIFAR-10 file '", path, "' holds ", bytes.size(), " bytes: whole 3074-byte "
+              "records, CIFAR-100's layout (two label bytes), not CIFAR-10's 3073");
   if (bytes.size() % cifar_record != 0)
     LOOM_FAIL("CIFAR-10 file '", path, "' holds ", bytes.size(), " bytes, not a whole number of ",
               cifar_record, "-byte records: record ", bytes.size() / cifar_record,
@@ -78,8 +81,7 @@ inline void read_cifar_file(const std::string& path, const CifarNormalize& norma
     const std::uint8_t* record = bytes.data() + r * cifar_record;
     if (record[0] >= set.classes)
       LOOM_FAIL("CIFAR-10 file '", path, "' has label ", int{record[0]}, " in record ", r,
-                "; expected 0..", set.classes - 1,
-                " (CIFAR-100's binary files have two label bytes and are not CIFAR-10)");
+                "; expected 0..", set.classes - 1);
     set.labels.push_back(record[0]);
     for (std::size_t i = 0; i < cifar_pixels; ++i)
       set.images.push_back(table[i / (cifar_side * cifar_side) * 256 + record[1 + i]]);

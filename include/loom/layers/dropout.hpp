@@ -41,7 +41,9 @@ struct Bind<Dropout<P>, In, Index> : LayerBase<Dropout<P>, In, In, Index> {
     for (std::size_t s = 0; s < n; ++s)
       for (std::size_t i = 0; i < In::size; ++i) {
         const std::size_t at = s * In::size + i;
-        out[at] = keep(pass.seed, key, pass.first_sample + s, i) ? in[at] * scale : T(0);
+        // A dropped NaN stays NaN (x * 0, as PyTorch's mask product), so the
+        // loss check still sees it.
+        out[at] = in[at] * (keep(pass.seed, key, pass.first_sample + s, i) ? scale : T(0));
       }
   }
 

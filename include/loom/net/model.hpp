@@ -35,6 +35,7 @@ class Model {
       : params_(parameter_count),
         grads_(parameter_count),
         state_(state_count),
+        kept_state_(state_count),
         arena_(0, "Model activations") {
     initialize(seed);
     if (max_batch > 0) reserve(max_batch);
@@ -161,6 +162,10 @@ class Model {
   // forwards, read by evaluation ones.
   std::span<T> state() { return state_; }
   std::span<const T> state() const { return state_; }
+  // A step that turns out non-finite is skipped: keep_state() at its start,
+  // restore_state() then puts the running statistics back.
+  void keep_state() { std::ranges::copy(state_, kept_state_.begin()); }
+  void restore_state() { std::ranges::copy(kept_state_, state_.begin()); }
 
  private:
   // Whether user layer I is followed by a ReLU (He rather than Glorot init).
@@ -241,6 +246,7 @@ class Model {
   std::vector<T> params_;
   std::vector<T> grads_;
   std::vector<T> state_;
+  std::vector<T> kept_state_;
   Arena<T> arena_;
   std::size_t capacity_ = 0;
   std::vector<Slot> slots_;

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -150,11 +151,13 @@ class DataParallelEngine {
         replicas_.size(), [this](std::size_t i, const Job& job) { work(*replicas_[i], job); },
         [this](std::size_t i, const std::string& why) {
           replicas_[i]->comm.cancel(why);
-          if (replicas_[i]->statistics.comm) replicas_[i]->statistics.comm.cancel(why);
+          // Made by the start job: read only once every rank has made it.
+          if (started_) replicas_[i]->statistics.comm.cancel(why);
         });
     // Every rank checks it runs the same program, then takes rank 0's weights.
     try {
       run({.kind = JobKind::start});
+      started_ = Net::syncs;
     } catch (...) {
       shutdown();  // no destructor runs for a constructor that throws
       throw;
@@ -280,6 +283,7 @@ class DataParallelEngine {
         post_bucket(replica, next_bucket++);
     };
     share_state(replica);
+    if (!job.accumulate) model.keep_state();
     if (share.count > 0) {
       Pass pass = job.pass;
       pass.first_sample = share.first;
@@ -292,7 +296,10 @@ class DataParallelEngine {
       replica.stats[0] += sums.loss;
       replica.stats[1] += static_cast<double>(sums.correct);
       replica.timeline.backward_begin = StepTimeline::Clock::now();
-      if (job.last) {
+      // SyncBatchNorm's backward calls collectives of its own: the buckets
+      // then wait for the backward's end, so that no two threads of a rank
+      // are in MPI at once (MPI_THREAD_SERIALIZED).
+      if (job.last && !Net::syncs) {
         model.backward(job.accumulate, post_ready);
       } else {
         model.backward(job.accumulate);
@@ -307,8 +314,9 @@ class DataParallelEngine {
     replica.reducer.drain();
     replica.timeline.reduce_begin = replica.reducer.begun();
     replica.timeline.reduce_end = replica.reducer.ended();
-    // Every rank holds the same global sums, so all skip or all update.
-    if (!std::isfinite(replica.stats[0])) return;
+    // Every rank holds the same global sums, so all skip or all update; a
+    // skipped step keeps the running statistics of the step before, too.
+    if (!std::isfinite(replica.stats[0])) return model.restore_state();
     if (replica.optimizer.options().lr != job.lr) replica.optimizer.set_lr(job.lr);
     replica.optimizer.step(model.parameters(), model.gradients());
   }
@@ -330,6 +338,7 @@ class DataParallelEngine {
   }
 
   std::vector<std::unique_ptr<Replica>> replicas_;
+  std::atomic<bool> started_ = false;  // every replica's statistics communicator exists
   Crew<Job> crew_;  // after replicas_: its threads stop before the replicas go
 };
 

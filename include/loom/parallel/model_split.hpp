@@ -150,6 +150,8 @@ class PipelineStage {
   virtual std::span<float> parameters() = 0;
   virtual std::span<float> gradients() = 0;
   virtual std::span<float> state() = 0;
+  virtual void keep_state() = 0;
+  virtual void restore_state() = 0;
   virtual std::size_t arena_elements() const = 0;
   std::size_t input_size = 0, output_size = 0, parameter_offset = 0, state_offset = 0;
   std::vector<GradientBucket> buckets;  // Hybrid: the stage's gradients, reduced over its copies
@@ -190,6 +192,8 @@ class StageOf final : public PipelineStage {
   std::span<float> parameters() override { return model_.parameters(); }
   std::span<float> gradients() override { return model_.gradients(); }
   std::span<float> state() override { return model_.state(); }
+  void keep_state() override { model_.keep_state(); }
+  void restore_state() override { model_.restore_state(); }
   std::size_t arena_elements() const override { return model_.arena_elements(); }
 
  private:
@@ -603,7 +607,10 @@ class PipelineEngine {
       prepare(r, batch_share(share.count, micro, 0).count,
               pipeline_in_flight(schedule_.kind, stages, r.stage, micro));
     r.slot_of.assign(micro, 0);
-    if (!job.accumulate) r.stats = {};
+    if (!job.accumulate) {
+      r.stats = {};
+      r.net->keep_state();
+    }
     bool accumulate = job.accumulate;
     // Hybrid: the step's last backward hands each bucket to the reducer as
     // soon as its layers are done.
@@ -672,7 +679,10 @@ class PipelineEngine {
     // Only the last stages have the loss; every rank learns the sum, so
     // all skip a non-finite step or all take it.
     r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-    if (std::isfinite(r.stats[0])) r.net->update(job.lr);
+    if (std::isfinite(r.stats[0]))
+      r.net->update(job.lr);
+    else
+      r.net->restore_state();  // the skipped step's running statistics go too
   }
 
   // Hybrid: a stage's copies take replica 0's running statistics (as

@@ -55,6 +55,7 @@ struct FitOptions {
   // a step sees batch_size * accumulation_steps samples; the loss is their mean.
   std::size_t accumulation_steps = 1;
   data::Augment augment{};  // random crops and flips of the training images
+  bool drop_last = false;   // skip an epoch's last batch when it is short
 };
 
 struct EvalResult {
@@ -201,11 +202,21 @@ class Trainer {
     LOOM_CHECK(options.epochs >= 1, "fit: epochs must be >= 1, got ", options.epochs);
     LOOM_CHECK(options.batch_size >= 1, "fit: batch size must be >= 1");
     LOOM_CHECK(options.accumulation_steps >= 1, "fit: accumulation_steps must be >= 1");
+    if constexpr (is_data_parallel<Policy> && Net::syncs) {
+      // Found now rather than when the epoch's last batch comes.
+      const std::size_t last = train.count % options.batch_size;
+      const auto replicas = static_cast<std::size_t>(engine_->world());
+      LOOM_CHECK(options.drop_last || last == 0 || last >= replicas, "fit: the last batch of an "
+                 "epoch of '", train.name, "' has ", last, " sample(s) for ", replicas,
+                 " replicas, and SyncBatchNorm needs a sample on each; set "
+                 "FitOptions::drop_last or a batch size that leaves at least ", replicas);
+    }
     data::Loader loader(
         train,
         {.batch_size = options.batch_size,
          .shuffle = options.shuffle,
          .seed = options.seed,
+         .drop_last = options.drop_last,
          .augment = options.augment});
     const std::size_t k = options.accumulation_steps;
     const FitInfo info{options.epochs,      (loader.batches_per_epoch() + k - 1) / k,
@@ -629,16 +640,21 @@ class Trainer {
       if (!last) return {};
       check_loss(sums.loss, epoch, step);  // the replicas or stages skipped their update
     } else {
+      if (!accumulate) {
+        pending_ = {};
+        model_.keep_state();  // before the forward updates the running statistics
+      }
       const float* logits = model_.forward(batch.images, batch.size, 0, pass);
       const auto batch_sums = Loss::evaluate<float>(logits, batch.labels, batch.size, classes,
                                                     group_samples, model_.output_gradient());
-      if (!accumulate) pending_ = {};
       pending_.loss += batch_sums.loss;
       pending_.correct += batch_sums.correct;
       model_.backward(accumulate);
       if (!last) return {};
       sums = pending_;
-      // Checked before the update, so the weights stay those of the last good step.
+      // Checked before the update, so the weights (and running statistics)
+      // stay those of the last good step.
+      if (!std::isfinite(sums.loss)) model_.restore_state();
       check_loss(sums.loss, epoch, step);
       optimizer_.step(model_.parameters(), model_.gradients());
     }
@@ -757,8 +773,8 @@ class Trainer {
   std::unique_ptr<Pipeline> pipeline_;
   comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
   std::size_t process_count_ = 0, process_rank_ = 0;  // across MPI processes
-  bool host_changed_ = false;
-  std::uint64_t batches_ = 0;  // training batches run: Dropout's step  // model() handed out the weights since the device(s) last had them
+  bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
+  std::uint64_t batches_ = 0;  // training batches run: Dropout's step
 #if defined(__CUDACC__)
   std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica
   std::vector<GpuReplica> gpus_;      // after nccl_: destroyed first

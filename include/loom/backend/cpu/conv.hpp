@@ -21,7 +21,8 @@ inline constexpr std::size_t conv_chunk = 64;
 
 // A chunk also stops at 2 Mi column elements (8 MiB of floats): ResNet's
 // first stage (16 channels, 3 x 3, 28 x 28) has 113 K per sample, so 18
-// samples, not 64 (29 MiB), and trained ~X% faster per image.
+// samples, not 64 (29 MiB): 4 % more images/s training ResNet-20 on one
+// device (233 -> 243).
 inline constexpr std::size_t conv_column_budget = std::size_t{2} << 20;
 
 constexpr std::size_t conv_chunk_for(std::size_t columns_per_sample) {

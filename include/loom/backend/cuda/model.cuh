@@ -251,7 +251,11 @@ class LayerRunner {
     } else if constexpr (L::kind == "relu") {
       activation_forward<Act::relu>(c.x, c.y, batch_ * L::output_shape::size, c.stream);
     } else if constexpr (L::kind != "flatten") {
-      static_assert(dependent_false<L>, "No CUDA runner for this layer kind");
+      static_assert(dependent_false<L>,
+                    "No CUDA runner for this layer kind (the template argument names the "
+                    "layer): BatchNorm, SyncBatchNorm, Residual, GlobalAvgPool, Dropout, Tanh, "
+                    "Sigmoid, GELU, GRU and LSTM run on the CPU backend only so far; compile "
+                    "this network with the host compiler");
     }
   }
 
