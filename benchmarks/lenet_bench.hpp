@@ -53,11 +53,10 @@ inline double flops_per_sample() {
   return total;
 }
 
-// Calls step(s) for s = 0 .. warmup + steps - 1, times each call, and reports
-// the median of the timed ones.
+// Calls step(s) for s = 0 .. warmup + steps - 1, times each call, and
+// returns the median of the timed ones, in milliseconds.
 template <class Step>
-nlohmann::json time_steps(const char* library, std::size_t batch, const Options& options,
-                          Step&& step) {
+double median_step_ms(const Options& options, Step&& step) {
   std::vector<double> step_ms;
   for (int s = 0; s < options.warmup + options.steps; ++s) {
     const auto start = std::chrono::steady_clock::now();
@@ -67,7 +66,14 @@ nlohmann::json time_steps(const char* library, std::size_t batch, const Options&
       step_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
   }
   std::sort(step_ms.begin(), step_ms.end());
-  const double median = step_ms[step_ms.size() / 2];
+  return step_ms[step_ms.size() / 2];
+}
+
+// LeNet's training step: median time, images/s and GFLOP/s.
+template <class Step>
+nlohmann::json time_steps(const char* library, std::size_t batch, const Options& options,
+                          Step&& step) {
+  const double median = median_step_ms(options, step);
   const auto images = static_cast<double>(batch);
   return {{"benchmark", "lenet_train_step"},
           {"library", library},

@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace loom::examples {
@@ -43,6 +44,11 @@ struct Options {
   std::string schedule = "1f1b";
   std::size_t micro_batches = 4;
   int replicas = 2;
+  std::size_t train_samples = 0;  // 0: all (short runs take the first ones)
+  std::size_t test_samples = 0;
+  float weight_decay = 0.0f;
+  bool augment = false;   // random crops (padding 2, or 4 on CIFAR-10) and flips
+  std::string cifar_dir;  // examples with a CIFAR-10 network: train on CIFAR-10 instead
 };
 
 // Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
@@ -52,7 +58,9 @@ void train(const char* title, const Options& o, const data::Split& data,
            std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
   const auto started = std::chrono::steady_clock::now();
   TrainerOptions trainer_options{.seed = o.seed};
-  out << "loom " << title << " on Fashion-MNIST: " << Net::parameter_count << " parameters, "
+  const bool cifar = data.train.channels == 3;
+  out << "loom " << title << " on " << (cifar ? "CIFAR-10" : "Fashion-MNIST") << ": "
+      << Net::parameter_count << " parameters, "
       << data.train.count << " training and " << data.test.count << " test images, "
       << Policy::name;
   if constexpr (is_pipelined<Policy>) {
@@ -76,10 +84,14 @@ void train(const char* title, const Options& o, const data::Split& data,
   }
   out << '\n';
 
-  Trainer<Net, Policy, SGD> trainer(devices, {.lr = o.lr, .momentum = o.momentum},
-                                    trainer_options, processes);
+  Trainer<Net, Policy, SGD> trainer(
+      devices, {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay},
+      trainer_options, processes);
   callbacks::Evaluate evaluate(data.test, &out);
-  trainer.fit(data.train, {.epochs = o.epochs, .batch_size = o.batch_size, .seed = o.seed},
+  data::Augment augment;
+  if (o.augment) augment = {.crop_padding = cifar ? 4u : 2u, .horizontal_flip = true};
+  trainer.fit(data.train,
+              {.epochs = o.epochs, .batch_size = o.batch_size, .seed = o.seed, .augment = augment},
               callbacks::Progress({.out = &out}), evaluate,
               callbacks::MultiStepLR{.milestones = o.lr_milestones, .factor = o.lr_factor, .out = &out});
 
@@ -133,7 +145,54 @@ void train_hybrid(const char* title, const Options& o, const data::Split& data, 
               "matching --replicas");
 }
 
+// Trains Net under the policy --policy names, over the processes of mpirun
+// (`world`, each rank on `rank_devices`) or over this process's devices.
 template <class Net>
+void run_policy(const char* title, const Options& o, const data::Split& data,
+                const comm::Comm& world, const std::vector<Device>& rank_devices,
+                const char* program, std::ostream& out) {
+  if (world) {
+    LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
+               " with mpirun: each process is one device; start more processes instead");
+    LOOM_CHECK(o.policy != "single", "--policy single under mpirun: start one process, or "
+               "choose data or split");
+    if (o.policy == "split")
+      train_split<Net>(title, o, data, world.size(), rank_devices, world, out);
+    else if (o.policy == "hybrid")
+      train_hybrid<Net>(title, o, data, world.size(), rank_devices, world, out);
+    else
+      train<Net, DataParallel<>>(title, o, data, rank_devices, world, out);
+    return;
+  }
+  const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
+  const Device first = devices::all().front();
+  if (policy == "split" || policy == "hybrid") {
+    // A rank (stage) per CPU worker device, or the ranks spread over the
+    // GPUs round-robin (several on one GPU run on streams of their own).
+    std::vector<Device> ranks = devices::cpu(o.devices);
+    if (first.kind == Device::Kind::cuda) {
+      const auto gpus = devices::gpus();
+      for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = gpus[k % gpus.size()];
+    }
+    if (policy == "split")
+      train_split<Net>(title, o, data, o.devices, ranks, {}, out);
+    else
+      train_hybrid<Net>(title, o, data, o.devices, ranks, {}, out);
+  } else if (first.kind == Device::Kind::cuda) {
+    LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
+               ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,
+               " ", program);
+    train<Net, SingleDevice>(title, o, data, {first}, {}, out);
+  } else if (policy == "single") {
+    LOOM_CHECK(o.devices == 1, "--policy single runs on one device, not --devices ", o.devices);
+    train<Net, SingleDevice>(title, o, data, {first}, {}, out);
+  } else {
+    train<Net, DataParallel<>>(title, o, data, devices::cpu(o.devices), {}, out);
+  }
+}
+
+// CifarNet: the network --cifar DIR trains on CIFAR-10 (void: no such option).
+template <class Net, class CifarNet = void>
 int example_main(int argc, char** argv, const char* title, Options o) {
 #if defined(LOOM_WITH_MPI)
   // First: MPI may take its own arguments out of argv. Without mpirun this
@@ -168,7 +227,23 @@ int example_main(int argc, char** argv, const char* title, Options o) {
   app.add_option("--momentum", o.momentum, "SGD momentum")
       ->check(CLI::Range(0.0f, 0.999f))
       ->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "SGD weight decay (L2)")
+      ->check(CLI::Range(0.0f, 1.0f))
+      ->capture_default_str();
+  app.add_flag("--augment", o.augment,
+               "random crops (zero padding 2, or 4 on CIFAR-10) and horizontal flips of the "
+               "training images, drawn from --seed");
+  if constexpr (!std::is_void_v<CifarNet>)
+    app.add_option("--cifar", o.cifar_dir,
+                   "train on CIFAR-10 instead: the folder of its binary version "
+                   "(cifar-10-batches-bin)");
   app.add_option("--data", o.data_dir, "folder with the Fashion-MNIST IDX files (.gz or plain)")
+      ->capture_default_str();
+  app.add_option("--train-samples", o.train_samples,
+                 "train on the first N training images only (0: all 60000)")
+      ->capture_default_str();
+  app.add_option("--test-samples", o.test_samples,
+                 "evaluate on the first N test images only (0: all 10000)")
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
   app.add_option("--devices", o.devices,
@@ -196,48 +271,27 @@ int example_main(int argc, char** argv, const char* title, Options o) {
   std::ostream quiet(nullptr);
   std::ostream& out = talks ? std::cout : quiet;
   try {
-    const auto data = data::fashion_mnist(o.data_dir);
+    const auto limit = [&](data::Split data) {
+      if (o.train_samples > 0) data.train = data::head(data.train, o.train_samples);
+      if (o.test_samples > 0) data.test = data::head(data.test, o.test_samples);
+      return data;
+    };
 #if defined(LOOM_WITH_MPI)
-    if (distributed) {
-      LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
-                 " with mpirun: each process is one device; start more processes instead");
-      LOOM_CHECK(o.policy != "single", "--policy single under mpirun: start one process, or "
-                 "choose data or split");
-      const comm::Comm world(mpi->world());
-      if (o.policy == "split")
-        train_split<Net>(title, o, data, mpi->size(), mpi->devices(), world, out);
-      else if (o.policy == "hybrid")
-        train_hybrid<Net>(title, o, data, mpi->size(), mpi->devices(), world, out);
-      else
-        train<Net, DataParallel<>>(title, o, data, mpi->devices(), world, out);
-      return 0;
-    }
+    const comm::Comm world = distributed ? comm::Comm(mpi->world()) : comm::Comm{};
+    const std::vector<Device> rank_devices = distributed ? mpi->devices() : std::vector<Device>{};
+#else
+    const comm::Comm world;
+    const std::vector<Device> rank_devices;
 #endif
-    const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
-    const Device first = devices::all().front();
-    if (policy == "split" || policy == "hybrid") {
-      // A rank (stage) per CPU worker device, or the ranks spread over the
-      // GPUs round-robin (several on one GPU run on streams of their own).
-      std::vector<Device> ranks = devices::cpu(o.devices);
-      if (first.kind == Device::Kind::cuda) {
-        const auto gpus = devices::gpus();
-        for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = gpus[k % gpus.size()];
+    if constexpr (!std::is_void_v<CifarNet>) {
+      if (!o.cifar_dir.empty()) {
+        run_policy<CifarNet>(title, o, limit(data::cifar10(o.cifar_dir)), world, rank_devices,
+                             argv[0], out);
+        return 0;
       }
-      if (policy == "split")
-        train_split<Net>(title, o, data, o.devices, ranks, {}, out);
-      else
-        train_hybrid<Net>(title, o, data, o.devices, ranks, {}, out);
-    } else if (first.kind == Device::Kind::cuda) {
-      LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
-                 ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,
-                 " ", argv[0]);
-      train<Net, SingleDevice>(title, o, data, {first}, {}, out);
-    } else if (policy == "single") {
-      LOOM_CHECK(o.devices == 1, "--policy single runs on one device, not --devices ", o.devices);
-      train<Net, SingleDevice>(title, o, data, {first}, {}, out);
-    } else {
-      train<Net, DataParallel<>>(title, o, data, devices::cpu(o.devices), {}, out);
     }
+    run_policy<Net>(title, o, limit(data::fashion_mnist(o.data_dir)), world, rank_devices,
+                    argv[0], out);
   } catch (const Error& error) {
     std::cerr << error.what() << '\n';
 #if defined(LOOM_WITH_MPI)

@@ -1,0 +1,81 @@
+// Training-step throughput of the ResNet and sequence examples' networks on
+// the CPU backend (ResNet-20 and the row-sequence GRU, real Fashion-MNIST
+// batches), each fused (BatchNorm+ReLU, Conv+ReLU and Linear+ReLU in one
+// pass) against the same network unfused, in the same run. JSON lines.
+#include <iostream>
+
+#include "lenet_bench.hpp"
+
+using namespace loom;
+
+namespace {
+
+template <std::size_t Channels, std::size_t Stride = 1>
+using Block = Residual<Conv2d<Channels, 3, Stride, 1>, BatchNorm2d, ReLU,
+                       Conv2d<Channels, 3, 1, 1>, BatchNorm2d>;
+using ResNet20 = Sequential<Input<1, 28, 28>, Conv2d<16, 3, 1, 1>, BatchNorm2d, ReLU,  //
+                            Block<16>, ReLU, Block<16>, ReLU, Block<16>, ReLU,
+                            Block<32, 2>, ReLU, Block<32>, ReLU, Block<32>, ReLU,
+                            Block<64, 2>, ReLU, Block<64>, ReLU, Block<64>, ReLU,  //
+                            GlobalAvgPool, Linear<10>>;
+using RowGru = Sequential<Input<1, 28, 28>, Reshape<28, 28>, GRU<128>, Linear<64>, ReLU, Linear<10>>;
+
+// Median training-step time (forward in training mode, loss, backward, SGD).
+template <class Net>
+double step_ms(const data::Dataset& train, std::size_t batch, const bench::Options& options) {
+  Model<Net, float> model(0, batch);
+  SGD::State<float> sgd({.lr = 0.01f, .momentum = 0.9f}, Net::parameter_count);
+  const std::size_t batches = train.count / batch;
+  return bench::median_step_ms(options, [&](std::size_t s) {
+    const std::size_t first = (s % batches) * batch;
+    const float* logits = model.forward(train.images.data() + first * train.sample_size(), batch,
+                                        0, Pass{.training = true, .step = s});
+    SoftmaxCrossEntropy::evaluate<float>(logits, train.labels.data() + first, batch, 10, batch,
+                                         model.output_gradient());
+    model.backward();
+    sgd.step(model.parameters(), model.gradients());
+  });
+}
+
+template <class Net>
+nlohmann::json compare(const char* network, const data::Dataset& train, std::size_t batch,
+                       const bench::Options& options) {
+  const double fused = step_ms<Net>(train, batch, options);
+  const double unfused = step_ms<Unfused<Net>>(train, batch, options);
+  const auto images = static_cast<double>(batch);
+  return {{"benchmark", "deep_train_step"},
+          {"network", network},
+          {"backend", "cpu"},
+          {"threads", options.threads},
+          {"batch", batch},
+          {"steps", options.steps},
+          {"parameters", Net::parameter_count},
+          {"fused_images_per_s", 1000.0 * images / fused},
+          {"unfused_images_per_s", 1000.0 * images / unfused},
+          {"fused_speedup", unfused / fused}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ResNet-20 and row-GRU training throughput of loom on the CPU (JSON lines)"};
+  bench::Options options;
+  options.batches = {128};
+  options.steps = 20;
+  options.warmup = 2;
+  bench::add_options(app, options);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const auto train = data::fashion_mnist(options.data_dir).train;
+    cpu::set_threads(options.threads);
+    for (const std::size_t batch : options.batches) {
+      bench::check_batch(batch, train.count);
+      std::cout << compare<ResNet20>("resnet20", train, batch, options).dump() << std::endl;
+      std::cout << compare<RowGru>("row_gru", train, batch, options).dump() << std::endl;
+    }
+  } catch (const Error& error) {
+    std::cerr << error.what() << '\n';
+    return 1;
+  }
+  return 0;
+}
