@@ -6,8 +6,8 @@
 // Residual<Conv2d<16, 3, 1, 1>, BatchNorm2d, ReLU, Conv2d<16, 3, 1, 1>,
 // BatchNorm2d>, ReLU.
 //
-// Body layers are numbered 1000 x (block index) + 1, 2, ... (the projection
-// 1000 x block index) in their seeds and error messages.
+// Body layers are numbered 64 x (block index) + 1, 2, ... (the projection
+// 64 x block index) in their seeds and error messages.
 #pragma once
 
 #include <algorithm>
@@ -75,15 +75,15 @@ template <class... Ls, class In, std::size_t Index>
 struct Bind<Residual<Ls...>, In, Index>
     : LayerBase<Residual<Ls...>, In,
                 typename type_at_t<sizeof...(Ls) - 1,
-                                   typename detail::bind_all<In, 1000 * Index + 1, TypeList<>,
+                                   typename detail::bind_all<In, 64 * Index + 1, TypeList<>,
                                                              Ls...>::type>::output_shape,
                 Index> {
-  static_assert(sizeof...(Ls) > 0 && sizeof...(Ls) < 1000,
-                "Residual<Layers...> takes 1 to 999 layers");
-  using layers = typename detail::bind_all<In, 1000 * Index + 1, TypeList<>, Ls...>::type;
+  static_assert(sizeof...(Ls) > 0 && sizeof...(Ls) < 64,
+                "Residual<Layers...> takes 1 to 63 layers");
+  using layers = typename detail::bind_all<In, 64 * Index + 1, TypeList<>, Ls...>::type;
   using body = fuse_t<layers>;
   using Out = typename type_at_t<sizeof...(Ls) - 1, layers>::output_shape;
-  using shortcut = typename detail::shortcut_of<In, Out, 1000 * Index>::type;
+  using shortcut = typename detail::shortcut_of<In, Out, 64 * Index>::type;
   static constexpr bool identity = std::is_void_v<shortcut>;
   using info = detail::list_info<body>;
   static constexpr std::size_t body_count = body::size;

@@ -50,6 +50,7 @@ struct list_info<TypeList<Ls...>> {
   static constexpr std::size_t parameter_count = (std::size_t{0} + ... + Ls::param_count);
   static constexpr auto param_offsets = offsets_of<Ls::param_count...>();
   static constexpr std::size_t state_count = (std::size_t{0} + ... + Ls::state_count);
+  static constexpr bool has_residual = (false || ... || (Ls::kind == "residual"));
   static constexpr bool syncs = (false || ... || Ls::syncs);
   static constexpr auto state_offsets = offsets_of<Ls::state_count...>();
   // Per sample, in elements: every output that is not an alias of its input,
@@ -135,6 +136,12 @@ struct Network {
   using input_shape = In;
   // The layers as written, each bound to its input shape and index.
   using layers = typename detail::bind_all<input_shape, FirstIndex, TypeList<>, Layers_...>::type;
+  // A block's layers are numbered 64 x (its index) + 1, 2, ...: the
+  // numbers seed weights and Dropout, so they must not meet the network's own.
+  static_assert(!detail::list_info<layers>::has_residual || FirstIndex + sizeof...(Layers_) <= 64,
+                "a network with Residual blocks has at most 63 layers at its top level (a "
+                "block's layers are numbered 64 x its index + 1, 2, ...); group layers into "
+                "blocks");
   // The layers that run: the fusion pass's rewrite of `layers`.
   using executed = fuse_t<layers>;
   using output_shape = typename type_at_t<sizeof...(Layers_) - 1, layers>::output_shape;
