@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "loom_test.hpp"
+#include "temp_dir.hpp"
 
 namespace {
 
@@ -32,28 +33,7 @@ const std::string real_dir = LOOM_TEST_DATA_DIR;
 const std::string real_dir = default_fashion_mnist_dir;
 #endif
 
-// A fresh folder under the system temp folder, removed with its contents.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<unsigned> counter{0};
-    do {
-      path_ = fs::temp_directory_path() /
-              ("loom-test-data-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    } while (!fs::create_directory(path_));
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  std::string path() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
+using loom::test::TempDir;
 
 Bytes idx_bytes(const std::vector<std::uint32_t>& dims, const Bytes& data) {
   Bytes bytes{0x00, 0x00, 0x08, static_cast<std::uint8_t>(dims.size())};
