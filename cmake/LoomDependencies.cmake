@@ -16,6 +16,7 @@ endmacro()
 set(THREADS_PREFER_PTHREAD_FLAG ON)
 loom_find_dependency(Threads)
 loom_find_dependency(ZLIB)
+loom_find_dependency(nlohmann_json 3.10)
 
 # OpenBLAS for cblas_sgemm/cblas_dgemm; BLA_VENDOR keeps FindBLAS from picking
 # the slow reference BLAS when both are installed.

@@ -13,6 +13,7 @@
 #include "core/rng.hpp"
 #include "core/shape.hpp"
 #include "data/data.hpp"
+#include "io/safetensors.hpp"
 #include "layers/layers.hpp"
 #include "loss/softmax_cross_entropy.hpp"
 #include "net/fusion.hpp"
