@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 
@@ -48,4 +49,14 @@ constexpr void static_for_reverse(F&& f) {
   each(std::make_index_sequence<N>{});
 }
 
+namespace detail {
+
+// __PRETTY_FUNCTION__ names T: the same string in every rank built from
+// the same source, whatever the process.
+template <class T>
+constexpr std::string_view type_name() {
+  return __PRETTY_FUNCTION__;
+}
+
+}  // namespace detail
 }  // namespace loom

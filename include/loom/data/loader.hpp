@@ -127,8 +127,11 @@ class Loader {
   std::size_t max_batch() const { return max_batch_; }
 
   // Abandons any epoch in progress (its batches become invalid) and starts
-  // prefetching the first batch of `epoch`.
-  void start_epoch(std::size_t epoch) {
+  // prefetching batch `first_batch` of `epoch` (a resumed run skips those
+  // it has trained on: the order is a function of the seed and epoch).
+  void start_epoch(std::size_t epoch, std::size_t first_batch = 0) {
+    LOOM_CHECK(first_batch <= batches_, "Loader::start_epoch: batch ", first_batch, " of ",
+               batches_, " in an epoch");
     std::vector<std::size_t> order = epoch_order(dataset_.count, options_, epoch);
     {
       std::unique_lock lock(mutex_);
@@ -141,8 +144,8 @@ class Loader {
         slot.error = nullptr;
       }
       held_ = nullptr;
-      fill_ = 0;
-      take_ = 0;
+      fill_ = first_batch;
+      take_ = first_batch;
       started_ = true;
     }
     work_cv_.notify_one();

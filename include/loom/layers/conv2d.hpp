@@ -70,6 +70,12 @@ struct ConvLayer<Conv2d<Out, K, S, P>, In, Index, A>
   static constexpr std::string_view kind = "conv";
   static constexpr Act activation = A;
 
+  template <class Visit>
+  static void tensors(Visit&& visit) {
+    visit("weight", 0, {Out, channels, K, K}, false);
+    visit("bias", weight_count, {Out}, false);
+  }
+
   static cpu::ConvGeometry geometry(std::size_t n) {
     return {n, channels, height, width, K, S, P, out_height, out_width};
   }

@@ -149,6 +149,11 @@ struct LayerBase {
   static void init(T*, std::uint64_t, bool) {}
   template <class T>
   static void init_state(T*) {}
+  // Names its tensors for checkpoints: visit(name, offset, shape, state)
+  // for each, the offset into the layer's parameters (state: its running
+  // statistics), the shape in PyTorch's layout and names.
+  template <class Visit>
+  static void tensors(Visit&&) {}
 };
 
 namespace detail {

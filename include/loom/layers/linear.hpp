@@ -44,6 +44,12 @@ struct LinearLayer : LayerBase<Linear<Out>, In, Shape<Out>, Index> {
     for (std::size_t i = 0; i < bias_count; ++i) params[weight_count + i] = T(0);
   }
 
+  template <class Visit>
+  static void tensors(Visit&& visit) {
+    visit("weight", 0, {Out, in_features}, false);
+    visit("bias", weight_count, {Out}, false);
+  }
+
   template <class T>
   static void forward(const T* params, const T* x, T* y, T*, std::size_t n) {
     cpu::gemm<T>(false, true, n, Out, in_features, T(1), x, in_features, params, in_features, T(0),

@@ -59,6 +59,13 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
       params[channels + c] = T(0);
     }
   }
+  template <class Visit>
+  static void tensors(Visit&& visit) {
+    visit("weight", 0, {channels}, false);
+    visit("bias", channels, {channels}, false);
+    visit("running_mean", 0, {channels}, true);
+    visit("running_var", channels, {channels}, true);
+  }
   template <class T>
   static void init_state(T* state) {
     for (std::size_t c = 0; c < channels; ++c) {

@@ -175,6 +175,14 @@ struct RecurrentLayer
   static constexpr std::size_t backward_flops = steps * (4 * GH * (features + H) + 16 * H);
   static constexpr std::string_view kind = Cell::kind;
 
+  template <class Visit>
+  static void tensors(Visit&& visit) {
+    visit("weight_ih_l0", w_ih, {GH, features}, false);
+    visit("weight_hh_l0", w_hh, {GH, H}, false);
+    visit("bias_ih_l0", b_ih, {GH}, false);
+    visit("bias_hh_l0", b_hh, {GH}, false);
+  }
+
   // PyTorch's initialisation: every parameter uniform in +-1/sqrt(H).
   template <class T>
   static void init(T* params, std::uint64_t seed, bool) {

@@ -13,8 +13,10 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "sequential.hpp"
 
@@ -136,6 +138,29 @@ struct Bind<Residual<Ls...>, In, Index>
       L::init(params + detail::list_info<layers>::param_offsets[i], seed, relu_follows);
     });
     if constexpr (!identity) shortcut::init(params + body_params, seed, false);
+  }
+  // "body.K.kind.name" for the K-th layer of the body (from 0), and
+  // "shortcut.kind.name" for a projection.
+  template <class Visit>
+  static void tensors(Visit&& visit) {
+    static_for<layers::size>([&](auto i) {
+      using L = type_at_t<i, layers>;
+      const std::string prefix =
+          "body." + std::to_string(i) + "." + std::string(L::kind) + ".";
+      L::tensors([&](std::string_view name, std::size_t offset,
+                     std::vector<std::size_t> shape, bool state) {
+        visit(prefix + std::string(name),
+              offset + (state ? detail::list_info<layers>::state_offsets[i]
+                              : detail::list_info<layers>::param_offsets[i]),
+              std::move(shape), state);
+      });
+    });
+    if constexpr (!identity)
+      shortcut::tensors([&](std::string_view name, std::size_t offset,
+                            std::vector<std::size_t> shape, bool state) {
+        visit("shortcut." + std::string(shortcut::kind) + "." + std::string(name),
+              body_params + offset, std::move(shape), state);
+      });
   }
   template <class T>
   static void init_state(T* state) {

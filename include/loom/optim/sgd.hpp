@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "../backend/cpu/sgd.hpp"
@@ -11,6 +13,8 @@
 namespace loom {
 
 struct SGD {
+  static constexpr const char* name = "SGD";
+
   struct Options {
     float lr = 0.01f;
     float momentum = 0.0f;
@@ -36,6 +40,7 @@ struct SGD {
     void step(std::span<T> weights, std::span<const T> grads) {
       LOOM_CHECK(weights.size() == grads.size(), "SGD::step: ", weights.size(), " weights but ",
                  grads.size(), " gradients");
+      ++steps_;
       cpu::sgd_update<T>(weights.data(), grads.data(),
                          velocity_.empty() ? nullptr : velocity_.data(), weights.size(),
                          T(options_.lr), T(options_.momentum), T(options_.weight_decay),
@@ -45,15 +50,26 @@ struct SGD {
     const Options& options() const { return options_; }
 
     // For learning-rate schedules (callbacks::MultiStepLR).
+    // A schedule may reach 0 (a warm-up's first step, a cosine's end).
     void set_lr(float lr) {
-      LOOM_CHECK(lr > 0.0f, "SGD: learning rate must be positive, got ", lr);
+      LOOM_CHECK(lr >= 0.0f, "SGD: learning rate must be >= 0, got ", lr);
       options_.lr = lr;
     }
     std::span<const T> velocity() const { return velocity_; }
 
+    // What a checkpoint keeps: the velocity, when there is momentum
+    // (PyTorch's name), and the step count.
+    std::size_t buffer_count() const { return velocity_.empty() ? 0 : 1; }
+    std::string_view buffer_name(std::size_t) const { return "momentum_buffer"; }
+    std::span<T> buffer(std::size_t) { return velocity_; }
+    std::span<const T> buffer(std::size_t) const { return velocity_; }
+    std::uint64_t steps() const { return steps_; }
+    void set_steps(std::uint64_t steps) { steps_ = steps; }
+
    private:
     Options options_;
     std::vector<T> velocity_;
+    std::uint64_t steps_ = 0;
   };
 };
 

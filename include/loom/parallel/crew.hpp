@@ -41,6 +41,7 @@ struct EngineJob {
   bool accumulate = false;        // add to the step's earlier gradients
   bool last = true;               // the step's last batch: reduce and update
   float lr = 0.0f;
+  float max_grad_norm = 0.0f;  // clip the step's gradients to this global norm (0: never)
   Pass pass{};  // training: seed and step (each rank adds its samples' offset)
   const data::Dataset* dataset = nullptr;
   float* whole = nullptr;  // the whole network's weights (gather, scatter)

@@ -38,6 +38,7 @@
 #include "../data/dataset.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
+#include "../optim/clip.hpp"
 #include "buckets.hpp"
 #include "crew.hpp"
 #include "reducer.hpp"
@@ -84,13 +85,6 @@ struct StepTimeline {
 };
 
 namespace detail {
-
-// __PRETTY_FUNCTION__ names T: the same string in every rank built from
-// the same source, whatever the process.
-template <class T>
-constexpr std::string_view type_name() {
-  return __PRETTY_FUNCTION__;
-}
 
 inline std::uint64_t fnv1a(std::string_view text, std::uint64_t hash = 1469598103934665603ull) {
   for (const char c : text) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
@@ -173,6 +167,14 @@ class DataParallelEngine {
   Model<Net, float>& model() { return replicas_.front()->model; }
   const Model<Net, float>& model() const { return replicas_.front()->model; }
   Model<Net, float>& replica_model(std::size_t i) { return replicas_.at(i)->model; }
+  OptimizerState& replica_optimizer(std::size_t i) { return replicas_.at(i)->optimizer; }
+  // Each local replica's time in the last optimizer step (its batches'
+  // forward, backward, reduction and update).
+  std::vector<double> step_seconds() const {
+    std::vector<double> seconds;
+    for (const auto& r : replicas_) seconds.push_back(r->step_seconds);
+    return seconds;
+  }
   // When the last step's backward and reductions ran on local replica i.
   const StepTimeline& last_timeline(std::size_t i = 0) const { return replicas_.at(i)->timeline; }
 
@@ -189,7 +191,7 @@ class DataParallelEngine {
   // a non-finite loss skips the update on every rank (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last, float lr,
-                           const Pass& pass = {.training = true}) {
+                           const Pass& pass = {.training = true}, float max_grad_norm = 0.0f) {
     // A replica without a sample would miss the statistics' collectives.
     if constexpr (Net::syncs)
       LOOM_CHECK(n >= static_cast<std::size_t>(world()), Policy::name, ": a batch of ", n,
@@ -204,6 +206,7 @@ class DataParallelEngine {
          .accumulate = accumulate,
          .last = last,
          .lr = lr,
+         .max_grad_norm = max_grad_norm,
          .pass = pass});
     return loss_sums(replicas_.front()->stats);
   }
@@ -238,6 +241,7 @@ class DataParallelEngine {
     StatisticsSum statistics;  // made at start when the network syncs statistics
     std::array<double, 2> stats{};  // loss sum, correct count (this step, then global)
     StepTimeline timeline;
+    double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
     Reducer reducer;  // the replica's communication thread
   };
 
@@ -247,12 +251,17 @@ class DataParallelEngine {
   void run(const Job& job) { crew_.run(job); }
 
   void work(Replica& replica, const Job& job) {
-    if (job.kind == JobKind::start)
+    if (job.kind == JobKind::start) {
       start(replica);
-    else if (job.kind == JobKind::train)
+    } else if (job.kind == JobKind::train) {
+      const auto began = std::chrono::steady_clock::now();
+      if (!job.accumulate) replica.step_seconds = 0.0;
       train(replica, job);
-    else
+      replica.step_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    } else {
       evaluate(replica, job);
+    }
   }
 
   void start(Replica& replica) {
@@ -317,6 +326,8 @@ class DataParallelEngine {
     // Every rank holds the same global sums, so all skip or all update; a
     // skipped step keeps the running statistics of the step before, too.
     if (!std::isfinite(replica.stats[0])) return model.restore_state();
+    // The reduced gradients are the same on every replica: so is their norm.
+    if (job.max_grad_norm > 0.0f) clip_gradients<Net>(model.gradients(), job.max_grad_norm);
     if (replica.optimizer.options().lr != job.lr) replica.optimizer.set_lr(job.lr);
     replica.optimizer.step(model.parameters(), model.gradients());
   }

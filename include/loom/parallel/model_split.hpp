@@ -44,6 +44,7 @@
 #include "../data/dataset.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
+#include "../optim/clip.hpp"
 #include "buckets.hpp"
 #include "crew.hpp"
 #include "data_parallel.hpp"
@@ -147,12 +148,21 @@ class PipelineStage {
   virtual void backward(std::size_t slot, bool accumulate, float* input_gradient,
                         const std::function<void(std::size_t)>& done) = 0;
   virtual void update(float lr) = 0;
+  // Its layers' squared gradient norms into their entries of the whole
+  // network's (see optim/clip.hpp).
+  virtual void add_layer_squares(std::span<const std::size_t> starts,
+                                 std::span<double> squares) const = 0;
   virtual std::span<float> parameters() = 0;
   virtual std::span<float> gradients() = 0;
   virtual std::span<float> state() = 0;
   virtual void keep_state() = 0;
   virtual void restore_state() = 0;
   virtual std::size_t arena_elements() const = 0;
+  // The optimizer's per-parameter buffers (momentum, moments) and step count.
+  virtual std::size_t optimizer_buffers() const = 0;
+  virtual std::span<float> optimizer_buffer(std::size_t i) = 0;
+  virtual std::uint64_t optimizer_steps() const = 0;
+  virtual void set_optimizer_steps(std::uint64_t steps) = 0;
   std::size_t input_size = 0, output_size = 0, parameter_offset = 0, state_offset = 0;
   std::vector<GradientBucket> buckets;  // Hybrid: the stage's gradients, reduced over its copies
 };
@@ -189,12 +199,20 @@ class StageOf final : public PipelineStage {
     if (optimizer_.options().lr != lr) optimizer_.set_lr(lr);
     optimizer_.step(model_.parameters(), model_.gradients());
   }
+  void add_layer_squares(std::span<const std::size_t> starts,
+                         std::span<double> squares) const override {
+    detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares);
+  }
   std::span<float> parameters() override { return model_.parameters(); }
   std::span<float> gradients() override { return model_.gradients(); }
   std::span<float> state() override { return model_.state(); }
   void keep_state() override { model_.keep_state(); }
   void restore_state() override { model_.restore_state(); }
   std::size_t arena_elements() const override { return model_.arena_elements(); }
+  std::size_t optimizer_buffers() const override { return optimizer_.buffer_count(); }
+  std::span<float> optimizer_buffer(std::size_t i) override { return optimizer_.buffer(i); }
+  std::uint64_t optimizer_steps() const override { return optimizer_.steps(); }
+  void set_optimizer_steps(std::uint64_t steps) override { optimizer_.set_steps(steps); }
 
  private:
   Model<StageNet, float> model_;
@@ -384,7 +402,7 @@ class PipelineEngine {
   // non-finite loss skips the update on every rank (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last, float lr,
-                           const Pass& pass = {.training = true}) {
+                           const Pass& pass = {.training = true}, float max_grad_norm = 0.0f) {
     crew_.run({.kind = JobKind::train,
                .images = images,
                .labels = labels,
@@ -393,6 +411,7 @@ class PipelineEngine {
                .accumulate = accumulate,
                .last = last,
                .lr = lr,
+               .max_grad_norm = max_grad_norm,
                .pass = pass});
     return loss_sums(ranks_.front()->stats);
   }
@@ -419,6 +438,20 @@ class PipelineEngine {
       crew_.run({.kind = JobKind::scatter_state, .whole = const_cast<float*>(whole.state().data())});
   }
 
+  // Optimizer buffer i of every stage into `whole` (the whole network's
+  // size), or each stage's slice from it; as gather() and scatter().
+  void gather_optimizer(std::size_t i, float* whole) {
+    crew_.run({.kind = JobKind::gather_buffer, .n = i, .whole = whole});
+  }
+  void scatter_optimizer(std::size_t i, const float* whole) {
+    crew_.run({.kind = JobKind::scatter_buffer, .n = i, .whole = const_cast<float*>(whole)});
+  }
+  // Every stage takes the same number of optimizer steps.
+  std::uint64_t optimizer_steps() const { return ranks_.front()->net->optimizer_steps(); }
+  void set_optimizer_steps(std::uint64_t steps) {
+    for (auto& r : ranks_) r->net->set_optimizer_steps(steps);
+  }
+
   // i: this process's ranks in grid order (replica-major).
   StageReport report(std::size_t i) const {
     const Rank& r = *ranks_.at(i);
@@ -440,6 +473,13 @@ class PipelineEngine {
     return report;
   }
 
+  // Each local rank's time in the last optimizer step, in grid order.
+  std::vector<double> step_seconds() const {
+    std::vector<double> seconds;
+    for (const auto& r : ranks_) seconds.push_back(r->step_seconds);
+    return seconds;
+  }
+
   // A rank's stage weights (Hybrid: the replicas' copies stay equal).
   std::span<const float> stage_parameters(std::size_t i) const {
     return ranks_.at(i)->net->parameters();
@@ -448,7 +488,17 @@ class PipelineEngine {
  private:
   using Clock = std::chrono::steady_clock;
 
-  enum class JobKind { start, train, evaluate, gather, scatter, gather_state, scatter_state };
+  enum class JobKind {
+    start,
+    train,
+    evaluate,
+    gather,
+    scatter,
+    gather_state,
+    scatter_state,
+    gather_buffer,
+    scatter_buffer
+  };
   using Job = EngineJob<JobKind>;
 
   struct Rank {
@@ -466,6 +516,7 @@ class PipelineEngine {
     std::size_t next_bucket = 0;  // Hybrid: the next gradient bucket to reduce this step
     std::array<double, 2> stats{};  // loss sum, correct count
     double busy = 0.0;
+    double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
     Clock::time_point begin, end;
   };
 
@@ -510,9 +561,13 @@ class PipelineEngine {
       case JobKind::start:
         start(r);
         break;
-      case JobKind::train:
+      case JobKind::train: {
+        const auto began = Clock::now();
+        if (!job.accumulate) r.step_seconds = 0.0;
         train(r, job);
+        r.step_seconds += seconds_since(began);
         break;
+      }
       case JobKind::evaluate:
         evaluate(r, job);
         break;
@@ -530,6 +585,15 @@ class PipelineEngine {
       case JobKind::scatter_state: {
         auto mine = r.net->state();
         std::copy_n(job.whole + r.net->state_offset, mine.size(), mine.begin());
+        break;
+      }
+      case JobKind::gather_buffer:
+        gather(r, r.net->optimizer_buffer(job.n), r.net->parameter_offset, Net::parameter_count,
+               job.whole);
+        break;
+      case JobKind::scatter_buffer: {
+        auto mine = r.net->optimizer_buffer(job.n);
+        std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
         break;
       }
     }
@@ -679,10 +743,17 @@ class PipelineEngine {
     // Only the last stages have the loss; every rank learns the sum, so
     // all skip a non-finite step or all take it.
     r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-    if (std::isfinite(r.stats[0]))
-      r.net->update(job.lr);
-    else
-      r.net->restore_state();  // the skipped step's running statistics go too
+    if (!std::isfinite(r.stats[0])) return r.net->restore_state();  // its running statistics too
+    if (job.max_grad_norm > 0.0f) clip(r, job.max_grad_norm);
+    r.net->update(job.lr);
+  }
+
+  // The norm is the whole pipeline's: each stage gives its layers' squares.
+  static void clip(Rank& r, float max_norm) {
+    std::array<double, norm_segments<Net>.size()> squares{};
+    r.net->add_layer_squares(norm_segments<Net>, squares);
+    r.pipeline.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
+    clip_gradients(r.net->gradients(), global_norm(squares), max_norm);
   }
 
   // Hybrid: a stage's copies take replica 0's running statistics (as

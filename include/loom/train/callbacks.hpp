@@ -6,8 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <ostream>
@@ -15,7 +19,10 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "../data/data.hpp"
+#include "../optim/lr_schedule.hpp"
 #include "trainer.hpp"
 
 namespace loom::callbacks {
@@ -150,27 +157,191 @@ class Evaluate {
   std::ostream* out_;
 };
 
-// MultiStepLR: multiplies the learning rate by `factor` after each epoch
-// listed in `milestones` (PyTorch's MultiStepLR). A constant rate leaves the
-// last epochs' test accuracy swinging by about 1 %; a late drop settles it.
+// MultiStepLR: the learning rate is the trainer's base rate times `factor`
+// for each epoch in `milestones` that has ended (PyTorch's MultiStepLR). A
+// constant rate leaves the last epochs' test accuracy swinging by about
+// 1 %; a late drop settles it. Set before each step from the epoch alone,
+// so a resumed fit gets the same rates.
 struct MultiStepLR {
   std::vector<int> milestones;
   float factor = 0.1f;
   std::ostream* out = &std::cout;
 
+  float lr_in(int epoch, float base) const {
+    float lr = base;
+    for (const int m : milestones)
+      if (m < epoch) lr *= factor;
+    return lr;
+  }
+
+  template <class TrainerT>
+  void on_step_begin(const StepBegin& step, TrainerT& trainer) {
+    trainer.optimizer().set_lr(lr_in(step.epoch, trainer.base_lr()));
+  }
+
   template <class TrainerT>
   void on_epoch_end(const EpochInfo& epoch, TrainerT& trainer) {
-    if (std::find(milestones.begin(), milestones.end(), epoch.epoch) == milestones.end()) return;
-    auto& optimizer = trainer.optimizer();
-    optimizer.set_lr(optimizer.options().lr * factor);
-    if (out != nullptr && epoch.epoch < epoch.epochs) {
+    if (out == nullptr || epoch.epoch >= epoch.epochs ||
+        std::find(milestones.begin(), milestones.end(), epoch.epoch) == milestones.end())
+      return;
+    std::ostringstream text;
+    text << "learning rate " << lr_in(epoch.epoch + 1, trainer.base_lr()) << " from epoch "
+         << epoch.epoch + 1 << '\n';
+    *out << text.str();
+    out->flush();
+  }
+};
+
+// LrSchedule: before each optimizer step, the learning rate becomes the
+// trainer's base rate times schedule(step, total steps) (see
+// optim/lr_schedule.hpp). With reference_batch > 0 the base rate is for
+// that many samples per step and scales linearly with the global batch
+// (the "linear scaling rule"; pair it with a Warmup): the same settings
+// then suit 1 device or 64.
+template <class Schedule = schedules::Constant>
+struct LrSchedule {
+  Schedule schedule{};
+  std::size_t reference_batch = 0;
+
+  double lr(const StepBegin& step, float base) const {
+    double rate = static_cast<double>(base) * schedule(step.fit_step, step.total_steps);
+    if (reference_batch > 0)
+      rate *= static_cast<double>(step.global_batch) / static_cast<double>(reference_batch);
+    return rate;
+  }
+
+  template <class TrainerT>
+  void on_step_begin(const StepBegin& step, TrainerT& trainer) {
+    trainer.optimizer().set_lr(static_cast<float>(lr(step, trainer.base_lr())));
+  }
+};
+
+// Checkpoint: saves the trainer (Trainer::save) every `every_steps`
+// optimizer steps, at the end of every epoch, and when fit() ends, into
+// one file that each save replaces atomically.
+class Checkpoint {
+ public:
+  struct Options {
+    std::filesystem::path path;
+    std::size_t every_steps = 0;  // 0: not by steps
+    bool every_epoch = true;
+    bool at_end = true;
+    std::ostream* out = nullptr;  // a line per save
+  };
+
+  explicit Checkpoint(Options options) : options_(std::move(options)) {
+    LOOM_CHECK(!options_.path.empty(), "callbacks::Checkpoint: no path given");
+  }
+
+  template <class TrainerT>
+  void on_step(const StepInfo&, TrainerT& trainer) {
+    if (options_.every_steps > 0 && trainer.steps() % options_.every_steps == 0) save(trainer);
+  }
+  template <class TrainerT>
+  void on_epoch_end(const EpochInfo&, TrainerT& trainer) {
+    if (options_.every_epoch) save(trainer);
+  }
+  template <class TrainerT>
+  void on_fit_end(TrainerT& trainer) {
+    if (options_.at_end && (saves == 0 || last_step_ != trainer.steps() ||
+                            last_ended_ != trainer.position().ended))
+      save(trainer);
+  }
+
+  std::size_t saves = 0;
+
+ private:
+  template <class TrainerT>
+  void save(TrainerT& trainer) {
+    trainer.save(options_.path);
+    ++saves;
+    last_step_ = trainer.steps();
+    last_ended_ = trainer.position().ended;
+    if (options_.out != nullptr) {
       std::ostringstream text;
-      text << "learning rate " << optimizer.options().lr << " from epoch " << epoch.epoch + 1
-           << '\n';
-      *out << text.str();
-      out->flush();
+      text << "checkpoint " << options_.path.string() << " (step " << last_step_ << ")\n";
+      *options_.out << text.str();
+      options_.out->flush();
     }
   }
+
+  Options options_;
+  std::uint64_t last_step_ = 0;
+  bool last_ended_ = false;
+};
+
+// Metrics: one JSON object per line, flushed as written (a crash loses at
+// most the line in progress): {"kind": "step", ...} after every optimizer
+// step and {"kind": "epoch", ...} at every epoch's end, with the test set's
+// figures when an Evaluate callback given here ran before it.
+// scripts/plot_metrics.py draws them.
+class Metrics {
+ public:
+  struct Options {
+    std::filesystem::path path;
+    bool append = false;  // a resumed run adds to its earlier lines
+    const Evaluate* evaluate = nullptr;
+  };
+
+  explicit Metrics(Options options) : options_(std::move(options)) {
+    file_.open(options_.path, options_.append ? std::ios::app : std::ios::trunc);
+    LOOM_CHECK(file_.is_open(), "callbacks::Metrics: cannot open '", options_.path.string(),
+               "' for writing: ", std::strerror(errno));
+  }
+
+  void on_fit_begin(const FitInfo&) { last_ = std::chrono::steady_clock::now(); }
+
+  template <class TrainerT>
+  void on_step(const StepInfo& step, TrainerT& trainer) {
+    const auto now = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    nlohmann::json line{{"kind", "step"},
+                        {"step", trainer.steps()},
+                        {"epoch", step.epoch},
+                        {"epoch_step", step.step},
+                        {"loss", step.step_loss},
+                        {"accuracy", step.step_accuracy},
+                        {"epoch_loss", step.loss},
+                        {"epoch_accuracy", step.accuracy},
+                        {"lr", trainer.optimizer().options().lr},
+                        {"samples_per_second",
+                         seconds > 0 ? static_cast<double>(step.step_samples) / seconds : 0.0},
+                        {"device_step_seconds", trainer.device_step_seconds()}};
+    write(line);
+  }
+
+  template <class TrainerT>
+  void on_epoch_end(const EpochInfo& epoch, TrainerT& trainer) {
+    nlohmann::json line{{"kind", "epoch"},
+                        {"step", trainer.steps()},
+                        {"epoch", epoch.epoch},
+                        {"loss", epoch.loss},
+                        {"accuracy", epoch.accuracy},
+                        {"seconds", epoch.seconds},
+                        {"samples_per_second",
+                         epoch.seconds > 0 ? static_cast<double>(epoch.samples) / epoch.seconds
+                                           : 0.0},
+                        {"lr", trainer.optimizer().options().lr}};
+    if (options_.evaluate != nullptr && !options_.evaluate->history.empty()) {
+      line["test_loss"] = options_.evaluate->last.loss;
+      line["test_accuracy"] = options_.evaluate->last.accuracy;
+    }
+    write(line);
+    last_ = std::chrono::steady_clock::now();  // the evaluation is not the next step's
+  }
+
+ private:
+  void write(const nlohmann::json& line) {
+    file_ << line.dump() << '\n';
+    file_.flush();
+    LOOM_CHECK(file_.good(), "callbacks::Metrics: writing '", options_.path.string(),
+               "' failed (disk full?)");
+  }
+
+  Options options_;
+  std::ofstream file_;
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();  // last line
 };
 
 }  // namespace loom::callbacks

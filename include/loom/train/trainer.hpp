@@ -3,6 +3,8 @@
 #pragma once
 
 #include <chrono>
+#include <filesystem>
+#include <optional>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -19,11 +21,13 @@
 #include "../data/data.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
+#include "../optim/adam.hpp"
 #include "../optim/sgd.hpp"
 #include "../parallel/data_parallel.hpp"
 #include "../parallel/hybrid.hpp"
 #include "../parallel/model_split.hpp"
 #include "../parallel/single_device.hpp"
+#include "checkpoint.hpp"
 
 #if defined(__CUDACC__)
 #include "../backend/cuda/model.cuh"
@@ -56,6 +60,9 @@ struct FitOptions {
   std::size_t accumulation_steps = 1;
   data::Augment augment{};  // random crops and flips of the training images
   bool drop_last = false;   // skip an epoch's last batch when it is short
+  // Clip each step's gradients to this global norm, over every layer,
+  // replica and stage (PyTorch's clip_grad_norm_); 0: never.
+  float max_grad_norm = 0.0f;
 };
 
 struct EvalResult {
@@ -82,6 +89,20 @@ struct StepInfo {
   double accuracy = 0.0;    // over the epoch so far
   std::size_t samples = 0;  // seen this epoch
   double seconds = 0.0;     // since the epoch began
+  // This optimizer step's own figures.
+  double step_loss = 0.0;
+  double step_accuracy = 0.0;
+  std::size_t step_samples = 0;
+};
+
+// Before an optimizer step's first batch, for callbacks that set the
+// learning rate (callbacks::LrSchedule).
+struct StepBegin {
+  int epoch = 0;                 // 1-based
+  std::size_t step = 0;          // 1-based, within the epoch
+  std::size_t fit_step = 0;      // steps of this fit before this one (a resumed fit's included)
+  std::size_t total_steps = 0;   // of the whole fit
+  std::size_t global_batch = 0;  // samples per optimizer step, over every device
 };
 
 struct EpochInfo {
@@ -106,8 +127,11 @@ class StepGroups {
     bool last = true;
   };
 
-  StepGroups(std::size_t batches_per_step, std::size_t batch_size, std::size_t epoch_samples)
-      : k_(batches_per_step), batch_size_(batch_size), epoch_samples_(epoch_samples) {}
+  // `seen`: samples of the epoch already trained (a resumed epoch), at a
+  // step's boundary.
+  StepGroups(std::size_t batches_per_step, std::size_t batch_size, std::size_t epoch_samples,
+             std::size_t seen = 0)
+      : k_(batches_per_step), batch_size_(batch_size), epoch_samples_(epoch_samples), seen_(seen) {}
 
   Place next(std::size_t batch) {
     if (micro_ == 0) group_ = std::min(k_ * batch_size_, epoch_samples_ - seen_);
@@ -145,7 +169,8 @@ class Trainer {
       : devices_(std::move(devices)),
         options_(trainer_options),
         model_(trainer_options.seed),
-        optimizer_(options, Net::parameter_count) {
+        optimizer_(options, Net::parameter_count),
+        base_lr_(options.lr) {
     if constexpr (Policy::devices_needed == 0)
       LOOM_CHECK(!devices_.empty(), Policy::name,
                  " needs at least one device; pass devices::all() or devices::cpu(n)");
@@ -222,7 +247,20 @@ class Trainer {
     const FitInfo info{options.epochs,      (loader.batches_per_epoch() + k - 1) / k,
                        train.count,         options.batch_size,
                        Policy::name,        placement()};
+    const FitIdentity identity{.samples = train.count,
+                               .batch_size = options.batch_size,
+                               .accumulation_steps = k,
+                               .seed = options.seed,
+                               .shuffle = options.shuffle,
+                               .drop_last = options.drop_last,
+                               .crop_padding = options.augment.crop_padding,
+                               .horizontal_flip = options.augment.horizontal_flip};
+    // With drop_last the epoch ends before the data set does.
+    const std::size_t epoch_samples =
+        options.drop_last ? loader.batches_per_epoch() * options.batch_size : train.count;
 #if defined(__CUDACC__)
+    LOOM_CHECK(!on_gpu() || options.max_grad_norm == 0.0f, "fit: gradient clipping "
+               "(FitOptions::max_grad_norm) runs on CPU devices only so far");
     if constexpr (is_pipelined<Policy>) {
       if (on_gpu()) gpu_split(options.batch_size);
     } else if (on_gpu()) {
@@ -237,39 +275,77 @@ class Trainer {
       scatter_if_changed();
     else
       model_.reserve(options.batch_size);
+    // A loaded checkpoint's position: this fit goes on from there.
+    const auto resumed = resume_position(identity);
     (call_fit_begin(callbacks, info), ...);
 
-    for (int epoch = 1; epoch <= options.epochs; ++epoch) {
-      loader.start_epoch(static_cast<std::size_t>(epoch - 1));
-      const auto start = std::chrono::steady_clock::now();
+    stop_ = false;
+    const int first_epoch = resumed ? resumed->epoch + (resumed->ended ? 1 : 0) : 1;
+    for (int epoch = first_epoch; epoch <= options.epochs && !stop_; ++epoch) {
+      // An epoch stopped part-way goes on with its next batch and its sums.
+      const bool part = resumed && epoch == resumed->epoch;
+      position_ = part ? *resumed : TrainingPosition{.epoch = epoch};
+      loader.start_epoch(static_cast<std::size_t>(epoch - 1), position_.batches);
+      const auto start = std::chrono::steady_clock::now() -
+                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             std::chrono::duration<double>(position_.seconds));
       StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
-      double loss_sum = 0.0;
-      std::size_t correct = 0;
-      detail::StepGroups groups(k, options.batch_size, train.count);
+      step.step = position_.steps;
+      step.samples = position_.samples;
+      detail::StepGroups groups(k, options.batch_size, epoch_samples, position_.samples);
       data::Batch batch{};
-      while (loader.next(batch)) {
+      while (!stop_ && loader.next(batch)) {
         const auto place = groups.next(batch.size);
+        if (!place.accumulate)
+          (call_step_begin(callbacks, StepBegin{.epoch = epoch,
+                                                .step = step.step + 1,
+                                                .fit_step = fit_steps(epoch, step.step, info),
+                                                .total_steps = info.steps_per_epoch *
+                                                               static_cast<std::size_t>(options.epochs),
+                                                .global_batch = options.batch_size * k}),
+           ...);
         const auto sums = micro_step(batch, place.group_samples, place.accumulate, place.last,
-                                     epoch, step.step + 1);
+                                     epoch, step.step + 1, options.max_grad_norm);
         step.samples += batch.size;
+        position_.batches += 1;
         if (!place.last) continue;
-        loss_sum += sums.loss;
-        correct += sums.correct;
+        steps_ += 1;
+        position_.loss_sum += sums.loss;
+        position_.correct += sums.correct;
+        step.step_samples = step.samples - position_.samples;
+        step.step_loss = sums.loss / static_cast<double>(step.step_samples);
+        step.step_accuracy =
+            static_cast<double>(sums.correct) / static_cast<double>(step.step_samples);
         step.step += 1;
-        step.loss = loss_sum / static_cast<double>(step.samples);
-        step.accuracy = static_cast<double>(correct) / static_cast<double>(step.samples);
+        step.loss = position_.loss_sum / static_cast<double>(step.samples);
+        step.accuracy = static_cast<double>(position_.correct) / static_cast<double>(step.samples);
         step.seconds = seconds_since(start);
+        position_.steps = step.step;
+        position_.samples = step.samples;
+        position_.seconds = step.seconds;
         (call_step(callbacks, step), ...);
       }
+      if (stop_ && position_.batches < loader.batches_per_epoch()) break;
       // Before the callbacks, like the GPU's copy; across processes model()
       // cannot gather (it is not collective) and returns these.
       if constexpr (is_pipelined<Policy>)
         with_split([&](auto& engine) { engine.gather(model_); });
-      [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
-                                            step.accuracy, step.samples,   seconds_since(start)};
+      position_.ended = true;
+      [[maybe_unused]] const EpochInfo done{
+          epoch,        options.epochs,
+          position_.samples > 0 ? position_.loss_sum / static_cast<double>(position_.samples) : 0.0,
+          position_.samples > 0
+              ? static_cast<double>(position_.correct) / static_cast<double>(position_.samples)
+              : 0.0,
+          position_.samples, seconds_since(start)};
       (call_epoch_end(callbacks, done), ...);
     }
+    (call_fit_end(callbacks), ...);
   }
+
+  // Ends fit() after the optimizer step in progress (call it from a
+  // callback): a checkpoint saved then resumes at the next batch.
+  void stop() { stop_ = true; }
 
   // batch_size 0: the training batch size when fit() has run (the arena
   // already holds it), else 256.
@@ -369,8 +445,143 @@ class Trainer {
   }
   const std::vector<Device>& devices() const { return devices_; }
   typename Optimizer::template State<float>& optimizer() { return optimizer_; }
+  // The learning rate the trainer was made with; schedules scale it.
+  float base_lr() const { return base_lr_; }
+  // Optimizer steps taken, over every fit.
+  std::uint64_t steps() const { return steps_; }
+  // Where the current (or last) fit stands.
+  const TrainingPosition& position() const { return position_; }
+  // Each local device's time in the last optimizer step (a data-parallel
+  // replica or pipeline stage: its own jobs; wait for others included);
+  // empty on GPUs, whose steps run asynchronously.
+  std::vector<double> device_step_seconds() const {
+    if (on_gpu()) return {};
+    if constexpr (is_data_parallel<Policy>)
+      return engine_->step_seconds();
+    else if constexpr (is_pipelined<Policy>)
+      return pipeline_->step_seconds();
+    else
+      return {step_seconds_};
+  }
+
+  // Writes a checkpoint (safetensors; atomically: a crash mid-write keeps
+  // the file that was there): weights, running statistics, optimizer state
+  // and the position in the fit, in the whole network's layout, so it loads
+  // under any policy and device count. Across MPI processes every process
+  // calls it (the stages' parts are gathered) and rank 0 writes.
+  void save(const std::filesystem::path& path) {
+    LOOM_CHECK(!on_gpu(), "Trainer::save: checkpoints of training on GPUs are not supported yet "
+               "(the GPU keeps its own optimizer state); train on CPU devices to checkpoint");
+    detail::CheckpointImage image;
+    Model<Net, float>* model = &model_;
+    if constexpr (is_data_parallel<Policy>) model = &engine_->model();
+    if constexpr (is_pipelined<Policy>) pipeline_->gather(model_);
+    image.parameters.assign(model->parameters().begin(), model->parameters().end());
+    image.state.assign(model->state().begin(), model->state().end());
+    const auto& optimizer = local_optimizer();
+    for (std::size_t b = 0; b < optimizer.buffer_count(); ++b) {
+      image.buffer_names.emplace_back(optimizer.buffer_name(b));
+      if constexpr (is_pipelined<Policy>) {
+        image.buffers.emplace_back(Net::parameter_count, 0.0f);
+        pipeline_->gather_optimizer(b, image.buffers.back().data());
+      } else {
+        image.buffers.emplace_back(optimizer.buffer(b).begin(), optimizer.buffer(b).end());
+      }
+    }
+    image.optimizer = Optimizer::name;
+    if constexpr (is_pipelined<Policy>)
+      image.optimizer_steps = pipeline_->optimizer_steps();
+    else
+      image.optimizer_steps = optimizer.steps();
+    image.lr = optimizer_.options().lr;
+    image.base_lr = base_lr_;
+    image.steps = steps_;
+    image.seed = options_.seed;
+    image.batches = batches_;
+    image.position = position_;
+    image.fit = fit_;
+    image.network = detail::type_label<Net>();
+    image.policy = Policy::name;
+    if (process_rank_ == 0) detail::write_checkpoint<Net>(path, image);
+  }
+
+  // Reads a checkpoint written by save() under any policy or device count.
+  // Names, shapes and types are checked first: a loom::Error names the first
+  // mismatch, and leaves the trainer as it was. With `resume` the next fit()
+  // goes on from the checkpoint's position (with the same data and batch
+  // options; a different set-up is an error naming it); without, it starts
+  // a fit of its own from the checkpoint's weights and optimizer state.
+  void load(const std::filesystem::path& path, bool resume = true) {
+    LOOM_CHECK(!on_gpu(), "Trainer::load: checkpoints of training on GPUs are not supported "
+               "yet; load on CPU devices");
+    std::vector<std::string> names;
+    for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
+      names.emplace_back(optimizer_.buffer_name(b));
+    auto image = detail::read_checkpoint<Net>(path, Optimizer::name, names);
+    const auto put = [&](Model<Net, float>& model, auto& optimizer) {
+      std::ranges::copy(image.parameters, model.parameters().begin());
+      std::ranges::copy(image.state, model.state().begin());
+      for (std::size_t b = 0; b < image.buffers.size(); ++b)
+        std::ranges::copy(image.buffers[b], optimizer.buffer(b).begin());
+      optimizer.set_steps(image.optimizer_steps);
+      optimizer.set_lr(image.lr);
+    };
+    put(model_, optimizer_);
+    if constexpr (is_data_parallel<Policy>)
+      for (std::size_t r = 0; r < engine_->local_replicas(); ++r)
+        put(engine_->replica_model(r), engine_->replica_optimizer(r));
+    if constexpr (is_pipelined<Policy>) {
+      pipeline_->scatter(model_);
+      for (std::size_t b = 0; b < image.buffers.size(); ++b)
+        pipeline_->scatter_optimizer(b, image.buffers[b].data());
+      pipeline_->set_optimizer_steps(image.optimizer_steps);
+      host_changed_ = false;
+    }
+    base_lr_ = image.base_lr;
+    steps_ = image.steps;
+    options_.seed = image.seed;  // Dropout's masks go on as they would have
+    batches_ = image.batches;
+    position_ = image.position;
+    resume_ = resume && image.position.epoch > 0 ? std::optional(image.position) : std::nullopt;
+    resume_fit_ = resume ? image.fit : std::nullopt;
+  }
 
  private:
+  // The optimizer state this process updates (a replica's or stage's
+  // under the parallel policies; the trainer's own holds the options).
+  const typename Optimizer::template State<float>& local_optimizer() {
+    if constexpr (is_data_parallel<Policy>) return engine_->replica_optimizer(0);
+    return optimizer_;
+  }
+
+  // Optimizer steps of a fit before step `step` (0-based count) of `epoch`.
+  static std::size_t fit_steps(int epoch, std::size_t step, const FitInfo& info) {
+    return static_cast<std::size_t>(epoch - 1) * info.steps_per_epoch + step;
+  }
+
+  // The position a loaded checkpoint left, if the fit about to run goes on
+  // from it: it must draw the same batches.
+  std::optional<TrainingPosition> resume_position(const FitIdentity& identity) {
+    auto resumed = std::exchange(resume_, std::nullopt);
+    const auto saved = std::exchange(resume_fit_, std::nullopt);
+    fit_ = identity;
+    if (!resumed || !saved) return std::nullopt;
+    const auto differs = [](const char* what, auto was, auto now) {
+      LOOM_CHECK(was == now, "fit: the loaded checkpoint stopped in a fit with ", what, " ", was,
+                 ", but this fit has ", now, "; resume with the same data and FitOptions, "
+                 "or load(path, false) to start a new fit from the checkpoint's weights");
+    };
+    differs("training samples", saved->samples, identity.samples);
+    differs("batch size", saved->batch_size, identity.batch_size);
+    differs("accumulation_steps", saved->accumulation_steps, identity.accumulation_steps);
+    differs("seed", saved->seed, identity.seed);
+    differs("shuffle", saved->shuffle, identity.shuffle);
+    differs("drop_last", saved->drop_last, identity.drop_last);
+    differs("augment.crop_padding", saved->crop_padding, identity.crop_padding);
+    differs("augment.horizontal_flip", saved->horizontal_flip, identity.horizontal_flip);
+    return resumed;
+  }
+
   bool on_gpu() const { return devices_.front().kind == Device::Kind::cuda; }
 
 #if defined(__CUDACC__)
@@ -519,7 +730,15 @@ class Trainer {
       const auto report = [&](int slot) {
         const auto totals = wait_gpu_totals(slot);
         check_totals(totals, epoch, step.step + 1);
+        steps_ += 1;
         step.step += 1;
+        // The totals are the epoch's so far: this step's are the difference.
+        step.step_samples = totals.samples - step.samples;
+        step.step_loss = (totals.loss - step.loss * static_cast<double>(step.samples)) /
+                         static_cast<double>(step.step_samples);
+        step.step_accuracy = (static_cast<double>(totals.correct) -
+                              step.accuracy * static_cast<double>(step.samples)) /
+                             static_cast<double>(step.step_samples);
         step.samples = totals.samples;
         step.loss = totals.loss / static_cast<double>(step.samples);
         step.accuracy = static_cast<double>(totals.correct) / static_cast<double>(step.samples);
@@ -532,8 +751,18 @@ class Trainer {
       int pending = -1;
       detail::StepGroups groups(k, options.batch_size, info.samples_per_epoch);
       data::Batch batch{};
-      while (loader.next(batch)) {
+      while (!stop_ && loader.next(batch)) {
         const auto place = groups.next(batch.size);
+        if (!place.accumulate)
+          (call_step_begin(callbacks,
+                           StepBegin{.epoch = epoch,
+                                     .step = step.step + 1 + (pending >= 0 ? 1 : 0),
+                                     .fit_step = fit_steps(epoch, step.step, info) +
+                                                 (pending >= 0 ? 1 : 0),
+                                     .total_steps = info.steps_per_epoch *
+                                                    static_cast<std::size_t>(options.epochs),
+                                     .global_batch = options.batch_size * k}),
+           ...);
         for (auto& replica : replicas) {
           replica.use();
           replica.model->set_lr(optimizer_.options().lr);
@@ -625,13 +854,14 @@ class Trainer {
   // One batch of an optimizer step on the CPU (see FitOptions::accumulation_steps):
   // returns the step's loss and correct-count sums once `last`.
   cpu::LossSums micro_step(const data::Batch& batch, std::size_t group_samples, bool accumulate,
-                           bool last, int epoch, std::size_t step) {
+                           bool last, int epoch, std::size_t step, float max_grad_norm) {
     cpu::LossSums sums;
     const Pass pass{.training = true, .seed = options_.seed, .step = batches_++};
     if constexpr (is_data_parallel<Policy> || is_pipelined<Policy>) {
       const auto run = [&](auto& engine) {
         return engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
-                                 accumulate, last, optimizer_.options().lr, pass);
+                                 accumulate, last, optimizer_.options().lr, pass,
+                                 max_grad_norm);
       };
       if constexpr (is_data_parallel<Policy>)
         sums = run(*engine_);
@@ -640,8 +870,10 @@ class Trainer {
       if (!last) return {};
       check_loss(sums.loss, epoch, step);  // the replicas or stages skipped their update
     } else {
+      const auto began = std::chrono::steady_clock::now();
       if (!accumulate) {
         pending_ = {};
+        step_seconds_ = 0.0;
         model_.keep_state();  // before the forward updates the running statistics
       }
       const float* logits = model_.forward(batch.images, batch.size, 0, pass);
@@ -650,13 +882,17 @@ class Trainer {
       pending_.loss += batch_sums.loss;
       pending_.correct += batch_sums.correct;
       model_.backward(accumulate);
+      step_seconds_ += seconds_since(began);
       if (!last) return {};
+      const auto update_began = std::chrono::steady_clock::now();
       sums = pending_;
       // Checked before the update, so the weights (and running statistics)
       // stay those of the last good step.
       if (!std::isfinite(sums.loss)) model_.restore_state();
       check_loss(sums.loss, epoch, step);
+      if (max_grad_norm > 0.0f) clip_gradients<Net>(model_.gradients(), max_grad_norm);
       optimizer_.step(model_.parameters(), model_.gradients());
+      step_seconds_ += seconds_since(update_began);
     }
     return sums;
   }
@@ -741,8 +977,25 @@ class Trainer {
     if constexpr (requires { callback.on_fit_begin(info); }) callback.on_fit_begin(info);
   }
   template <class C>
-  static void call_step(C& callback, const StepInfo& info) {
-    if constexpr (requires { callback.on_step(info); }) callback.on_step(info);
+  void call_step_begin(C& callback, const StepBegin& info) {
+    if constexpr (requires { callback.on_step_begin(info, *this); })
+      callback.on_step_begin(info, *this);
+    else if constexpr (requires { callback.on_step_begin(info); })
+      callback.on_step_begin(info);
+  }
+  template <class C>
+  void call_step(C& callback, const StepInfo& info) {
+    if constexpr (requires { callback.on_step(info, *this); })
+      callback.on_step(info, *this);
+    else if constexpr (requires { callback.on_step(info); })
+      callback.on_step(info);
+  }
+  template <class C>
+  void call_fit_end(C& callback) {
+    if constexpr (requires { callback.on_fit_end(*this); })
+      callback.on_fit_end(*this);
+    else if constexpr (requires { callback.on_fit_end(); })
+      callback.on_fit_end();
   }
   template <class C>
   void call_epoch_end(C& callback, const EpochInfo& info) {
@@ -775,6 +1028,15 @@ class Trainer {
   std::size_t process_count_ = 0, process_rank_ = 0;  // across MPI processes
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
   std::uint64_t batches_ = 0;  // training batches run: Dropout's step
+  std::uint64_t steps_ = 0;    // optimizer steps taken
+  double step_seconds_ = 0.0;  // one device: the last optimizer step's
+  float base_lr_;              // the learning rate given: schedules scale it
+  bool stop_ = false;  // stop() was called: fit() returns after this step
+  TrainingPosition position_;
+  std::optional<FitIdentity> fit_;  // the last fit's, for a checkpoint
+  // A loaded checkpoint's position, which the next fit() goes on from.
+  std::optional<TrainingPosition> resume_;
+  std::optional<FitIdentity> resume_fit_;
 #if defined(__CUDACC__)
   std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica
   std::vector<GpuReplica> gpus_;      // after nccl_: destroyed first

@@ -549,8 +549,10 @@ class PipelineEngine {
 
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last, float lr,
-                           const Pass& = {.training = true}) {
+                           const Pass& = {.training = true}, float max_grad_norm = 0.0f) {
     // The Pass is for Dropout and BatchNorm, which the CUDA backend does not run yet.
+    LOOM_CHECK(max_grad_norm == 0.0f, Policy::name, ": gradient clipping (FitOptions::"
+               "max_grad_norm) runs on CPU devices only so far");
     LOOM_CHECK(n <= max_batch_, Policy::name, ": a batch of ", n, " samples; planned for ",
                max_batch_);
     crew_.run({.kind = JobKind::train,

@@ -1,0 +1,243 @@
+// What a checkpoint holds and how it maps onto a safetensors file: the
+// network's tensors by name ("1.conv.weight", see net/tensors.hpp), the
+// optimizer's buffers under "optimizer.<buffer>.<tensor>", and in the
+// metadata the optimizer's step count and learning rate, the trainer's
+// counters and where in which fit training stopped. Everything is in the
+// whole network's layout, whatever the policy that wrote it, so a
+// checkpoint loads under any policy and device count.
+#pragma once
+
+#include <charconv>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "../core/error.hpp"
+#include "../core/meta.hpp"
+#include "../io/safetensors.hpp"
+#include "../net/tensors.hpp"
+
+namespace loom {
+
+// Where training stands: the epoch in progress (or last ended) and how far
+// it went, with its running sums, so a resumed epoch reports what an
+// uninterrupted one would.
+struct TrainingPosition {
+  int epoch = 0;  // 1-based; 0: no fit has run
+  std::size_t batches = 0;  // of the epoch, trained
+  std::size_t steps = 0;    // of the epoch, optimizer steps taken
+  bool ended = false;       // the epoch's end (and its callbacks) reached
+  double loss_sum = 0.0;
+  std::size_t correct = 0;
+  std::size_t samples = 0;
+  double seconds = 0.0;
+};
+
+// The fit a position belongs to: a resumed fit must draw the same batches.
+struct FitIdentity {
+  std::size_t samples = 0;  // of the training set
+  std::size_t batch_size = 0;
+  std::size_t accumulation_steps = 0;
+  std::uint64_t seed = 0;
+  bool shuffle = true;
+  bool drop_last = false;
+  std::size_t crop_padding = 0;
+  bool horizontal_flip = false;
+
+  bool operator==(const FitIdentity&) const = default;
+};
+
+namespace detail {
+
+inline constexpr std::string_view checkpoint_format = "loom.checkpoint.1";
+
+// The type's name as the compiler spells it ("loom::Sequential<...>"), from
+// type_name's __PRETTY_FUNCTION__ text, for messages.
+template <class T>
+std::string type_label() {
+  const std::string_view text = type_name<T>();
+  const auto begin = text.find("T = ");
+  if (begin == std::string_view::npos) return std::string(text);
+  const auto end = text.find_first_of(";]", begin);
+  return std::string(text.substr(begin + 4, end - begin - 4));
+}
+
+struct CheckpointImage {
+  std::vector<float> parameters, state;
+  std::vector<std::string> buffer_names;  // the optimizer's, in its order
+  std::vector<std::vector<float>> buffers;
+  std::string optimizer;
+  std::uint64_t optimizer_steps = 0;
+  float lr = 0.0f, base_lr = 0.0f;
+  std::uint64_t steps = 0;    // optimizer steps the trainer has taken
+  std::uint64_t seed = 0;     // the trainer's: Dropout's masks are keyed by it
+  std::uint64_t batches = 0;  // training batches: Dropout's step counter
+  TrainingPosition position;
+  std::optional<FitIdentity> fit;
+  std::string network, policy;  // what wrote it, for messages
+};
+
+// Numbers in the metadata (strings): doubles in their shortest form that
+// reads back to the same value, so a resumed run is bit-identical.
+template <class N>
+std::string number_text(N value) {
+  char text[64];
+  const auto [end, error] = std::to_chars(text, text + sizeof text, value);
+  return std::string(text, end);
+}
+
+template <class N>
+N parse_number(const io::SafetensorsFile& file, const std::string& key, const std::string& path) {
+  const std::string text = file.metadata(key);
+  N value{};
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  LOOM_CHECK(error == std::errc{} && end == text.data() + text.size(), "checkpoint '", path,
+             "': metadata '", key, "' is '", text, "', not a number");
+  return value;
+}
+
+template <class Net>
+void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& image) {
+  io::SafetensorsWriter writer;
+  const auto table = tensor_table<Net>();
+  for (const auto& slot : table) {
+    const auto& from = slot.state ? image.state : image.parameters;
+    writer.add(slot.name, std::span<const float>(from).subspan(slot.offset, slot.size()),
+               slot.shape);
+  }
+  for (std::size_t b = 0; b < image.buffers.size(); ++b)
+    for (const auto& slot : table)
+      if (!slot.state)
+        writer.add("optimizer." + image.buffer_names[b] + "." + slot.name,
+                   std::span<const float>(image.buffers[b]).subspan(slot.offset, slot.size()),
+                   slot.shape);
+  writer.set_metadata("format", std::string(checkpoint_format));
+  writer.set_metadata("network", image.network);
+  writer.set_metadata("policy", image.policy);
+  writer.set_metadata("optimizer", image.optimizer);
+  writer.set_metadata("optimizer.steps", number_text(image.optimizer_steps));
+  writer.set_metadata("optimizer.lr", number_text(image.lr));
+  writer.set_metadata("trainer.base_lr", number_text(image.base_lr));
+  writer.set_metadata("trainer.steps", number_text(image.steps));
+  writer.set_metadata("trainer.seed", number_text(image.seed));
+  writer.set_metadata("trainer.batches", number_text(image.batches));
+  const auto& p = image.position;
+  writer.set_metadata("position.epoch", number_text(p.epoch));
+  writer.set_metadata("position.batches", number_text(p.batches));
+  writer.set_metadata("position.steps", number_text(p.steps));
+  writer.set_metadata("position.ended", p.ended ? "1" : "0");
+  writer.set_metadata("position.loss_sum", number_text(p.loss_sum));
+  writer.set_metadata("position.correct", number_text(p.correct));
+  writer.set_metadata("position.samples", number_text(p.samples));
+  writer.set_metadata("position.seconds", number_text(p.seconds));
+  if (image.fit) {
+    const auto& f = *image.fit;
+    writer.set_metadata("fit.samples", number_text(f.samples));
+    writer.set_metadata("fit.batch_size", number_text(f.batch_size));
+    writer.set_metadata("fit.accumulation_steps", number_text(f.accumulation_steps));
+    writer.set_metadata("fit.seed", number_text(f.seed));
+    writer.set_metadata("fit.shuffle", f.shuffle ? "1" : "0");
+    writer.set_metadata("fit.drop_last", f.drop_last ? "1" : "0");
+    writer.set_metadata("fit.crop_padding", number_text(f.crop_padding));
+    writer.set_metadata("fit.horizontal_flip", f.horizontal_flip ? "1" : "0");
+  }
+  writer.write(path);
+}
+
+// Reads and checks everything before the caller changes anything: a
+// checkpoint that does not fit leaves the trainer as it was.
+// `buffer_names`: the optimizer's buffers this trainer keeps.
+template <class Net>
+CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_view optimizer,
+                                const std::vector<std::string>& buffer_names) {
+  const std::string where = path.string();
+  const auto file = io::SafetensorsFile::read(path);
+  LOOM_CHECK(file.metadata().contains("format") && file.metadata("format") == checkpoint_format,
+             "checkpoint '", where, "' is a safetensors file but not a loom checkpoint (its "
+             "metadata has no format '", checkpoint_format, "'); load weights-only files with "
+             "io::SafetensorsFile");
+  CheckpointImage image;
+  image.optimizer = file.metadata("optimizer");
+  image.network = file.metadata("network");
+  image.policy = file.metadata("policy");
+  LOOM_CHECK(image.optimizer == optimizer, "checkpoint '", where, "' was written by a trainer "
+             "using ", image.optimizer, ", but this one uses ", optimizer,
+             "; its optimizer state would not fit");
+  const auto table = tensor_table<Net>();
+  image.parameters.assign(Net::parameter_count, 0.0f);
+  image.state.assign(Net::state_count, 0.0f);
+  std::size_t expected = table.size();
+  for (const auto& slot : table) {
+    LOOM_CHECK(file.contains(slot.name), "checkpoint '", where, "' has no tensor '", slot.name,
+               "' of this network; it was written for ", image.network);
+    auto& into = slot.state ? image.state : image.parameters;
+    file.read(slot.name, std::span<float>(into).subspan(slot.offset, slot.size()), slot.shape);
+  }
+  image.buffer_names = buffer_names;
+  for (const auto& name : buffer_names) {
+    auto& buffer = image.buffers.emplace_back(Net::parameter_count, 0.0f);
+    for (const auto& slot : table) {
+      if (slot.state) continue;
+      const std::string key = "optimizer." + name + "." + slot.name;
+      LOOM_CHECK(file.contains(key), "checkpoint '", where, "' has no optimizer tensor '", key,
+                 "': it was written by ", image.optimizer, " with other options (e.g. without "
+                 "momentum)");
+      file.read(key, std::span<float>(buffer).subspan(slot.offset, slot.size()), slot.shape);
+      ++expected;
+    }
+  }
+  for (const auto& tensor : file.tensors()) {
+    bool known = false;
+    for (const auto& slot : table) known = known || tensor.name == slot.name;
+    for (const auto& name : buffer_names)
+      for (const auto& slot : table)
+        known = known || (!slot.state && tensor.name == "optimizer." + name + "." + slot.name);
+    LOOM_CHECK(known, "checkpoint '", where, "' holds tensor '", tensor.name,
+               "', which this network or optimizer does not have; it was written for ",
+               image.network, " with ", image.optimizer);
+  }
+  LOOM_CHECK(file.tensors().size() == expected, "checkpoint '", where, "' holds ",
+             file.tensors().size(), " tensors where ", expected, " were expected");
+  image.optimizer_steps = parse_number<std::uint64_t>(file, "optimizer.steps", where);
+  image.lr = parse_number<float>(file, "optimizer.lr", where);
+  image.base_lr = parse_number<float>(file, "trainer.base_lr", where);
+  image.steps = parse_number<std::uint64_t>(file, "trainer.steps", where);
+  image.seed = parse_number<std::uint64_t>(file, "trainer.seed", where);
+  image.batches = parse_number<std::uint64_t>(file, "trainer.batches", where);
+  auto& p = image.position;
+  p.epoch = parse_number<int>(file, "position.epoch", where);
+  p.batches = parse_number<std::size_t>(file, "position.batches", where);
+  p.steps = parse_number<std::size_t>(file, "position.steps", where);
+  p.ended = parse_number<int>(file, "position.ended", where) != 0;
+  p.loss_sum = parse_number<double>(file, "position.loss_sum", where);
+  p.correct = parse_number<std::size_t>(file, "position.correct", where);
+  p.samples = parse_number<std::size_t>(file, "position.samples", where);
+  p.seconds = parse_number<double>(file, "position.seconds", where);
+  LOOM_CHECK(image.lr >= 0.0f && image.base_lr > 0.0f, "checkpoint '", where,
+             "': learning rates ", image.lr, " (now) and ", image.base_lr,
+             " (base) must be >= 0 and > 0");
+  if (file.metadata().contains("fit.samples")) {
+    FitIdentity f;
+    f.samples = parse_number<std::size_t>(file, "fit.samples", where);
+    f.batch_size = parse_number<std::size_t>(file, "fit.batch_size", where);
+    f.accumulation_steps = parse_number<std::size_t>(file, "fit.accumulation_steps", where);
+    f.seed = parse_number<std::uint64_t>(file, "fit.seed", where);
+    f.shuffle = parse_number<int>(file, "fit.shuffle", where) != 0;
+    f.drop_last = parse_number<int>(file, "fit.drop_last", where) != 0;
+    f.crop_padding = parse_number<std::size_t>(file, "fit.crop_padding", where);
+    f.horizontal_flip = parse_number<int>(file, "fit.horizontal_flip", where) != 0;
+    LOOM_CHECK(f.batch_size > 0 && f.accumulation_steps > 0 && f.samples > 0, "checkpoint '",
+               where, "': its fit has batch size ", f.batch_size, ", ", f.accumulation_steps,
+               " batches per step and ", f.samples, " samples; none may be 0");
+    image.fit = f;
+  }
+  return image;
+}
+
+}  // namespace detail
+}  // namespace loom

@@ -1,0 +1,411 @@
+// Adam and AdamW against a plain reference, learning-rate schedules,
+// gradient clipping, checkpoints (names, round trips, mismatches), exact
+// resume and the metrics log, on one CPU device.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <loom/loom.hpp>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fashion_test.hpp"
+#include "loom_test.hpp"
+#include "temp_dir.hpp"
+
+using namespace loom;
+using loom::test::fashion;
+using loom::test::head;
+using loom::test::TempDir;
+
+namespace {
+
+using Mlp = Sequential<Input<1, 28, 28>, Flatten, Linear<32>, ReLU, Linear<10>>;
+// Running statistics and dropout masks are state a resumed run must get back.
+using Regularised = Sequential<Input<1, 28, 28>, Flatten, Linear<32>, BatchNorm1d, ReLU,
+                               Dropout<0.25>, Linear<10>>;
+
+std::vector<float> copy(std::span<const float> values) { return {values.begin(), values.end()}; }
+
+// Adam as Kingma & Ba write it, in double: the reference the fused float
+// update is held to.
+struct ReferenceAdam {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool decoupled;
+  std::vector<double> m, v;
+  int t = 0;
+  void step(std::vector<double>& w, const std::vector<double>& g) {
+    ++t;
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      if (decoupled) w[i] -= lr * weight_decay * w[i];
+      const double grad = g[i] + (decoupled ? 0.0 : weight_decay * w[i]);
+      m[i] = beta1 * m[i] + (1 - beta1) * grad;
+      v[i] = beta2 * v[i] + (1 - beta2) * grad * grad;
+      const double m_hat = m[i] / (1 - std::pow(beta1, t));
+      const double v_hat = v[i] / (1 - std::pow(beta2, t));
+      w[i] -= lr * m_hat / (std::sqrt(v_hat) + eps);
+    }
+  }
+};
+
+// The learning rate each step begins with.
+struct RecordRates {
+  std::vector<float>* rates;
+  template <class T>
+  void on_step_begin(const StepBegin&, T& trainer) {
+    rates->push_back(trainer.optimizer().options().lr);
+  }
+};
+
+// Ends fit() after optimizer step k.
+struct StopAfter {
+  std::uint64_t k;
+  template <class T>
+  void on_step(const StepInfo&, T& trainer) {
+    if (trainer.steps() == k) trainer.stop();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("adam: the first step moves each weight by lr against its gradient's sign") {
+  // m_hat = g and v_hat = g^2 after one step: the update is lr * g / (|g| + eps).
+  Adam::State<double> adam({.lr = 0.1f}, 3);
+  std::vector<double> w{1.0, -2.0, 0.5}, g{0.3, -4.0, 0.0};
+  adam.step(w, g);
+  // The options are floats: lr and eps as the optimizer holds them.
+  const double lr = 0.1f, eps = 1e-8f;
+  REQUIRE(w[0] == Approx(1.0 - lr * 0.3 / (0.3 + eps)).epsilon(1e-12));
+  REQUIRE(w[1] == Approx(-2.0 + lr * 4.0 / (4.0 + eps)).epsilon(1e-12));
+  REQUIRE(w[2] == 0.5);
+  REQUIRE(adam.steps() == 1);
+  REQUIRE(adam.buffer_count() == 2);
+  REQUIRE(adam.buffer_name(0) == "exp_avg");
+  REQUIRE(adam.buffer(0)[1] == Approx((1.0 - double(0.9f)) * -4.0).epsilon(1e-12));
+  REQUIRE(adam.buffer(1)[1] == Approx((1.0 - double(0.999f)) * 16.0).epsilon(1e-12));
+
+  SECTION("Adam adds weight decay to the gradient, AdamW decays the weight apart") {
+    Adam::State<double> l2({.lr = 0.1f, .weight_decay = 0.5f}, 1);
+    AdamW::State<double> decoupled({.lr = 0.1f, .weight_decay = 0.5f}, 1);
+    std::vector<double> a{2.0}, b{2.0};
+    l2.step(a, std::vector<double>{-0.2});  // gradient -0.2 + 0.5 * 2 = 0.8 > 0
+    decoupled.step(b, std::vector<double>{-0.2});
+    REQUIRE(a[0] == Approx(2.0 - lr * 0.8 / (0.8 + eps)).epsilon(1e-12));
+    REQUIRE(b[0] == Approx(2.0 * (1 - lr * 0.5) + lr * 0.2 / (0.2 + eps)).epsilon(1e-12));
+  }
+  SECTION("AdamW's defaults are PyTorch's") {
+    REQUIRE(AdamW::Options{}.lr == 1e-3f);
+    REQUIRE(AdamW::Options{}.weight_decay == 1e-2f);
+    REQUIRE(Adam::Options{}.weight_decay == 0.0f);
+    REQUIRE(AdamW::Options{}.beta2 == 0.999f);
+  }
+  SECTION("bad options") {
+    REQUIRE_THROWS_WITH(AdamW::State<float>({.lr = 0.0f}, 1),
+                        Catch::Contains("AdamW: learning rate must be positive"));
+    REQUIRE_THROWS_WITH(Adam::State<float>({.beta2 = 1.0f}, 1),
+                        Catch::Contains("Adam: beta2 must be in [0, 1)"));
+    REQUIRE_THROWS_WITH(Adam::State<float>({.eps = 0.0f}, 1),
+                        Catch::Contains("eps must be positive"));
+  }
+}
+
+TEST_CASE("adam: 50 float steps follow the double reference, with and without decoupled decay") {
+  for (const bool decoupled : {false, true}) {
+    const std::size_t n = 257;
+    auto w = test::random_vector<float>(n, 3);
+    std::vector<double> ref(w.begin(), w.end());
+    ReferenceAdam reference{0.01, 0.9, 0.999, 1e-8, 0.05, decoupled,
+                            std::vector<double>(n), std::vector<double>(n)};
+    Adam::State<float> adam({.lr = 0.01f, .weight_decay = 0.05f}, n);
+    AdamW::State<float> adamw({.lr = 0.01f, .weight_decay = 0.05f}, n);
+    for (int s = 0; s < 50; ++s) {
+      const auto g = test::random_vector<float>(n, 100 + s, -2.0, 2.0);
+      if (decoupled)
+        adamw.step(w, g);
+      else
+        adam.step(w, g);
+      reference.step(ref, std::vector<double>(g.begin(), g.end()));
+    }
+    test::require_close(w, ref, {1e-5, 1e-5}, decoupled ? "AdamW weights" : "Adam weights");
+  }
+}
+
+TEST_CASE("schedules: constant, step decay, cosine and warm-up factors") {
+  REQUIRE(schedules::Constant{}(7, 10) == 1.0);
+  const schedules::StepDecay decay{.every = 3, .gamma = 0.5};
+  REQUIRE(decay(2, 100) == 1.0);
+  REQUIRE(decay(3, 100) == 0.5);
+  REQUIRE(decay(7, 100) == 0.25);
+  const schedules::Cosine cosine{.min_factor = 0.1};
+  REQUIRE(cosine(0, 100) == 1.0);
+  REQUIRE(cosine(50, 100) == Approx(0.55));
+  REQUIRE(cosine(100, 100) == Approx(0.1));
+  const schedules::Warmup<schedules::Cosine> warm{.steps = 4, .start_factor = 0.2, .after = {}};
+  REQUIRE(warm(0, 14) == 0.2);
+  REQUIRE(warm(2, 14) == Approx(0.6));
+  REQUIRE(warm(4, 14) == 1.0);               // the cosine's first step
+  REQUIRE(warm(9, 14) == Approx(0.5));       // half-way through its 10
+  REQUIRE_THROWS_WITH((schedules::StepDecay{.every = 0}(1, 2)), Catch::Contains("at least 1"));
+}
+
+TEST_CASE("schedules: LrSchedule sets each step's rate, scaled linearly with the global batch") {
+  const auto train = head(fashion().train, 320);
+  std::vector<float> rates;
+  Trainer<Mlp, SingleDevice, AdamW> trainer(devices::cpu(1), {.lr = 0.004f});
+  // 320 samples in batches of 32, two per step: 5 steps an epoch, 10 in all;
+  // the rate is for 128 samples a step, and a step has 64.
+  trainer.fit(train, {.epochs = 2, .batch_size = 32, .accumulation_steps = 2},
+              callbacks::LrSchedule<schedules::Warmup<schedules::Cosine>>{
+                  .schedule = {.steps = 2, .start_factor = 0.5, .after = {}},
+                  .reference_batch = 128},
+              RecordRates{&rates});
+  REQUIRE(rates.size() == 10);
+  const double base = 0.004 * 64.0 / 128.0;
+  REQUIRE(rates[0] == Approx(base * 0.5));
+  REQUIRE(rates[1] == Approx(base * 0.75));
+  REQUIRE(rates[2] == Approx(base));
+  for (std::size_t s = 2; s < 10; ++s)
+    REQUIRE(rates[s] == Approx(base * 0.5 * (1 + std::cos(M_PI * double(s - 2) / 8.0))));
+  REQUIRE(trainer.base_lr() == 0.004f);
+  REQUIRE(trainer.steps() == 10);
+}
+
+TEST_CASE("clipping: gradients above the global norm are scaled to it, layer by layer in double") {
+  Model<Mlp, float> model(1);
+  auto g = model.gradients();
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = (i % 7 == 0 ? 0.01f : -0.002f) * float(i % 5);
+  double squares = 0.0;
+  for (const float x : g) squares += double(x) * double(x);
+  const double norm = std::sqrt(squares);
+  const auto before = copy(g);
+  SECTION("above: scaled by max / (norm + 1e-6)") {
+    const float factor = clip_gradients<Mlp>(g, norm / 4);
+    REQUIRE(factor == static_cast<float>((norm / 4) / (norm + 1e-6)));
+    for (std::size_t i = 0; i < g.size(); ++i) REQUIRE(g[i] == before[i] * factor);
+  }
+  SECTION("below: untouched") {
+    REQUIRE(clip_gradients<Mlp>(g, norm * 2) == 1.0f);
+    test::require_equal(g, before, "gradients under the norm");
+  }
+}
+
+TEST_CASE("clipping: fit with max_grad_norm equals a hand-written clipped loop") {
+  const auto train = head(fashion().train, 256);
+  Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.5f, .momentum = 0.9f}, {.seed = 4});
+  trainer.fit(train, {.epochs = 1, .batch_size = 64, .shuffle = false, .max_grad_norm = 0.25f});
+
+  Model<Mlp, float> model(4);
+  SGD::State<float> sgd({.lr = 0.5f, .momentum = 0.9f}, Mlp::parameter_count);
+  std::size_t clipped = 0;
+  for (std::size_t first = 0; first < 256; first += 64) {
+    const float* logits = model.forward(train.images.data() + first * 784, 64);
+    SoftmaxCrossEntropy::evaluate<float>(logits, train.labels.data() + first, 64, 10, 64,
+                                         model.output_gradient());
+    model.backward();
+    clipped += clip_gradients<Mlp>(model.gradients(), 0.25) < 1.0f;
+    sgd.step(model.parameters(), model.gradients());
+  }
+  REQUIRE(clipped >= 2);  // the bound was reached: the test compares clipped steps
+  test::require_equal(trainer.model().parameters(), model.parameters(), "clipped weights");
+}
+
+TEST_CASE("checkpoints: tensors are named by layer index and kind, in PyTorch's shapes") {
+  using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>,
+                           ReLU, MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
+  const auto table = tensor_table<LeNet>();
+  REQUIRE(table.size() == 8);
+  REQUIRE(table[0].name == "1.conv.weight");
+  REQUIRE(table[0].shape == std::vector<std::size_t>{20, 1, 5, 5});
+  REQUIRE(table[3].name == "4.conv.bias");
+  REQUIRE(table[4].name == "8.linear.weight");
+  REQUIRE(table[4].shape == std::vector<std::size_t>{500, 800});
+  REQUIRE(table[7].name == "10.linear.bias");
+  REQUIRE(table[7].offset + 10 == LeNet::parameter_count);
+
+  SECTION("every parameter and running statistic once, residual bodies and GRUs included") {
+    using Deep = Sequential<Input<1, 8, 8>, Conv2d<4, 3, 1, 1>, BatchNorm2d, ReLU,
+                            Residual<Conv2d<8, 3, 2, 1>, BatchNorm2d, ReLU, Conv2d<8, 3, 1, 1>>,
+                            GlobalAvgPool, Reshape<2, 4>, GRU<6>, Linear<10>>;
+    const auto deep = tensor_table<Deep>();
+    std::vector<int> params(Deep::parameter_count), state(Deep::state_count);
+    for (const auto& slot : deep)
+      for (std::size_t i = 0; i < slot.size(); ++i) ++(slot.state ? state : params)[slot.offset + i];
+    REQUIRE(std::ranges::count(params, 1) == std::ssize(params));
+    REQUIRE(std::ranges::count(state, 1) == std::ssize(state));
+    const auto named = [&](const std::string& name) {
+      return std::ranges::find_if(deep, [&](const auto& s) { return s.name == name; }) != deep.end();
+    };
+    REQUIRE(named("2.batchnorm.running_var"));
+    REQUIRE(named("4.residual.body.0.conv.weight"));
+    REQUIRE(named("4.residual.body.1.batchnorm.running_mean"));
+    REQUIRE(named("4.residual.shortcut.conv.weight"));
+    REQUIRE(named("7.gru.weight_hh_l0"));
+  }
+}
+
+TEST_CASE("checkpoints: save and load give back weights, statistics and optimizer state") {
+  TempDir dir;
+  const auto train = head(fashion().train, 256);
+  const auto test = head(fashion().test, 200);
+  Trainer<Regularised, SingleDevice, AdamW> trainer(devices::cpu(1), {.lr = 0.002f});
+  trainer.fit(train, {.epochs = 1, .batch_size = 64});
+  trainer.save(dir.file("a.safetensors"));
+
+  Trainer<Regularised, SingleDevice, AdamW> loaded(devices::cpu(1), {.lr = 0.002f}, {.seed = 9});
+  loaded.load(dir.file("a.safetensors"));
+  test::require_equal(loaded.model().parameters(), trainer.model().parameters(), "weights");
+  test::require_equal(loaded.model().state(), trainer.model().state(), "running statistics");
+  test::require_equal(loaded.optimizer().buffer(1), trainer.optimizer().buffer(1), "exp_avg_sq");
+  REQUIRE(loaded.optimizer().steps() == 4);
+  REQUIRE(loaded.steps() == 4);
+  REQUIRE(loaded.evaluate(test, 100).loss == trainer.evaluate(test, 100).loss);
+
+  const auto file = io::SafetensorsFile::read(dir.file("a.safetensors"));
+  REQUIRE(file.metadata("optimizer") == "AdamW");
+  REQUIRE(file.metadata("position.epoch") == "1");
+  REQUIRE(file.metadata("position.ended") == "1");
+  REQUIRE(file.contains("optimizer.exp_avg.2.linear.weight"));
+  REQUIRE(file.info("3.batchnorm.running_mean").shape == std::vector<std::size_t>{32});
+}
+
+TEST_CASE("checkpoints: a checkpoint that does not fit is refused, and loses nothing") {
+  TempDir dir;
+  const auto train = head(fashion().train, 128);
+  Trainer<Mlp> sgd(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  sgd.fit(train, {.epochs = 1, .batch_size = 64});
+  sgd.save(dir.file("mlp.safetensors"));
+
+  SECTION("another network: the first tensor whose shape differs") {
+    using Wider = Sequential<Input<1, 28, 28>, Flatten, Linear<48>, ReLU, Linear<10>>;
+    Trainer<Wider> wider(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+    const auto before = copy(wider.model().parameters());
+    REQUIRE_THROWS_WITH(wider.load(dir.file("mlp.safetensors")),
+                        Catch::Contains("'2.linear.weight'") && Catch::Contains("[32,784]") &&
+                            Catch::Contains("[48,784]"));
+    test::require_equal(wider.model().parameters(), before, "weights after a refused load");
+  }
+  SECTION("another optimizer") {
+    Trainer<Mlp, SingleDevice, Adam> adam(devices::cpu(1), {});
+    REQUIRE_THROWS_WITH(adam.load(dir.file("mlp.safetensors")),
+                        Catch::Contains("written by a trainer using SGD, but this one uses Adam"));
+  }
+  SECTION("SGD with and without momentum") {
+    Trainer<Mlp> plain(devices::cpu(1), {.lr = 0.01f});
+    REQUIRE_THROWS_WITH(plain.load(dir.file("mlp.safetensors")),
+                        Catch::Contains("holds tensor 'optimizer.momentum_buffer.2.linear.weight'"));
+    Trainer<Mlp> plain_source(devices::cpu(1), {.lr = 0.01f});
+    plain_source.save(dir.file("plain.safetensors"));
+    REQUIRE_THROWS_WITH(sgd.load(dir.file("plain.safetensors")),
+                        Catch::Contains("has no optimizer tensor 'optimizer.momentum_buffer"));
+  }
+  SECTION("a missing file, and a safetensors file that is no checkpoint") {
+    REQUIRE_THROWS_WITH(sgd.load(dir.file("none.safetensors")), Catch::Contains("none.safetensors"));
+    io::SafetensorsWriter writer;
+    const std::vector<float> one{1.0f};
+    writer.add("x", one, {1});
+    writer.write(dir.file("plain-tensors.safetensors"));
+    REQUIRE_THROWS_WITH(sgd.load(dir.file("plain-tensors.safetensors")),
+                        Catch::Contains("not a loom checkpoint"));
+  }
+  SECTION("resuming with other fit options") {
+    Trainer<Mlp> again(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+    sgd.fit(train, {.epochs = 2, .batch_size = 64}, callbacks::Checkpoint({
+                                                        .path = dir.file("mid.safetensors"),
+                                                        .every_steps = 3,
+                                                        .every_epoch = false,
+                                                        .at_end = false}));
+    again.load(dir.file("mid.safetensors"));
+    REQUIRE_THROWS_WITH(again.fit(train, {.epochs = 2, .batch_size = 32}),
+                        Catch::Contains("with batch size 64, but this fit has 32"));
+  }
+}
+
+TEST_CASE("checkpoints: stopping after k steps and resuming gives the uninterrupted weights") {
+  TempDir dir;
+  const auto train = head(fashion().train, 600);
+  // 600 samples, batches of 50 two to a step: 6 steps an epoch, 18 in all.
+  const FitOptions fit{.epochs = 3, .batch_size = 50, .seed = 3, .accumulation_steps = 2,
+                       .augment = {.crop_padding = 2, .horizontal_flip = true},
+                       .max_grad_norm = 1.0f};
+  using Schedule = callbacks::LrSchedule<schedules::Warmup<schedules::Cosine>>;
+  const Schedule schedule{.schedule = {.steps = 3, .start_factor = 0.3, .after = {}}};
+  const AdamW::Options adamw{.lr = 0.003f};
+
+  Trainer<Regularised, SingleDevice, AdamW> whole(devices::cpu(1), adamw, {.seed = 11});
+  std::vector<EpochInfo> whole_epochs;
+  struct Epochs {
+    std::vector<EpochInfo>* seen;
+    void on_epoch_end(const EpochInfo& e) { seen->push_back(e); }
+  };
+  whole.fit(train, fit, schedule, Epochs{&whole_epochs});
+
+  // Stops after step k: 8 is mid-epoch; 12 ends epoch 2, saved before its
+  // end callbacks ran, or (at_end) after. A fresh trainer loads the
+  // checkpoint and goes on; `resumed`: the epochs it then ends.
+  struct Case {
+    std::size_t k;
+    bool at_end;
+    std::size_t resumed;
+  };
+  for (const auto [k, at_end, resumed] : {Case{8, false, 2}, Case{12, false, 2}, Case{12, true, 1}}) {
+    const auto path = dir.file("resume-" + std::to_string(k) + ".safetensors");
+    {
+      Trainer<Regularised, SingleDevice, AdamW> first(devices::cpu(1), adamw, {.seed = 11});
+      first.fit(train, fit, schedule, StopAfter{k},
+                callbacks::Checkpoint(
+                    {.path = path, .every_steps = k, .every_epoch = false, .at_end = at_end}));
+      REQUIRE(first.steps() == k);
+    }
+    Trainer<Regularised, SingleDevice, AdamW> second(devices::cpu(1), adamw, {.seed = 99});
+    second.load(path);
+    std::vector<EpochInfo> epochs;
+    second.fit(train, fit, schedule, Epochs{&epochs});
+    INFO("stopped after step " << k << (at_end ? ", saved at the end" : ""));
+    REQUIRE(second.steps() == 18);
+    test::require_equal(second.model().parameters(), whole.model().parameters(), "weights");
+    test::require_equal(second.model().state(), whole.model().state(), "running statistics");
+    test::require_equal(second.optimizer().buffer(0), whole.optimizer().buffer(0), "exp_avg");
+    // The resumed epochs report what the uninterrupted ones did.
+    REQUIRE(epochs.size() == resumed);
+    REQUIRE(epochs.back().loss == whole_epochs.back().loss);
+    REQUIRE(epochs.front().loss == whole_epochs[whole_epochs.size() - epochs.size()].loss);
+  }
+}
+
+TEST_CASE("metrics: one JSON line per step and per epoch, with the test set's figures") {
+  TempDir dir;
+  const auto train = head(fashion().train, 256);
+  const auto test = head(fashion().test, 100);
+  callbacks::Evaluate evaluate(test, nullptr);
+  Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.02f, .momentum = 0.9f});
+  trainer.fit(train, {.epochs = 2, .batch_size = 64}, evaluate,
+              callbacks::MultiStepLR{.milestones = {1}, .factor = 0.5f, .out = nullptr},
+              callbacks::Metrics({.path = dir.file("m.jsonl"), .evaluate = &evaluate}));
+  std::ifstream in(dir.file("m.jsonl"));
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  REQUIRE(lines.size() == 2 * 4 + 2);
+  const auto& first = lines[0];
+  REQUIRE(first["kind"] == "step");
+  REQUIRE(first["step"] == 1);
+  REQUIRE(first["epoch"] == 1);
+  REQUIRE(first["lr"].get<double>() == Approx(0.02));
+  REQUIRE(first["loss"].get<double>() > 1.5);  // untrained: about ln 10
+  REQUIRE(first["samples_per_second"].get<double>() > 0.0);
+  REQUIRE(first["device_step_seconds"].size() == 1);
+  // The epoch's running loss is the mean of its steps' (equal batches).
+  double sum = 0.0;
+  for (int s = 0; s < 4; ++s) sum += lines[s]["loss"].get<double>();
+  REQUIRE(lines[3]["epoch_loss"].get<double>() == Approx(sum / 4));
+  const auto& epoch = lines[4];
+  REQUIRE(epoch["kind"] == "epoch");
+  REQUIRE(epoch["loss"].get<double>() == Approx(sum / 4));
+  REQUIRE(epoch["test_accuracy"].get<double>() == evaluate.history[0].accuracy);
+  REQUIRE(lines[5]["lr"].get<double>() == Approx(0.01));
+  REQUIRE(lines[9]["step"] == 8);
+
+  REQUIRE_THROWS_WITH(callbacks::Metrics({.path = dir.file("no-such-folder/m.jsonl")}),
+                      Catch::Contains("cannot open") && Catch::Contains("no-such-folder"));
+}
