@@ -6,11 +6,15 @@ LOOM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # Everything a build with tests, examples and benchmarks needs (DESIGN.md,
 # "Dependencies"); the CUDA toolkit is not a Debian package and is not here.
+# The Python packages serve the interop tests and scripts/plot_metrics.py
+# (safetensors, which Debian 12 lacks, comes from PyPI into a venv; see
+# tests/interop/run_torch_interop.sh).
 LOOM_DEBIAN_PACKAGES=(
   cmake ninja-build g++ zlib1g-dev
   libopenblas-dev catch2 nlohmann-json3-dev libcli11-dev
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist
+  python3-torch python3-matplotlib python3-venv
 )
 
 # loom_install_packages PACKAGE...: installs whichever of the Debian packages
