@@ -73,7 +73,7 @@ DataParallelFigures data_parallel(const Batches& data, const loom::bench::Option
   double reduce = 0.0, hidden = 0.0;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     const auto start = Clock::now();
-    engine.micro_step(data.images(s), data.labels(s), data.batch, data.batch, false, true, sgd.lr);
+    engine.micro_step(data.images(s), data.labels(s), data.batch, data.batch, false, true, {.lr = sgd.lr});
     const auto stop = Clock::now();
     if (s < o.warmup) continue;
     ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());

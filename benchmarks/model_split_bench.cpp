@@ -67,7 +67,7 @@ template <class Engine, class Measured>
 void run_steps(Engine& engine, const Batches& data, const Options& o, Measured&& measured) {
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     const auto start = Clock::now();
-    engine.micro_step(data.images(s), data.labels(s), data.batch, data.batch, false, true, sgd.lr);
+    engine.micro_step(data.images(s), data.labels(s), data.batch, data.batch, false, true, {.lr = sgd.lr});
     const auto stop = Clock::now();
     if (s >= o.warmup) measured(ms(stop - start));
   }

@@ -4,8 +4,13 @@
 // the same order (they are collective); CTest's timeout turns a hang into a
 // failure.
 #define CATCH_CONFIG_RUNNER
+#include <unistd.h>
+
+#include <array>
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <loom/loom.hpp>
+#include <string>
 #include <vector>
 
 #include "fashion_test.hpp"
@@ -149,4 +154,50 @@ TEST_CASE("mpi: ranks that train different networks stop with a clear error, not
                                               "than rank " +
                                               std::to_string(environment->rank())) &&
                                   Catch::Contains("Start every rank from the same program"));
+}
+
+TEST_CASE("mpi: checkpoints across processes: rank 0 writes, every rank loads, a failure stops all") {
+  auto world = environment->world();
+  // One folder for both processes (one node): named by rank 0's process id.
+  std::array<double, 1> id{static_cast<double>(::getpid())};
+  world.broadcast(std::span<double>(id), 0);
+  const auto folder = std::filesystem::temp_directory_path() /
+                      ("loom-mpi-checkpoint-" + std::to_string(static_cast<long>(id[0])));
+  if (environment->rank() == 0) std::filesystem::create_directories(folder);
+  world.barrier();
+  const std::string path = (folder / "split.safetensors").string();
+
+  const auto part = test::head(test::fashion().train, 480);  // 8 steps of 60
+  const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
+  {
+    // ModelSplit over the 2 processes stops after step 5 and saves: the
+    // stages' weights and momentum are gathered, rank 0 writes.
+    Trainer<LeNet, ModelSplit<Balanced<2>>> first(environment->devices(), sgd, {.seed = 7},
+                                                  comm::Comm(environment->world()));
+    first.fit(part, fit, callbacks::Checkpoint({.path = path, .every_steps = 5,
+                                                .every_epoch = false, .at_end = false}));
+    REQUIRE_THROWS_WITH(first.save((folder / "missing" / "x.safetensors").string()),
+                        Catch::Contains("x.safetensors"));
+  }
+  // Every rank reads it: DataParallel over the processes finishes the epoch
+  // and reaches what one device reaches uninterrupted.
+  Trainer<LeNet, DataParallel<>> second(environment->devices(), sgd, {.seed = 1},
+                                        comm::Comm(environment->world()));
+  second.load(path);
+  REQUIRE(second.steps() == 5);
+  second.fit(part, fit);
+  Trainer<LeNet> single(devices::cpu(1), sgd, {.seed = 7});
+  single.fit(part, fit);
+  test::require_close(second.model().parameters(), single.model().parameters(), {1e-6, 1e-4},
+                      "weights after the resumed epoch");
+  // Each rank loads a path of its own, and only rank 0's exists: rank 0
+  // must not go on alone.
+  const std::string mine = (folder / ("rank-" + std::to_string(environment->rank()))).string();
+  if (environment->rank() == 0) std::filesystem::copy_file(path, mine);
+  world.barrier();
+  REQUIRE_THROWS_WITH(second.load(mine),
+                      Catch::Contains(environment->rank() == 0 ? "another process could not read"
+                                                                : "rank-1"));
+  world.barrier();
+  if (environment->rank() == 0) std::filesystem::remove_all(folder);
 }

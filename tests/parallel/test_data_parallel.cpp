@@ -170,7 +170,7 @@ TEST_CASE("DataParallel: a failure on one rank is that rank's error, the others 
   auto& engine = trainer.data_parallel();
   engine.reserve(100);
   REQUIRE_THROWS_WITH(engine.micro_step(part.images.data(), labels.data(), 100, 100, false, true,
-                                        0.01f),
+                                        {.lr = 0.01f}),
                       Catch::Contains("label 12 of sample 2 is outside the network's 10 classes"));
   REQUIRE_THROWS_WITH(trainer.fit(part, {.epochs = 1, .batch_size = 100}),
                       Catch::Contains("an earlier step failed"));

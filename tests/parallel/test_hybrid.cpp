@@ -173,7 +173,7 @@ TEST_CASE("Hybrid: wrong device counts and a failing rank are clear errors, not 
   Trainer<LeNet, Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>> trainer(devices::cpu(4), sgd);
   auto& engine = trainer.model_split();
   REQUIRE_THROWS_WITH(engine.micro_step(part.images.data(), labels.data(), 100, 100, false, true,
-                                        0.01f),
+                                        {.lr = 0.01f}),
                       Catch::Contains("label 12 of sample 4 is outside the network's 10 classes"));
   REQUIRE_THROWS_WITH(trainer.fit(part, {.epochs = 1, .batch_size = 100}),
                       Catch::Contains("an earlier step failed"));

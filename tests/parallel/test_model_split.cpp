@@ -191,7 +191,7 @@ TEST_CASE("ModelSplit: a failing stage's own error reaches fit, the others do no
   Trainer<LeNet, ModelSplit<Balanced<3>, OneFOneB<4>>> trainer(devices::cpu(3), sgd);
   auto& engine = trainer.model_split();
   REQUIRE_THROWS_WITH(engine.micro_step(part.images.data(), labels.data(), 100, 100, false, true,
-                                        0.01f),
+                                        {.lr = 0.01f}),
                       Catch::Contains("label 12 of sample 2 is outside the network's 10 classes"));
   REQUIRE_THROWS_WITH(trainer.fit(part, {.epochs = 1, .batch_size = 100}),
                       Catch::Contains("an earlier step failed"));

@@ -11,12 +11,14 @@
 
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
+#include "stop_after.hpp"
 #include "temp_dir.hpp"
 
 using namespace loom;
 namespace test = loom::test;
 using test::fashion;
 using test::head;
+using test::StopAfter;
 using test::TempDir;
 
 namespace {
@@ -39,14 +41,6 @@ Trainer<Mlp3, Policy, AdamW> make(std::size_t devices, std::uint64_t seed = 7) {
 }
 
 std::vector<float> copy(std::span<const float> values) { return {values.begin(), values.end()}; }
-
-struct StopAfter {
-  std::uint64_t k;
-  template <class T>
-  void on_step(const StepInfo&, T& trainer) {
-    if (trainer.steps() == k) trainer.stop();
-  }
-};
 
 // Sums of the same gradients in another order: float rounding, grown over
 // 16 Adam steps.
@@ -125,4 +119,68 @@ TEST_CASE("training policies: a checkpoint moves between policies and device cou
   REQUIRE(hybrid.steps() == 16);
   test::require_close(hybrid.model().parameters(), single.model().parameters(), tolerance,
                       "weights after DataParallel -> ModelSplit -> Hybrid");
+}
+
+TEST_CASE("training policies: bf16 and fp16 under every policy, every rank skipping the same steps") {
+  const auto train = head(fashion().train, 1200);
+  const auto test_set = head(fashion().test, 500);
+  // fp16 from a scale far too large: the first steps overflow and are
+  // skipped, on every rank together, until the scale has backed off.
+  const TrainerOptions fp16{.seed = 7,
+                            .precision = Precision::fp16,
+                            .loss_scaling = {.initial_scale = 0x1p30f}};
+  const TrainerOptions bf16{.seed = 7, .precision = Precision::bf16};
+  const FitOptions one_epoch{.epochs = 1, .batch_size = 60};
+  const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
+  const auto first_batch = head(train, 60);
+  auto one_device = devices::cpu(1);
+  one_device.front().threads = 1;
+  Trainer<Mlp3, SingleDevice, SGD> single_step(one_device, sgd, bf16);
+  single_step.fit(first_batch, one_epoch);
+
+  const auto check = [&]<class Policy>(std::size_t devices) {
+    auto workers = devices::cpu(devices);
+    for (auto& d : workers) d.threads = 1;
+    // Each replica or micro-batch rounds its own share's gradients: bf16's
+    // 8-bit mantissa, not fp32's rounding, bounds the difference after a
+    // step. (Twenty steps of SGD with momentum grow it into noise: test
+    // accuracy then spreads over 5 points between seeds, policies and
+    // precisions alike, so the epoch is held only to learning.)
+    Trainer<Mlp3, Policy, SGD> step(workers, sgd, bf16);
+    step.fit(first_batch, one_epoch);
+    test::require_close(step.model().parameters(), single_step.model().parameters(), {1e-4, 1e-2},
+                        std::string(Policy::name) + " bf16 weights after a step");
+    Trainer<Mlp3, Policy, SGD> reduced(workers, sgd, bf16);
+    reduced.fit(train, one_epoch);
+    REQUIRE(reduced.evaluate(test_set).accuracy > 0.6);
+    Trainer<Mlp3, Policy, SGD> half(workers, sgd, fp16);
+    half.fit(train, one_epoch);
+    REQUIRE(half.skipped_steps() >= 8);
+    REQUIRE(half.loss_scale() == std::ldexp(1.0f, 30 - static_cast<int>(half.skipped_steps())));
+    // About half the epoch's 20 steps were skipped; chance is 0.1.
+    REQUIRE(half.evaluate(test_set).accuracy > 0.45);
+  };
+  SECTION("DataParallel over 2: the replicas stay equal") {
+    check.template operator()<DataParallel<>>(2);
+    auto workers = devices::cpu(2);
+    Trainer<Mlp3, DataParallel<>, SGD> half(workers, sgd, fp16);
+    half.fit(train, one_epoch);
+    test::require_equal(half.data_parallel().replica_model(1).parameters(),
+                        half.data_parallel().replica_model(0).parameters(), "replica weights");
+  }
+  SECTION("ModelSplit, 3 stages") { check.template operator()<ModelSplit<Balanced<3>>>(3); }
+  SECTION("Hybrid 2 x 2") { check.template operator()<Hybrid<2, ModelSplit<Balanced<2>>>>(4); }
+}
+
+TEST_CASE("training policies: a pipeline's checkpoint holds weights edited through model()") {
+  TempDir dir;
+  auto split = make<ModelSplit<Balanced<3>>>(3);
+  split.fit(head(fashion().train, 120), {.epochs = 1, .batch_size = 60});
+  split.model().parameters()[5] = 42.0f;
+  split.save(dir.file("edited.safetensors"));
+  auto check = make<SingleDevice>(1, 99);
+  check.load(dir.file("edited.safetensors"), false);
+  REQUIRE(check.model().parameters()[5] == 42.0f);
+  // The stages took the edit too.
+  REQUIRE(split.model_split().stage_parameters(0)[5] == 42.0f);
 }

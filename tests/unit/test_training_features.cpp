@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <loom/loom.hpp>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -13,11 +14,13 @@
 
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
+#include "stop_after.hpp"
 #include "temp_dir.hpp"
 
 using namespace loom;
 using loom::test::fashion;
 using loom::test::head;
+using loom::test::StopAfter;
 using loom::test::TempDir;
 
 namespace {
@@ -59,11 +62,11 @@ struct RecordRates {
   }
 };
 
-// Ends fit() after optimizer step k.
-struct StopAfter {
+// Asks fit() to stop as optimizer step k + 1 begins: it ends after that step.
+struct StopAtStepBegin {
   std::uint64_t k;
   template <class T>
-  void on_step(const StepInfo&, T& trainer) {
+  void on_step_begin(const StepBegin&, T& trainer) {
     if (trainer.steps() == k) trainer.stop();
   }
 };
@@ -372,6 +375,56 @@ TEST_CASE("checkpoints: stopping after k steps and resuming gives the uninterrup
     REQUIRE(epochs.back().loss == whole_epochs.back().loss);
     REQUIRE(epochs.front().loss == whole_epochs[whole_epochs.size() - epochs.size()].loss);
   }
+}
+
+TEST_CASE("checkpoints: stop() mid-step, a refused resume, and a re-saved checkpoint resume exactly") {
+  TempDir dir;
+  const auto train = head(fashion().train, 400);
+  // 8 batches of 50, two to a step: 4 steps an epoch, 8 in all.
+  const FitOptions fit{.epochs = 2, .batch_size = 50, .seed = 1, .accumulation_steps = 2};
+  const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
+  Trainer<Regularised> whole(devices::cpu(1), sgd, {.seed = 5});
+  whole.fit(train, fit);
+  {
+    // stop() as step 6 begins: step 6 completes, both its batches.
+    Trainer<Regularised> first(devices::cpu(1), sgd, {.seed = 5});
+    first.fit(train, fit, StopAtStepBegin{5},
+              callbacks::Checkpoint({.path = dir.file("a.safetensors"), .every_epoch = false}));
+    REQUIRE(first.steps() == 6);
+    REQUIRE(first.position().batches == 4);
+    REQUIRE(first.position().steps == 2);
+  }
+  {
+    // load, then save again before any fit: the fit it belongs to goes along.
+    Trainer<Regularised> relay(devices::cpu(1), sgd, {.seed = 5});
+    relay.load(dir.file("a.safetensors"));
+    relay.save(dir.file("b.safetensors"));
+  }
+  Trainer<Regularised> second(devices::cpu(1), sgd, {.seed = 5});
+  second.load(dir.file("b.safetensors"));
+  FitOptions other = fit;
+  other.seed = 2;
+  REQUIRE_THROWS_WITH(second.fit(train, other), Catch::Contains("with seed 1, but this fit has 2"));
+  second.fit(train, fit);  // the refused fit took nothing: this one resumes
+  REQUIRE(second.steps() == 8);
+  test::require_equal(second.model().parameters(), whole.model().parameters(), "weights");
+}
+
+TEST_CASE("checkpoints: an error in a step leaves the position at the step's start") {
+  TempDir dir;
+  auto train = head(fashion().train, 300);
+  // A NaN in batch 5 (step 3, its second batch) with 2 batches of 50 a step.
+  train.images[5 * 50 * 784 + 7] = std::numeric_limits<float>::quiet_NaN();
+  Trainer<Regularised> trainer(devices::cpu(1), {.lr = 0.05f}, {.seed = 5});
+  REQUIRE_THROWS_WITH(
+      trainer.fit(train, {.epochs = 1, .batch_size = 50, .shuffle = false, .accumulation_steps = 2}),
+      Catch::Contains("at epoch 1, step 3"));
+  REQUIRE(trainer.position().batches == 4);
+  REQUIRE(trainer.position().steps == 2);
+  REQUIRE(trainer.steps() == 2);
+  trainer.save(dir.file("after-nan.safetensors"));
+  REQUIRE(io::SafetensorsFile::read(dir.file("after-nan.safetensors")).metadata("trainer.batches") ==
+          "4");
 }
 
 TEST_CASE("metrics: one JSON line per step and per epoch, with the test set's figures") {

@@ -13,12 +13,14 @@ struct SoftmaxCrossEntropy {
   using Sums = cpu::LossSums;
 
   // Loss and correct-count sums over `batch` rows; when dlogits is given it
-  // receives d(mean loss over global_batch)/d(logits).
+  // receives d(mean loss over global_batch)/d(logits), times loss_scale
+  // (fp16's loss scaling).
   template <class T>
   static Sums evaluate(const T* logits, const std::int32_t* labels, std::size_t batch,
-                       std::size_t classes, std::size_t global_batch, T* dlogits) {
-    return cpu::softmax_xent(logits, labels, batch, classes, T(1) / static_cast<T>(global_batch),
-                             dlogits);
+                       std::size_t classes, std::size_t global_batch, T* dlogits,
+                       float loss_scale = 1.0f) {
+    return cpu::softmax_xent(logits, labels, batch, classes,
+                             static_cast<T>(loss_scale) / static_cast<T>(global_batch), dlogits);
   }
 };
 

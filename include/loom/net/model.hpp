@@ -15,6 +15,7 @@
 #include "../core/arena.hpp"
 #include "../core/error.hpp"
 #include "../core/meta.hpp"
+#include "../core/precision.hpp"
 #include "sequential.hpp"
 
 namespace loom {
@@ -110,10 +111,17 @@ class Model {
     s.input = input;
     s.batch = n;
     s.pass = pass;
+    if (precision_ != Precision::fp32 && weights_stale_) {
+      std::ranges::copy(params_, compute_params_.begin());
+      round_to(precision_, compute_params_.data(), compute_params_.size());
+      weights_stale_ = false;
+    }
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       detail::run_forward<L, T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s),
                                 workspace_, n, context<i>(s));
+      if constexpr (!L::in_place)
+        round_to(precision_, layer_output<i>(s), n * L::output_shape::size);
     });
     return layer_output<layer_count - 1>(s);
   }
@@ -154,8 +162,26 @@ class Model {
     backward_slot(slot, accumulate, input_gradient, done);
   }
 
-  std::span<T> parameters() { return params_; }
+  // The fp32 master weights. (Handing them out marks the rounded copy a
+  // reduced precision computes with as stale.)
+  std::span<T> parameters() {
+    weights_stale_ = true;
+    return params_;
+  }
   std::span<const T> parameters() const { return params_; }
+
+  // The precision forward and backward compute in: with bf16 or fp16 the
+  // weights each layer uses, its outputs and the gradients it passes back
+  // (of its input and of its weights) are rounded to it, as the GPU's
+  // reduced-precision kernels store them; the parameters, their gradients'
+  // sums and the optimizer stay fp32.
+  void set_precision(Precision precision) {
+    if (precision == precision_) return;
+    precision_ = precision;
+    compute_params_.assign(precision == Precision::fp32 ? 0 : parameter_count, T(0));
+    weights_stale_ = true;
+  }
+  Precision precision() const { return precision_; }
   std::span<T> gradients() { return grads_; }
   std::span<const T> gradients() const { return grads_; }
   // Running statistics (BatchNorm's mean and variance), updated by training
@@ -183,9 +209,11 @@ class Model {
     if (n > capacity_) reserve(n);
   }
 
+  // The weights layers compute with: the rounded copy in a reduced precision.
   template <std::size_t I>
   T* layer_params() {
-    return params_.data() + detail::list_info<executed>::param_offsets[I];
+    return (precision_ == Precision::fp32 ? params_.data() : compute_params_.data()) +
+           detail::list_info<executed>::param_offsets[I];
   }
   template <std::size_t I>
   T* layer_grads() {
@@ -217,6 +245,13 @@ class Model {
       T* dx = i == 0 ? input_gradient : grad_buffers_[1 - current];
       detail::run_backward<L, T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s), dy, dx,
                                  layer_grads<i>(), workspace_, s.batch, accumulate, context<i>(s));
+      if (precision_ != Precision::fp32) {
+        // The weight gradients come out of reduced-precision GEMMs (with
+        // accumulation, the rounded sum stands for the fp32 one).
+        round_to(precision_, layer_grads<i>(), L::param_count);
+        if constexpr (!L::in_place)
+          if (dx != nullptr) round_to(precision_, dx, s.batch * L::input_shape::size);
+      }
       if (!L::in_place) current = 1 - current;
       done(std::size_t{i});
     });
@@ -244,6 +279,9 @@ class Model {
   }
 
   std::vector<T> params_;
+  std::vector<T> compute_params_;  // params_ rounded to precision_ (empty in fp32)
+  Precision precision_ = Precision::fp32;
+  bool weights_stale_ = true;  // params_ may have changed since compute_params_ was made
   std::vector<T> grads_;
   std::vector<T> state_;
   std::vector<T> kept_state_;

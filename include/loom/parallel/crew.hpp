@@ -22,10 +22,24 @@
 
 #include "../backend/cpu/threads.hpp"
 #include "../core/error.hpp"
+#include "../core/precision.hpp"
 
 namespace loom::data {
 struct Dataset;
 }
+
+namespace loom {
+
+// How an optimizer step trains, besides its data (the trainer's settings
+// for this step).
+struct StepSettings {
+  float lr = 0.0f;
+  float max_grad_norm = 0.0f;  // clip the gradients to this global norm (0: never)
+  Precision precision = Precision::fp32;
+  float loss_scale = 1.0f;  // fp16: the loss gradient's scale, divided out before the update
+};
+
+}  // namespace loom
 
 namespace loom::detail {
 
@@ -40,8 +54,8 @@ struct EngineJob {
   std::size_t group_samples = 0;  // samples of the optimizer step
   bool accumulate = false;        // add to the step's earlier gradients
   bool last = true;               // the step's last batch: reduce and update
-  float lr = 0.0f;
-  float max_grad_norm = 0.0f;  // clip the step's gradients to this global norm (0: never)
+  StepSettings settings{};  // training steps
+  Precision precision = Precision::fp32;  // evaluations
   Pass pass{};  // training: seed and step (each rank adds its samples' offset)
   const data::Dataset* dataset = nullptr;
   float* whole = nullptr;  // the whole network's weights (gather, scatter)

@@ -39,6 +39,7 @@
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "../optim/clip.hpp"
+#include "../optim/loss_scaler.hpp"
 #include "buckets.hpp"
 #include "crew.hpp"
 #include "reducer.hpp"
@@ -189,9 +190,11 @@ class DataParallelEngine {
   // the gradients of earlier micro-batches; last: reduce and update.
   // Returns the step's global loss and correct-count sums when `last`;
   // a non-finite loss skips the update on every rank (checked by the caller).
+  // A step whose scaled gradients overflowed is skipped on every rank
+  // (LossSums::overflowed).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
-                           std::size_t group_samples, bool accumulate, bool last, float lr,
-                           const Pass& pass = {.training = true}, float max_grad_norm = 0.0f) {
+                           std::size_t group_samples, bool accumulate, bool last,
+                           const StepSettings& settings, const Pass& pass = {.training = true}) {
     // A replica without a sample would miss the statistics' collectives.
     if constexpr (Net::syncs)
       LOOM_CHECK(n >= static_cast<std::size_t>(world()), Policy::name, ": a batch of ", n,
@@ -205,20 +208,29 @@ class DataParallelEngine {
          .group_samples = group_samples,
          .accumulate = accumulate,
          .last = last,
-         .lr = lr,
-         .max_grad_norm = max_grad_norm,
+         .settings = settings,
          .pass = pass});
-    return loss_sums(replicas_.front()->stats);
+    auto sums = loss_sums(replicas_.front()->stats);
+    sums.overflowed = replicas_.front()->overflowed;
+    return sums;
+  }
+
+  // How many ranks report `failed` (a collective: a checkpoint that one
+  // process could not write or read stops all of them).
+  std::size_t failures(bool failed) {
+    run({.kind = JobKind::agree, .n = failed ? 1u : 0u});
+    return static_cast<std::size_t>(replicas_.front()->stats[0]);
   }
 
   // Loss and correct-count sums over a data set, each rank taking its share.
-  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
-    run({.kind = JobKind::evaluate, .n = batch, .dataset = &dataset});
+  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
+                         Precision precision = Precision::fp32) {
+    run({.kind = JobKind::evaluate, .n = batch, .precision = precision, .dataset = &dataset});
     return loss_sums(replicas_.front()->stats);
   }
 
  private:
-  enum class JobKind { start, train, evaluate };
+  enum class JobKind { start, train, evaluate, agree };
   using Job = EngineJob<JobKind>;
 
   struct Replica {
@@ -242,6 +254,7 @@ class DataParallelEngine {
     std::array<double, 2> stats{};  // loss sum, correct count (this step, then global)
     StepTimeline timeline;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
+    bool overflowed = false;    // the last step's scaled gradients were not finite
     Reducer reducer;  // the replica's communication thread
   };
 
@@ -259,6 +272,9 @@ class DataParallelEngine {
       train(replica, job);
       replica.step_seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    } else if (job.kind == JobKind::agree) {
+      replica.stats = {static_cast<double>(job.n), 0.0};
+      replica.comm.all_reduce(std::span<double>(replica.stats), comm::ReduceOp::sum);
     } else {
       evaluate(replica, job);
     }
@@ -281,8 +297,12 @@ class DataParallelEngine {
   void train(Replica& replica, const Job& job) {
     const auto ranks = static_cast<std::size_t>(replica.comm.size());
     const auto share = batch_share(job.n, ranks, static_cast<std::size_t>(replica.comm.rank()));
-    if (!job.accumulate) replica.stats = {};
+    if (!job.accumulate) {
+      replica.stats = {};
+      replica.overflowed = false;
+    }
     auto& model = replica.model;
+    model.set_precision(job.settings.precision);
     std::size_t next_bucket = 0;
     const auto post_ready = [&](std::size_t layer) {
       // Stamped before the last buckets are posted: once posted, the
@@ -301,7 +321,7 @@ class DataParallelEngine {
           model.forward(job.images + share.first * sample_size, share.count, 0, pass);
       const auto sums = SoftmaxCrossEntropy::evaluate<float>(
           logits, job.labels + share.first, share.count, classes, job.group_samples,
-          model.output_gradient());
+          model.output_gradient(), job.settings.loss_scale);
       replica.stats[0] += sums.loss;
       replica.stats[1] += static_cast<double>(sums.correct);
       replica.timeline.backward_begin = StepTimeline::Clock::now();
@@ -326,14 +346,22 @@ class DataParallelEngine {
     // Every rank holds the same global sums, so all skip or all update; a
     // skipped step keeps the running statistics of the step before, too.
     if (!std::isfinite(replica.stats[0])) return model.restore_state();
-    // The reduced gradients are the same on every replica: so is their norm.
-    if (job.max_grad_norm > 0.0f) clip_gradients<Net>(model.gradients(), job.max_grad_norm);
-    if (replica.optimizer.options().lr != job.lr) replica.optimizer.set_lr(job.lr);
+    // The reduced gradients are the same on every replica: so are their
+    // overflow and their norm.
+    const auto& settings = job.settings;
+    if (settings.loss_scale != 1.0f &&
+        !unscale_gradients(model.gradients(), settings.loss_scale)) {
+      replica.overflowed = true;
+      return model.restore_state();
+    }
+    if (settings.max_grad_norm > 0.0f) clip_gradients<Net>(model.gradients(), settings.max_grad_norm);
+    if (replica.optimizer.options().lr != settings.lr) replica.optimizer.set_lr(settings.lr);
     replica.optimizer.step(model.parameters(), model.gradients());
   }
 
   void evaluate(Replica& replica, const Job& job) {
     share_state(replica);
+    replica.model.set_precision(job.precision);
     const auto& data = *job.dataset;
     const auto share = batch_share(data.count, static_cast<std::size_t>(replica.comm.size()),
                                    static_cast<std::size_t>(replica.comm.rank()));

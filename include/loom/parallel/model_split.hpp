@@ -45,6 +45,7 @@
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "../optim/clip.hpp"
+#include "../optim/loss_scaler.hpp"
 #include "buckets.hpp"
 #include "crew.hpp"
 #include "data_parallel.hpp"
@@ -148,6 +149,7 @@ class PipelineStage {
   virtual void backward(std::size_t slot, bool accumulate, float* input_gradient,
                         const std::function<void(std::size_t)>& done) = 0;
   virtual void update(float lr) = 0;
+  virtual void set_precision(Precision precision) = 0;
   // Its layers' squared gradient norms into their entries of the whole
   // network's (see optim/clip.hpp).
   virtual void add_layer_squares(std::span<const std::size_t> starts,
@@ -199,6 +201,7 @@ class StageOf final : public PipelineStage {
     if (optimizer_.options().lr != lr) optimizer_.set_lr(lr);
     optimizer_.step(model_.parameters(), model_.gradients());
   }
+  void set_precision(Precision precision) override { model_.set_precision(precision); }
   void add_layer_squares(std::span<const std::size_t> starts,
                          std::span<double> squares) const override {
     detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares);
@@ -401,8 +404,8 @@ class PipelineEngine {
   // Returns the step's loss and correct-count sums when `last`; a
   // non-finite loss skips the update on every rank (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
-                           std::size_t group_samples, bool accumulate, bool last, float lr,
-                           const Pass& pass = {.training = true}, float max_grad_norm = 0.0f) {
+                           std::size_t group_samples, bool accumulate, bool last,
+                           const StepSettings& settings, const Pass& pass = {.training = true}) {
     crew_.run({.kind = JobKind::train,
                .images = images,
                .labels = labels,
@@ -410,18 +413,26 @@ class PipelineEngine {
                .group_samples = group_samples,
                .accumulate = accumulate,
                .last = last,
-               .lr = lr,
-               .max_grad_norm = max_grad_norm,
+               .settings = settings,
                .pass = pass});
-    return loss_sums(ranks_.front()->stats);
+    auto sums = loss_sums(ranks_.front()->stats);
+    sums.overflowed = ranks_.front()->overflowed;
+    return sums;
   }
 
   // Loss and correct-count sums over a data set: each replica takes its
   // share, in pieces of `batch` samples, each streamed through its stages
   // in micro-batches.
-  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
-    crew_.run({.kind = JobKind::evaluate, .n = batch, .dataset = &dataset});
+  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
+                         Precision precision = Precision::fp32) {
+    crew_.run({.kind = JobKind::evaluate, .n = batch, .precision = precision, .dataset = &dataset});
     return loss_sums(ranks_.front()->stats);
+  }
+
+  // How many ranks report `failed` (see DataParallelEngine::failures).
+  std::size_t failures(bool failed) {
+    crew_.run({.kind = JobKind::agree, .n = failed ? 1u : 0u});
+    return static_cast<std::size_t>(ranks_.front()->stats[0]);
   }
 
   // Every stage's weights and running statistics into `whole`'s slices
@@ -497,7 +508,8 @@ class PipelineEngine {
     gather_state,
     scatter_state,
     gather_buffer,
-    scatter_buffer
+    scatter_buffer,
+    agree
   };
   using Job = EngineJob<JobKind>;
 
@@ -517,6 +529,7 @@ class PipelineEngine {
     std::array<double, 2> stats{};  // loss sum, correct count
     double busy = 0.0;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
+    bool overflowed = false;    // the last step's scaled gradients were not finite
     Clock::time_point begin, end;
   };
 
@@ -590,6 +603,10 @@ class PipelineEngine {
       case JobKind::gather_buffer:
         gather(r, r.net->optimizer_buffer(job.n), r.net->parameter_offset, Net::parameter_count,
                job.whole);
+        break;
+      case JobKind::agree:
+        r.stats = {static_cast<double>(job.n), 0.0};
+        r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
         break;
       case JobKind::scatter_buffer: {
         auto mine = r.net->optimizer_buffer(job.n);
@@ -673,8 +690,10 @@ class PipelineEngine {
     r.slot_of.assign(micro, 0);
     if (!job.accumulate) {
       r.stats = {};
+      r.overflowed = false;
       r.net->keep_state();
     }
+    r.net->set_precision(job.settings.precision);
     bool accumulate = job.accumulate;
     // Hybrid: the step's last backward hands each bucket to the reducer as
     // soon as its layers are done.
@@ -712,7 +731,7 @@ class PipelineEngine {
         if (last(r)) {
           const auto sums = SoftmaxCrossEntropy::evaluate<float>(
               r.outputs[slot], job.labels + first_sample, piece.count, classes,
-              job.group_samples, dy);
+              job.group_samples, dy, job.settings.loss_scale);
           r.stats[0] += sums.loss;
           r.stats[1] += static_cast<double>(sums.correct);
         }
@@ -744,8 +763,21 @@ class PipelineEngine {
     // all skip a non-finite step or all take it.
     r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
     if (!std::isfinite(r.stats[0])) return r.net->restore_state();  // its running statistics too
-    if (job.max_grad_norm > 0.0f) clip(r, job.max_grad_norm);
-    r.net->update(job.lr);
+    const auto& settings = job.settings;
+    if (settings.loss_scale != 1.0f && overflowed(r, settings.loss_scale)) {
+      r.overflowed = true;
+      return r.net->restore_state();
+    }
+    if (settings.max_grad_norm > 0.0f) clip(r, settings.max_grad_norm);
+    r.net->update(settings.lr);
+  }
+
+  // Unscales the stage's gradients; whether any stage's overflowed (the
+  // replicas' copies hold the same reduced gradients).
+  static bool overflowed(Rank& r, float loss_scale) {
+    std::array<double, 1> bad{unscale_gradients(r.net->gradients(), loss_scale) ? 0.0 : 1.0};
+    r.pipeline.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
+    return bad[0] > 0.0;
   }
 
   // The norm is the whole pipeline's: each stage gives its layers' squares.
@@ -765,6 +797,7 @@ class PipelineEngine {
 
   void evaluate(Rank& r, const Job& job) {
     share_state(r);
+    r.net->set_precision(job.precision);
     const auto& data = *job.dataset;
     const std::size_t sample = data.sample_size();
     const auto share = batch_share(data.count, replicas, r.replica);

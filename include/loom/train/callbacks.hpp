@@ -1,6 +1,8 @@
-// Callbacks for Trainer::fit. A callback implements any of on_fit_begin(FitInfo),
-// on_step(StepInfo), on_epoch_end(EpochInfo[, Trainer&]); the trainer calls
-// the ones that exist, in the order the callbacks were given.
+// Callbacks for Trainer::fit. A callback implements any of
+// on_fit_begin(FitInfo), on_step_begin(StepBegin[, Trainer&]),
+// on_step(StepInfo[, Trainer&]), on_epoch_end(EpochInfo[, Trainer&]) and
+// on_fit_end([Trainer&]); the trainer calls the ones that exist, in the
+// order the callbacks were given.
 #pragma once
 
 #include <unistd.h>
@@ -229,8 +231,13 @@ class Checkpoint {
     std::ostream* out = nullptr;  // a line per save
   };
 
+  // A missing folder is found now, not at the first save hours later.
   explicit Checkpoint(Options options) : options_(std::move(options)) {
     LOOM_CHECK(!options_.path.empty(), "callbacks::Checkpoint: no path given");
+    const auto folder = options_.path.parent_path();
+    LOOM_CHECK(folder.empty() || std::filesystem::is_directory(folder),
+               "callbacks::Checkpoint: the folder of '", options_.path.string(),
+               "' does not exist; create it first");
   }
 
   template <class TrainerT>
@@ -273,7 +280,8 @@ class Checkpoint {
 // Metrics: one JSON object per line, flushed as written (a crash loses at
 // most the line in progress): {"kind": "step", ...} after every optimizer
 // step and {"kind": "epoch", ...} at every epoch's end, with the test set's
-// figures when an Evaluate callback given here ran before it.
+// figures when an Evaluate callback given here ran before it (list it
+// first). Across MPI processes give it to one process only.
 // scripts/plot_metrics.py draws them.
 class Metrics {
  public:
@@ -305,9 +313,11 @@ class Metrics {
                         {"epoch_loss", step.loss},
                         {"epoch_accuracy", step.accuracy},
                         {"lr", trainer.optimizer().options().lr},
+                        {"skipped", step.skipped},
                         {"samples_per_second",
                          seconds > 0 ? static_cast<double>(step.step_samples) / seconds : 0.0},
                         {"device_step_seconds", trainer.device_step_seconds()}};
+    if (trainer.precision() == Precision::fp16) line["loss_scale"] = trainer.loss_scale();
     write(line);
   }
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <charconv>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -76,6 +77,10 @@ struct CheckpointImage {
   float lr = 0.0f, base_lr = 0.0f;
   std::uint64_t steps = 0;    // optimizer steps the trainer has taken
   std::uint64_t seed = 0;     // the trainer's: Dropout's masks are keyed by it
+  std::string precision;      // what it trained in, for messages
+  float loss_scale = 1.0f;    // fp16's loss scaler
+  std::size_t good_steps = 0;
+  std::uint64_t skipped_steps = 0;
   std::uint64_t batches = 0;  // training batches: Dropout's step counter
   TrainingPosition position;
   std::optional<FitIdentity> fit;
@@ -125,6 +130,10 @@ void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& 
   writer.set_metadata("trainer.base_lr", number_text(image.base_lr));
   writer.set_metadata("trainer.steps", number_text(image.steps));
   writer.set_metadata("trainer.seed", number_text(image.seed));
+  writer.set_metadata("trainer.precision", image.precision);
+  writer.set_metadata("scaler.scale", number_text(image.loss_scale));
+  writer.set_metadata("scaler.good_steps", number_text(image.good_steps));
+  writer.set_metadata("scaler.skipped_steps", number_text(image.skipped_steps));
   writer.set_metadata("trainer.batches", number_text(image.batches));
   const auto& p = image.position;
   writer.set_metadata("position.epoch", number_text(p.epoch));
@@ -208,6 +217,12 @@ CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_v
   image.base_lr = parse_number<float>(file, "trainer.base_lr", where);
   image.steps = parse_number<std::uint64_t>(file, "trainer.steps", where);
   image.seed = parse_number<std::uint64_t>(file, "trainer.seed", where);
+  image.precision = file.metadata("trainer.precision");
+  image.loss_scale = parse_number<float>(file, "scaler.scale", where);
+  image.good_steps = parse_number<std::size_t>(file, "scaler.good_steps", where);
+  image.skipped_steps = parse_number<std::uint64_t>(file, "scaler.skipped_steps", where);
+  LOOM_CHECK(image.loss_scale > 0.0f && std::isfinite(image.loss_scale), "checkpoint '", where,
+             "': loss scale ", image.loss_scale, " must be positive and finite");
   image.batches = parse_number<std::uint64_t>(file, "trainer.batches", where);
   auto& p = image.position;
   p.epoch = parse_number<int>(file, "position.epoch", where);

@@ -2,6 +2,7 @@
 // says how the network is spread over devices; the optimizer how weights move.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <optional>
@@ -22,6 +23,8 @@
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "../optim/adam.hpp"
+#include "../optim/clip.hpp"
+#include "../optim/loss_scaler.hpp"
 #include "../optim/sgd.hpp"
 #include "../parallel/data_parallel.hpp"
 #include "../parallel/hybrid.hpp"
@@ -38,7 +41,8 @@
 namespace loom {
 
 struct TrainerOptions {
-  std::uint64_t seed = 0;  // weight initialisation
+  // Weight initialisation and Dropout's masks (a loaded checkpoint brings its own).
+  std::uint64_t seed = 0;
   // On a GPU: capture each training step as a CUDA graph and replay it (off
   // launches every kernel directly, for debuggers and profilers), and allow
   // TF32 tensor-core math (faster, inputs rounded to a 10-bit mantissa).
@@ -47,6 +51,11 @@ struct TrainerOptions {
   // ModelSplit: the pipeline schedule and micro-batch count to run instead
   // of the policy's (micro_batches 0: keep the policy's schedule).
   PipelineSchedule schedule{};
+  // Compute precision (see core/precision.hpp): bf16 or fp16 with fp32
+  // master weights; fp16 scales the loss dynamically (`loss_scaling`),
+  // skipping the steps whose gradients overflow.
+  Precision precision = Precision::fp32;
+  LossScaling loss_scaling{};
 };
 
 struct FitOptions {
@@ -93,6 +102,7 @@ struct StepInfo {
   double step_loss = 0.0;
   double step_accuracy = 0.0;
   std::size_t step_samples = 0;
+  bool skipped = false;  // fp16: its gradients overflowed, so the update was skipped
 };
 
 // Before an optimizer step's first batch, for callbacks that set the
@@ -133,6 +143,8 @@ class StepGroups {
              std::size_t seen = 0)
       : k_(batches_per_step), batch_size_(batch_size), epoch_samples_(epoch_samples), seen_(seen) {}
 
+  bool at_step_start() const { return micro_ == 0; }
+
   Place next(std::size_t batch) {
     if (micro_ == 0) group_ = std::min(k_ * batch_size_, epoch_samples_ - seen_);
     const Place place{group_, micro_ > 0, micro_ + 1 == k_ || seen_ + batch == epoch_samples_};
@@ -170,6 +182,7 @@ class Trainer {
         options_(trainer_options),
         model_(trainer_options.seed),
         optimizer_(options, Net::parameter_count),
+        scaler_(trainer_options.loss_scaling),
         base_lr_(options.lr) {
     if constexpr (Policy::devices_needed == 0)
       LOOM_CHECK(!devices_.empty(), Policy::name,
@@ -227,6 +240,9 @@ class Trainer {
     LOOM_CHECK(options.epochs >= 1, "fit: epochs must be >= 1, got ", options.epochs);
     LOOM_CHECK(options.batch_size >= 1, "fit: batch size must be >= 1");
     LOOM_CHECK(options.accumulation_steps >= 1, "fit: accumulation_steps must be >= 1");
+    LOOM_CHECK(options.max_grad_norm >= 0.0f && std::isfinite(options.max_grad_norm),
+               "fit: max_grad_norm must be a finite number >= 0 (0: no clipping), got ",
+               options.max_grad_norm);
     if constexpr (is_data_parallel<Policy> && Net::syncs) {
       // Found now rather than when the epoch's last batch comes.
       const std::size_t last = train.count % options.batch_size;
@@ -258,13 +274,18 @@ class Trainer {
     // With drop_last the epoch ends before the data set does.
     const std::size_t epoch_samples =
         options.drop_last ? loader.batches_per_epoch() * options.batch_size : train.count;
+    stop_.set(false);
 #if defined(__CUDACC__)
     LOOM_CHECK(!on_gpu() || options.max_grad_norm == 0.0f, "fit: gradient clipping "
                "(FitOptions::max_grad_norm) runs on CPU devices only so far");
+    LOOM_CHECK(!on_gpu() || options_.precision == Precision::fp32, "fit: ",
+               precision_name(options_.precision), " runs on CPU devices only so far (the CUDA "
+               "backend computes in fp32, or TF32 with TrainerOptions::allow_tf32)");
     if constexpr (is_pipelined<Policy>) {
       if (on_gpu()) gpu_split(options.batch_size);
     } else if (on_gpu()) {
-      fit_gpu(loader, options, info, callbacks...);
+      fit_gpu(loader, options, info, epoch_samples, callbacks...);
+      (call_fit_end(callbacks), ...);
       return;
     }
 #endif
@@ -276,12 +297,11 @@ class Trainer {
     else
       model_.reserve(options.batch_size);
     // A loaded checkpoint's position: this fit goes on from there.
-    const auto resumed = resume_position(identity);
+    const auto resumed = resume_position(identity, loader.batches_per_epoch());
     (call_fit_begin(callbacks, info), ...);
 
-    stop_ = false;
     const int first_epoch = resumed ? resumed->epoch + (resumed->ended ? 1 : 0) : 1;
-    for (int epoch = first_epoch; epoch <= options.epochs && !stop_; ++epoch) {
+    for (int epoch = first_epoch; epoch <= options.epochs && !stop_.get(); ++epoch) {
       // An epoch stopped part-way goes on with its next batch and its sums.
       const bool part = resumed && epoch == resumed->epoch;
       position_ = part ? *resumed : TrainingPosition{.epoch = epoch};
@@ -294,8 +314,14 @@ class Trainer {
       step.samples = position_.samples;
       detail::StepGroups groups(k, options.batch_size, epoch_samples, position_.samples);
       data::Batch batch{};
-      while (!stop_ && loader.next(batch)) {
+      // A step counts once all its batches are in: the position and
+      // Dropout's counter never stand in the middle of one (an error in a
+      // step leaves them at its start).
+      std::size_t step_batches = 0;
+      std::uint64_t step_first_batch = batches_;
+      while (loader.next(batch)) {
         const auto place = groups.next(batch.size);
+        if (!place.accumulate) step_first_batch = batches_;
         if (!place.accumulate)
           (call_step_begin(callbacks, StepBegin{.epoch = epoch,
                                                 .step = step.step + 1,
@@ -304,14 +330,22 @@ class Trainer {
                                                                static_cast<std::size_t>(options.epochs),
                                                 .global_batch = options.batch_size * k}),
            ...);
-        const auto sums = micro_step(batch, place.group_samples, place.accumulate, place.last,
-                                     epoch, step.step + 1, options.max_grad_norm);
+        cpu::LossSums sums;
+        try {
+          sums = micro_step(batch, place.group_samples, place.accumulate, place.last, epoch,
+                            step.step + 1, options.max_grad_norm);
+        } catch (...) {
+          batches_ = step_first_batch;
+          throw;
+        }
         step.samples += batch.size;
-        position_.batches += 1;
+        step_batches += 1;
         if (!place.last) continue;
+        position_.batches += std::exchange(step_batches, 0);
         steps_ += 1;
         position_.loss_sum += sums.loss;
         position_.correct += sums.correct;
+        step.skipped = sums.overflowed;
         step.step_samples = step.samples - position_.samples;
         step.step_loss = sums.loss / static_cast<double>(step.step_samples);
         step.step_accuracy =
@@ -324,8 +358,9 @@ class Trainer {
         position_.samples = step.samples;
         position_.seconds = step.seconds;
         (call_step(callbacks, step), ...);
+        if (stop_.get()) break;
       }
-      if (stop_ && position_.batches < loader.batches_per_epoch()) break;
+      if (stop_.get() && position_.batches < loader.batches_per_epoch()) break;
       // Before the callbacks, like the GPU's copy; across processes model()
       // cannot gather (it is not collective) and returns these.
       if constexpr (is_pipelined<Policy>)
@@ -343,9 +378,11 @@ class Trainer {
     (call_fit_end(callbacks), ...);
   }
 
-  // Ends fit() after the optimizer step in progress (call it from a
-  // callback): a checkpoint saved then resumes at the next batch.
-  void stop() { stop_ = true; }
+  // Ends fit() after the optimizer step in progress (from a callback, a
+  // signal handler or another thread): a checkpoint saved then resumes at
+  // the next batch. Across MPI processes every process must call it at the
+  // same step.
+  void stop() { stop_.set(true); }
 
   // batch_size 0: the training batch size when fit() has run (the arena
   // already holds it), else 256.
@@ -364,7 +401,8 @@ class Trainer {
 #endif
     if (!on_gpu() || is_pipelined<Policy>) {
       if constexpr (is_data_parallel<Policy>) {
-        const auto sums = engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size);
+        const auto sums =
+            engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size, options_.precision);
         loss_sum = sums.loss;
         correct = sums.correct;
       } else if constexpr (is_pipelined<Policy>) {
@@ -373,13 +411,15 @@ class Trainer {
         if (on_gpu() && !gpu_pipeline_) gpu_split(batch_size == 0 ? 256 : batch_size);
 #endif
         scatter_if_changed();
-        const auto sums = with_split(
-            [&](auto& engine) { return engine.evaluate(dataset, batch_size == 0 ? 256 : batch_size); });
+        const auto sums = with_split([&](auto& engine) {
+          return engine.evaluate(dataset, batch_size == 0 ? 256 : batch_size, options_.precision);
+        });
         loss_sum = sums.loss;
         correct = sums.correct;
       } else {
         if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
         cpu::set_threads(devices_.front().threads);
+        model_.set_precision(options_.precision);
         const auto sums = detail::evaluate_samples(model_, dataset, 0, dataset.count, batch_size);
         loss_sum = sums.loss;
         correct = sums.correct;
@@ -444,11 +484,19 @@ class Trainer {
     return *engine_;
   }
   const std::vector<Device>& devices() const { return devices_; }
+  // The optimizer's options and learning rate (schedules set it here). Its
+  // state (momentum, moments, step count) is the one device's; under
+  // DataParallel each replica keeps its own, under ModelSplit each stage
+  // (a checkpoint gathers them).
   typename Optimizer::template State<float>& optimizer() { return optimizer_; }
   // The learning rate the trainer was made with; schedules scale it.
   float base_lr() const { return base_lr_; }
-  // Optimizer steps taken, over every fit.
+  // Optimizer steps taken, over every fit (fp16's skipped ones included).
   std::uint64_t steps() const { return steps_; }
+  Precision precision() const { return options_.precision; }
+  // fp16: the loss scale now, and the steps skipped for overflowing.
+  float loss_scale() const { return scaler_.scale(); }
+  std::uint64_t skipped_steps() const { return skipped_steps_; }
   // Where the current (or last) fit stands.
   const TrainingPosition& position() const { return position_; }
   // Each local device's time in the last optimizer step (a data-parallel
@@ -475,7 +523,10 @@ class Trainer {
     detail::CheckpointImage image;
     Model<Net, float>* model = &model_;
     if constexpr (is_data_parallel<Policy>) model = &engine_->model();
-    if constexpr (is_pipelined<Policy>) pipeline_->gather(model_);
+    if constexpr (is_pipelined<Policy>) {
+      scatter_if_changed();  // weights edited through model() count
+      pipeline_->gather(model_);
+    }
     image.parameters.assign(model->parameters().begin(), model->parameters().end());
     image.state.assign(model->state().begin(), model->state().end());
     const auto& optimizer = local_optimizer();
@@ -498,11 +549,28 @@ class Trainer {
     image.steps = steps_;
     image.seed = options_.seed;
     image.batches = batches_;
+    image.precision = std::string(precision_name(options_.precision));
+    image.loss_scale = scaler_.scale();
+    image.good_steps = scaler_.good_steps();
+    image.skipped_steps = skipped_steps_;
     image.position = position_;
     image.fit = fit_;
     image.network = detail::type_label<Net>();
     image.policy = Policy::name;
-    if (process_rank_ == 0) detail::write_checkpoint<Net>(path, image);
+    // Rank 0 writes; every process learns whether it could.
+    std::string failure;
+    if (process_rank_ == 0) {
+      try {
+        detail::write_checkpoint<Net>(path, image);
+      } catch (const Error& error) {
+        failure = error.what();
+      }
+    }
+    if (any_process_failed(!failure.empty())) {
+      if (!failure.empty()) throw Error(failure);
+      LOOM_FAIL("Trainer::save: process 0 could not write checkpoint '", path.string(),
+                "' (its error says why)");
+    }
   }
 
   // Reads a checkpoint written by save() under any policy or device count.
@@ -517,14 +585,26 @@ class Trainer {
     std::vector<std::string> names;
     for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
       names.emplace_back(optimizer_.buffer_name(b));
-    auto image = detail::read_checkpoint<Net>(path, Optimizer::name, names);
+    // Across processes every one reads the file; all go on only if all could.
+    detail::CheckpointImage image;
+    std::string failure;
+    try {
+      image = detail::read_checkpoint<Net>(path, Optimizer::name, names);
+    } catch (const Error& error) {
+      failure = error.what();
+    }
+    if (any_process_failed(!failure.empty())) {
+      if (!failure.empty()) throw Error(failure);
+      LOOM_FAIL("Trainer::load: another process could not read checkpoint '", path.string(),
+                "' (its error says why); every process needs the file");
+    }
     const auto put = [&](Model<Net, float>& model, auto& optimizer) {
       std::ranges::copy(image.parameters, model.parameters().begin());
       std::ranges::copy(image.state, model.state().begin());
       for (std::size_t b = 0; b < image.buffers.size(); ++b)
         std::ranges::copy(image.buffers[b], optimizer.buffer(b).begin());
       optimizer.set_steps(image.optimizer_steps);
-      optimizer.set_lr(image.lr);
+      optimizer.set_lr(resume ? image.lr : base_lr_);
     };
     put(model_, optimizer_);
     if constexpr (is_data_parallel<Policy>)
@@ -537,10 +617,15 @@ class Trainer {
       pipeline_->set_optimizer_steps(image.optimizer_steps);
       host_changed_ = false;
     }
-    base_lr_ = image.base_lr;
+    if (resume) {
+      base_lr_ = image.base_lr;
+      fit_ = image.fit;
+    }
     steps_ = image.steps;
     options_.seed = image.seed;  // Dropout's masks go on as they would have
     batches_ = image.batches;
+    scaler_.restore(image.loss_scale, image.good_steps);
+    skipped_steps_ = image.skipped_steps;
     position_ = image.position;
     resume_ = resume && image.position.epoch > 0 ? std::optional(image.position) : std::nullopt;
     resume_fit_ = resume ? image.fit : std::nullopt;
@@ -554,6 +639,18 @@ class Trainer {
     return optimizer_;
   }
 
+  // Across MPI processes: whether any process reports `failed` (every
+  // process must call it); in one process: `failed`.
+  bool any_process_failed(bool failed) {
+    if (process_count_ <= 1) return failed;
+    if constexpr (is_data_parallel<Policy>)
+      return engine_->failures(failed) > 0;
+    else if constexpr (is_pipelined<Policy>)
+      return pipeline_->failures(failed) > 0;
+    else
+      return failed;
+  }
+
   // Optimizer steps of a fit before step `step` (0-based count) of `epoch`.
   static std::size_t fit_steps(int epoch, std::size_t step, const FitInfo& info) {
     return static_cast<std::size_t>(epoch - 1) * info.steps_per_epoch + step;
@@ -561,11 +658,16 @@ class Trainer {
 
   // The position a loaded checkpoint left, if the fit about to run goes on
   // from it: it must draw the same batches.
-  std::optional<TrainingPosition> resume_position(const FitIdentity& identity) {
-    auto resumed = std::exchange(resume_, std::nullopt);
-    const auto saved = std::exchange(resume_fit_, std::nullopt);
-    fit_ = identity;
-    if (!resumed || !saved) return std::nullopt;
+  // Checked before anything is taken: a fit refused here can be retried.
+  std::optional<TrainingPosition> resume_position(const FitIdentity& identity,
+                                                  std::size_t batches_per_epoch) {
+    if (!resume_ || !resume_fit_) {
+      resume_.reset();
+      resume_fit_.reset();
+      fit_ = identity;
+      return std::nullopt;
+    }
+    const auto& saved = resume_fit_;
     const auto differs = [](const char* what, auto was, auto now) {
       LOOM_CHECK(was == now, "fit: the loaded checkpoint stopped in a fit with ", what, " ", was,
                  ", but this fit has ", now, "; resume with the same data and FitOptions, "
@@ -579,7 +681,12 @@ class Trainer {
     differs("drop_last", saved->drop_last, identity.drop_last);
     differs("augment.crop_padding", saved->crop_padding, identity.crop_padding);
     differs("augment.horizontal_flip", saved->horizontal_flip, identity.horizontal_flip);
-    return resumed;
+    LOOM_CHECK(resume_->batches <= batches_per_epoch && resume_->epoch >= 1, "fit: the loaded "
+               "checkpoint stopped after batch ", resume_->batches, " of epoch ", resume_->epoch,
+               ", but its fit's epochs have ", batches_per_epoch, " batches; it is corrupt");
+    fit_ = identity;
+    resume_fit_.reset();
+    return std::exchange(resume_, std::nullopt);
   }
 
   bool on_gpu() const { return devices_.front().kind == Device::Kind::cuda; }
@@ -596,6 +703,15 @@ class Trainer {
   };
 
   int gpu_world() const { return nccl_.empty() ? 1 : nccl_.front().size(); }
+
+  // The CUDA backend's optimizer is SGD (the constructor refuses others on
+  // GPUs); a trainer with another one still compiles under nvcc.
+  SGD::Options gpu_sgd_options() const {
+    if constexpr (std::is_same_v<Optimizer, SGD>)
+      return optimizer_.options();
+    else
+      LOOM_FAIL("the CUDA backend trains with SGD only so far");
+  }
 
   // DataParallel: this process's NCCL rank, made once (after checking that
   // every process runs the same program).
@@ -642,7 +758,7 @@ class Trainer {
         const std::size_t planned = std::max<std::size_t>(
             {share, std::size_t{1}, gpus_.empty() ? 0 : gpus_.front().model->max_batch()});
         replica.model = std::make_unique<loom::gpu::DeviceModel<Net>>(
-            model_, planned, optimizer_.options(),
+            model_, planned, gpu_sgd_options(),
             loom::gpu::DeviceModelOptions{
                 .graphs = options_.cuda_graphs,
                 .allow_tf32 = options_.allow_tf32,
@@ -715,11 +831,11 @@ class Trainer {
   // the host.
   template <class... Callbacks>
   void fit_gpu(data::Loader& loader, const FitOptions& options, const FitInfo& info,
-               Callbacks&... callbacks) {
+               std::size_t epoch_samples, Callbacks&... callbacks) {
     const std::size_t k = options.accumulation_steps;
     auto& replicas = gpu_replicas(options.batch_size, k > 1);
     (call_fit_begin(callbacks, info), ...);
-    for (int epoch = 1; epoch <= options.epochs; ++epoch) {
+    for (int epoch = 1; epoch <= options.epochs && !stop_.get(); ++epoch) {
       loader.start_epoch(static_cast<std::size_t>(epoch - 1));
       const auto start = std::chrono::steady_clock::now();
       StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
@@ -749,9 +865,12 @@ class Trainer {
       // read once the next batch is enqueued (on the other slot), before a
       // later one could reuse this slot.
       int pending = -1;
-      detail::StepGroups groups(k, options.batch_size, info.samples_per_epoch);
+      detail::StepGroups groups(k, options.batch_size, epoch_samples);
       data::Batch batch{};
-      while (!stop_ && loader.next(batch)) {
+      // stop() takes effect at a step's first batch: the step before it,
+      // still being reported, completes.
+      while (loader.next(batch)) {
+        if (stop_.get() && groups.at_step_start()) break;
         const auto place = groups.next(batch.size);
         if (!place.accumulate)
           (call_step_begin(callbacks,
@@ -773,6 +892,7 @@ class Trainer {
         if (place.last) pending = slot;
       }
       if (pending >= 0) report(pending);
+      if (stop_.get() && step.step < info.steps_per_epoch) break;
       // Before the callbacks: Evaluate and a user's on_epoch_end see this epoch's weights.
       replicas.front().use();
       replicas.front().model->copy_parameters_to(model_);
@@ -857,11 +977,15 @@ class Trainer {
                            bool last, int epoch, std::size_t step, float max_grad_norm) {
     cpu::LossSums sums;
     const Pass pass{.training = true, .seed = options_.seed, .step = batches_++};
+    const StepSettings settings{
+        .lr = optimizer_.options().lr,
+        .max_grad_norm = max_grad_norm,
+        .precision = options_.precision,
+        .loss_scale = options_.precision == Precision::fp16 ? scaler_.scale() : 1.0f};
     if constexpr (is_data_parallel<Policy> || is_pipelined<Policy>) {
       const auto run = [&](auto& engine) {
         return engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
-                                 accumulate, last, optimizer_.options().lr, pass,
-                                 max_grad_norm);
+                                 accumulate, last, settings, pass);
       };
       if constexpr (is_data_parallel<Policy>)
         sums = run(*engine_);
@@ -869,6 +993,7 @@ class Trainer {
         sums = with_split(run);
       if (!last) return {};
       check_loss(sums.loss, epoch, step);  // the replicas or stages skipped their update
+      note_overflow(sums.overflowed);
     } else {
       const auto began = std::chrono::steady_clock::now();
       if (!accumulate) {
@@ -876,9 +1001,11 @@ class Trainer {
         step_seconds_ = 0.0;
         model_.keep_state();  // before the forward updates the running statistics
       }
+      model_.set_precision(settings.precision);
       const float* logits = model_.forward(batch.images, batch.size, 0, pass);
-      const auto batch_sums = Loss::evaluate<float>(logits, batch.labels, batch.size, classes,
-                                                    group_samples, model_.output_gradient());
+      const auto batch_sums =
+          Loss::evaluate<float>(logits, batch.labels, batch.size, classes, group_samples,
+                                model_.output_gradient(), settings.loss_scale);
       pending_.loss += batch_sums.loss;
       pending_.correct += batch_sums.correct;
       model_.backward(accumulate);
@@ -890,11 +1017,25 @@ class Trainer {
       // stay those of the last good step.
       if (!std::isfinite(sums.loss)) model_.restore_state();
       check_loss(sums.loss, epoch, step);
-      if (max_grad_norm > 0.0f) clip_gradients<Net>(model_.gradients(), max_grad_norm);
-      optimizer_.step(model_.parameters(), model_.gradients());
+      sums.overflowed = settings.loss_scale != 1.0f &&
+                        !unscale_gradients(model_.gradients(), settings.loss_scale);
+      if (sums.overflowed) {
+        model_.restore_state();
+      } else {
+        if (max_grad_norm > 0.0f) clip_gradients<Net>(model_.gradients(), max_grad_norm);
+        optimizer_.step(model_.parameters(), model_.gradients());
+      }
+      note_overflow(sums.overflowed);
       step_seconds_ += seconds_since(update_began);
     }
     return sums;
+  }
+
+  // fp16: the scale follows the steps' overflows.
+  void note_overflow(bool overflowed) {
+    if (options_.precision != Precision::fp16) return;
+    scaler_.update(overflowed);
+    skipped_steps_ += overflowed ? 1 : 0;
   }
 
   // model() handed out the weights: the stages take them back.
@@ -929,7 +1070,7 @@ class Trainer {
       // through model() since follow (scatter_if_changed).
       if (!gpu_pipeline_) host_changed_ = false;  // the new stages start from model_
       auto made = std::make_unique<GpuPipeline>(
-          devices_, model_, optimizer_.options(), options_.schedule, options_.allow_tf32,
+          devices_, model_, gpu_sgd_options(), options_.schedule, options_.allow_tf32,
           std::max(batch, gpu_pipeline_ ? gpu_pipeline_->max_batch() : std::size_t{1}),
           gpu_pipeline_.get());
       gpu_pipeline_ = std::move(made);
@@ -1030,8 +1171,22 @@ class Trainer {
   std::uint64_t batches_ = 0;  // training batches run: Dropout's step
   std::uint64_t steps_ = 0;    // optimizer steps taken
   double step_seconds_ = 0.0;  // one device: the last optimizer step's
+  LossScaler scaler_;          // fp16's
+  std::uint64_t skipped_steps_ = 0;  // fp16: steps whose gradients overflowed
   float base_lr_;              // the learning rate given: schedules scale it
-  bool stop_ = false;  // stop() was called: fit() returns after this step
+  // stop() was called: fit() returns after this step. (Atomic, yet the
+  // trainer stays movable.)
+  struct StopFlag {
+    std::atomic<bool> value = false;
+    StopFlag() = default;
+    StopFlag(StopFlag&& other) noexcept : value(other.get()) {}
+    StopFlag& operator=(StopFlag&& other) noexcept {
+      set(other.get());
+      return *this;
+    }
+    bool get() const { return value.load(std::memory_order_relaxed); }
+    void set(bool v) { value.store(v, std::memory_order_relaxed); }
+  } stop_;
   TrainingPosition position_;
   std::optional<FitIdentity> fit_;  // the last fit's, for a checkpoint
   // A loaded checkpoint's position, which the next fit() goes on from.

@@ -14,6 +14,7 @@ namespace loom::cpu {
 struct LossSums {
   double loss = 0.0;        // sum over the rows of -log p[label]
   std::size_t correct = 0;  // rows whose arg-max is the label (first max wins)
+  bool overflowed = false;  // a training step's: its scaled gradients overflowed, it was skipped
 };
 
 // dlogits = (softmax(logits) - onehot(label)) * grad_scale when dlogits is not

@@ -548,11 +548,12 @@ class PipelineEngine {
   std::size_t local_stages() const { return ranks; }
 
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
-                           std::size_t group_samples, bool accumulate, bool last, float lr,
-                           const Pass& = {.training = true}, float max_grad_norm = 0.0f) {
+                           std::size_t group_samples, bool accumulate, bool last,
+                           const StepSettings& settings, const Pass& = {.training = true}) {
     // The Pass is for Dropout and BatchNorm, which the CUDA backend does not run yet.
-    LOOM_CHECK(max_grad_norm == 0.0f, Policy::name, ": gradient clipping (FitOptions::"
-               "max_grad_norm) runs on CPU devices only so far");
+    LOOM_CHECK(settings.max_grad_norm == 0.0f && settings.precision == Precision::fp32,
+               Policy::name, ": gradient clipping and bf16/fp16 run on CPU devices only so far");
+    const float lr = settings.lr;
     LOOM_CHECK(n <= max_batch_, Policy::name, ": a batch of ", n, " samples; planned for ",
                max_batch_);
     crew_.run({.kind = JobKind::train,
@@ -571,11 +572,13 @@ class PipelineEngine {
                 " is outside the network's ", classes, " classes");
     if (t.halted == halt_nonfinite_loss) return {t.halt_loss, 0};  // no stage updates
     if constexpr (replicas > 1) crew_.run({.kind = JobKind::reduce});
-    crew_.run({.kind = JobKind::update, .lr = lr});
+    crew_.run({.kind = JobKind::update, .settings = {.lr = lr}});
     return {t.loss, static_cast<std::size_t>(t.correct)};
   }
 
-  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch) {
+  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
+                         Precision precision = Precision::fp32) {
+    LOOM_CHECK(precision == Precision::fp32, Policy::name, ": bf16/fp16 run on CPU devices only so far");
     crew_.run({.kind = JobKind::evaluate, .n = std::min(batch, max_batch_), .dataset = &dataset});
     const LossTotals t = total();
     if (t.halted == halt_bad_label)
@@ -721,7 +724,7 @@ class PipelineEngine {
         break;
       case JobKind::update:
         if (replicas > 1 && replica_of(w) > 0) take_sum(w, stage);
-        stage.update(job.lr);
+        stage.update(job.settings.lr);
         break;
     }
   }

@@ -1,0 +1,203 @@
+// bf16 and fp16 on the CPU backend: rounding to each format, a network that
+// computes in it, training with fp32 master weights, and fp16's dynamic
+// loss scaling (skipped steps, back-off, growth, resume).
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <loom/loom.hpp>
+#include <vector>
+
+#include "fashion_test.hpp"
+#include "loom_test.hpp"
+#include "stop_after.hpp"
+#include "temp_dir.hpp"
+
+using namespace loom;
+using loom::test::fashion;
+using loom::test::head;
+using loom::test::StopAfter;
+
+namespace {
+
+using Logistic = Sequential<Input<1, 28, 28>, Flatten, Linear<10>>;
+using Mlp = Sequential<Input<1, 28, 28>, Flatten, Linear<64>, ReLU, Linear<10>>;
+
+std::vector<float> copy(std::span<const float> values) { return {values.begin(), values.end()}; }
+
+bool same_bits(float a, float b) {
+  return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+}
+
+// The loss scale after each step, and whether the step was skipped.
+struct RecordScale {
+  std::vector<float>* scales;
+  std::vector<bool>* skipped;
+  template <class T>
+  void on_step(const StepInfo& step, T& trainer) {
+    skipped->push_back(step.skipped);
+    scales->push_back(trainer.loss_scale());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("precision: rounding to fp16 and bf16, ties to even, overflow and subnormals") {
+  const float inf = std::numeric_limits<float>::infinity();
+  REQUIRE(round_to_fp16(65504.0f) == 65504.0f);
+  REQUIRE(round_to_fp16(65519.0f) == 65504.0f);
+  REQUIRE(round_to_fp16(65520.0f) == inf);  // the tie rounds to 2^16: out of range
+  REQUIRE(round_to_fp16(-7e4f) == -inf);
+  REQUIRE(round_to_fp16(1.0f + 0x1p-11f) == 1.0f);                  // tie: to the even 1
+  REQUIRE(round_to_fp16(1.0f + 3 * 0x1p-11f) == 1.0f + 0x1p-9f);    // tie: to the even 1 + 2^-9
+  REQUIRE(round_to_fp16(0x1p-24f) == 0x1p-24f);                     // the smallest subnormal
+  REQUIRE(round_to_fp16(0x1p-25f) == 0.0f);
+  REQUIRE(round_to_fp16(3 * 0x1p-25f) == 0x1p-23f);
+  REQUIRE(same_bits(round_to_fp16(-0.0f), -0.0f));
+  REQUIRE(std::isnan(round_to_fp16(std::numeric_limits<float>::quiet_NaN())));
+  REQUIRE(round_to_bf16(1.0f + 0x1p-8f) == 1.0f);
+  REQUIRE(round_to_bf16(1.0f + 3 * 0x1p-8f) == 1.0f + 0x1p-6f);
+  REQUIRE(round_to_bf16(std::numeric_limits<float>::max()) == inf);
+  REQUIRE(round_to_bf16(1e38f) == 0x1.2cp+126f);
+  REQUIRE(std::isnan(round_to_bf16(std::numeric_limits<float>::quiet_NaN())));
+
+  SECTION("fp16 agrees with the compiler's _Float16 conversion on a million floats") {
+    std::size_t checked = 0;
+    for (std::uint32_t i = 0; i < 1000000; ++i) {
+      const auto bits = static_cast<std::uint32_t>(hash_key(1, 2, i));
+      const float x = std::bit_cast<float>(bits);
+      if (std::isnan(x)) continue;
+      const float expected = static_cast<float>(static_cast<_Float16>(x));
+      if (!same_bits(round_to_fp16(x), expected)) FAIL("fp16 of " << x << " (bits " << bits << ")");
+      ++checked;
+    }
+    REQUIRE(checked > 990000);
+  }
+}
+
+TEST_CASE("precision: a bf16 network rounds its weights and each layer's output") {
+  const auto data = head(fashion().test, 32);
+  Model<Logistic, float> reduced(3), reference(3);
+  reduced.set_precision(Precision::bf16);
+  // The same layer in fp32 with bf16 weights, its output rounded.
+  for (float& w : reference.parameters()) w = round_to_bf16(w);
+  const float* got = reduced.forward(data.images.data(), 32);
+  const float* want = reference.forward(data.images.data(), 32);
+  for (std::size_t i = 0; i < 320; ++i) REQUIRE(same_bits(got[i], round_to_bf16(want[i])));
+  // The master weights are untouched.
+  Model<Logistic, float> fresh(3);
+  test::require_equal(reduced.parameters(), fresh.parameters(), "fp32 master weights");
+
+  SECTION("gradients passed back are rounded too") {
+    Model<Mlp, float> mlp(4);
+    mlp.set_precision(Precision::bf16);
+    mlp.forward(data.images.data(), 32);
+    SoftmaxCrossEntropy::evaluate<float>(mlp.forward(data.images.data(), 32), data.labels.data(),
+                                         32, 10, 32, mlp.output_gradient());
+    std::vector<float> dx(32 * 784);
+    mlp.backward(0, false, dx.data());
+    for (const float g : mlp.gradients()) REQUIRE(same_bits(g, round_to_bf16(g)));
+    for (const float g : dx) REQUIRE(same_bits(g, round_to_bf16(g)));
+  }
+}
+
+TEST_CASE("precision: bf16 training with fp32 master weights learns as fp32 does") {
+  const auto train = head(fashion().train, 3000);
+  const auto test = head(fashion().test, 1000);
+  auto run = [&](Precision precision) {
+    Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f},
+                         {.seed = 1, .precision = precision});
+    trainer.fit(train, {.epochs = 2, .batch_size = 50});
+    return std::pair{trainer.evaluate(test).accuracy, copy(trainer.model().parameters())};
+  };
+  const auto [fp32, fp32_weights] = run(Precision::fp32);
+  const auto [bf16, bf16_weights] = run(Precision::bf16);
+  const auto [fp16, fp16_weights] = run(Precision::fp16);
+  REQUIRE(fp32 > 0.75);
+  REQUIRE(std::abs(bf16 - fp32) < 0.02);
+  REQUIRE(std::abs(fp16 - fp32) < 0.02);
+  REQUIRE(bf16_weights != fp32_weights);  // it really computed in another precision
+  REQUIRE(fp16_weights != bf16_weights);
+  // The master weights are fp32: they are not all bf16 values.
+  std::size_t off_grid = 0;
+  for (const float w : bf16_weights) off_grid += !same_bits(w, round_to_bf16(w));
+  REQUIRE(off_grid > bf16_weights.size() / 2);
+}
+
+TEST_CASE("precision: fp16 skips the steps whose scaled gradients overflow, backs off and grows") {
+  const auto train = head(fashion().train, 1200);  // 24 steps of 50
+  const auto test = head(fashion().test, 1000);
+  std::vector<float> scales;
+  std::vector<bool> skipped;
+  SECTION("a scale far too large: skipped steps leave the weights alone, then it trains") {
+    // This network's gradients overflow fp16 from a scale of about 2^17:
+    // 2^30 is far too large.
+    const TrainerOptions fp16{.seed = 1,
+                              .precision = Precision::fp16,
+                              .loss_scaling = {.initial_scale = 0x1p30f}};
+    {
+      Trainer<Mlp> first(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, fp16);
+      const auto initial = copy(first.model().parameters());
+      first.fit(train, {.epochs = 1, .batch_size = 50}, StopAfter{1});
+      REQUIRE(first.skipped_steps() == 1);
+      REQUIRE(first.loss_scale() == 0x1p29f);
+      test::require_equal(first.model().parameters(), initial, "weights after a skipped step");
+      for (const float v : first.optimizer().velocity()) REQUIRE(v == 0.0f);
+    }
+    Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, fp16);
+    trainer.fit(train, {.epochs = 1, .batch_size = 50}, RecordScale{&scales, &skipped});
+    REQUIRE(scales.size() == 24);
+    const auto skips = trainer.skipped_steps();
+    REQUIRE(skips >= 8);  // 2^30 must come down to 2^22 or less
+    REQUIRE(skips < 20);
+    // Each skip halves the scale (2000 good steps would double it).
+    std::size_t seen = 0;
+    for (std::size_t i = 0; i < scales.size(); ++i) {
+      seen += skipped[i];
+      REQUIRE(scales[i] == std::ldexp(1.0f, 30 - static_cast<int>(seen)));
+    }
+    REQUIRE(skipped.front());
+    REQUIRE_FALSE(skipped.back());
+    REQUIRE(trainer.evaluate(test).accuracy > 0.6);
+  }
+  SECTION("growth_interval good steps in a row double the scale") {
+    Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f},
+                         {.seed = 1,
+                          .precision = Precision::fp16,
+                          .loss_scaling = {.initial_scale = 1.0f, .growth_interval = 3}});
+    trainer.fit(train, {.epochs = 1, .batch_size = 50}, RecordScale{&scales, &skipped});
+    REQUIRE(trainer.skipped_steps() == 0);
+    for (std::size_t i = 0; i < scales.size(); ++i)
+      REQUIRE(scales[i] == std::ldexp(1.0f, static_cast<int>((i + 1) / 3)));
+  }
+  SECTION("bad scaling options") {
+    REQUIRE_THROWS_WITH(LossScaler({.backoff_factor = 1.0f}),
+                        Catch::Contains("backoff_factor must be in (0, 1)"));
+    REQUIRE_THROWS_WITH(LossScaler({.initial_scale = 0.0f}),
+                        Catch::Contains("initial_scale must be positive"));
+  }
+}
+
+TEST_CASE("precision: an fp16 run resumed from a checkpoint keeps its loss scale, bit for bit") {
+  test::TempDir dir;
+  const auto train = head(fashion().train, 600);
+  const TrainerOptions fp16{.seed = 2,
+                            .precision = Precision::fp16,
+                            .loss_scaling = {.initial_scale = 0x1p36f, .growth_interval = 4}};
+  const FitOptions fit{.epochs = 2, .batch_size = 50};
+  Trainer<Mlp> whole(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, fp16);
+  whole.fit(train, fit);
+  {
+    Trainer<Mlp> first(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, fp16);
+    first.fit(train, fit, StopAfter{9},
+              callbacks::Checkpoint({.path = dir.file("fp16.safetensors"), .every_steps = 9}));
+  }
+  TrainerOptions other_seed = fp16;  // the checkpoint's seed wins
+  other_seed.seed = 99;
+  Trainer<Mlp> second(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, other_seed);
+  second.load(dir.file("fp16.safetensors"));
+  second.fit(train, fit);
+  REQUIRE(whole.skipped_steps() > 0);
+  REQUIRE(second.skipped_steps() == whole.skipped_steps());
+  REQUIRE(second.loss_scale() == whole.loss_scale());
+  test::require_equal(second.model().parameters(), whole.model().parameters(), "weights");
+}
