@@ -24,6 +24,7 @@
 #include <loom/loom.hpp>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -49,7 +50,77 @@ struct Options {
   float weight_decay = 0.0f;
   bool augment = false;   // random crops (padding 2, or 4 on CIFAR-10) and flips
   std::string cifar_dir;  // examples with a CIFAR-10 network: train on CIFAR-10 instead
+  std::string optimizer = "sgd";  // or adamw
+  std::string lr_schedule = "step";  // MultiStepLR by --lr-milestones, or cosine
+  std::size_t warmup_steps = 0;
+  std::size_t lr_reference_batch = 0;  // > 0: --lr is for this global batch, scaled linearly
+  float clip_norm = 0.0f;
+  std::size_t accumulation = 1;
+  std::string precision = "fp32";
+  std::string checkpoint;  // save here after each epoch (and every --checkpoint-every steps)
+  std::size_t checkpoint_every = 0;
+  std::string resume;   // load this checkpoint first and go on from where it stopped
+  std::string metrics;  // JSON lines of every step and epoch
 };
+
+// The learning rate the command line asks for, before every step: --lr
+// times a warm-up ramp (--warmup-steps, from a tenth), times the cosine or
+// the milestones' factors, times global batch / --lr-reference-batch.
+struct ExampleSchedule {
+  const Options* o;
+  std::ostream* out;
+
+  double factor(const StepBegin& step) const {
+    const std::size_t warmup = o->warmup_steps;
+    double f = o->lr_schedule == "cosine"
+                   ? schedules::Warmup<schedules::Cosine>{warmup, 0.1, {}}(step.fit_step,
+                                                                           step.total_steps)
+                   : schedules::Warmup<>{warmup, 0.1, {}}(step.fit_step, step.total_steps) *
+                         milestones().lr_in(step.epoch, 1.0f);
+    if (o->lr_reference_batch > 0)
+      f *= static_cast<double>(step.global_batch) / static_cast<double>(o->lr_reference_batch);
+    return f;
+  }
+  callbacks::MultiStepLR milestones() const {
+    return {.milestones = o->lr_milestones, .factor = o->lr_factor, .out = out};
+  }
+
+  template <class T>
+  void on_step_begin(const StepBegin& step, T& trainer) {
+    trainer.optimizer().set_lr(static_cast<float>(trainer.base_lr() * factor(step)));
+  }
+  template <class T>
+  void on_epoch_end(const EpochInfo& epoch, T& trainer) {
+    if (o->lr_schedule != "cosine") milestones().on_epoch_end(epoch, trainer);
+  }
+};
+
+// A callback the command line may leave out (--checkpoint, --metrics).
+template <class C>
+struct Maybe {
+  std::optional<C> c;
+  void on_fit_begin(const FitInfo& info) {
+    if constexpr (requires { c->on_fit_begin(info); })
+      if (c) c->on_fit_begin(info);
+  }
+  template <class T>
+  void on_step(const StepInfo& info, T& trainer) {
+    if (c) c->on_step(info, trainer);
+  }
+  template <class T>
+  void on_epoch_end(const EpochInfo& info, T& trainer) {
+    if (c) c->on_epoch_end(info, trainer);
+  }
+  template <class T>
+  void on_fit_end(T& trainer) {
+    if constexpr (requires { c->on_fit_end(trainer); })
+      if (c) c->on_fit_end(trainer);
+  }
+};
+
+inline Precision precision_of(const std::string& name) {
+  return name == "bf16" ? Precision::bf16 : name == "fp16" ? Precision::fp16 : Precision::fp32;
+}
 
 // Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
 // console under mpirun, a silent stream on the other ranks).
@@ -57,7 +128,7 @@ template <class Net, class Policy>
 void train(const char* title, const Options& o, const data::Split& data,
            std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
   const auto started = std::chrono::steady_clock::now();
-  TrainerOptions trainer_options{.seed = o.seed};
+  TrainerOptions trainer_options{.seed = o.seed, .precision = precision_of(o.precision)};
   const bool cifar = data.train.channels == 3;
   out << "loom " << title << " on " << (cifar ? "CIFAR-10" : "Fashion-MNIST") << ": "
       << Net::parameter_count << " parameters, "
@@ -82,24 +153,60 @@ void train(const char* title, const Options& o, const data::Split& data,
     out << ' ' << device.name();
     if (device.kind == Device::Kind::cpu) out << " (" << device.threads << " threads)";
   }
-  out << '\n';
+  out << "; " << o.optimizer << ", " << o.precision << '\n';
 
-  Trainer<Net, Policy, SGD> trainer(
-      devices, {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay},
-      trainer_options, processes);
-  callbacks::Evaluate evaluate(data.test, &out);
-  data::Augment augment;
-  if (o.augment) augment = {.crop_padding = cifar ? 4u : 2u, .horizontal_flip = true};
-  trainer.fit(data.train,
-              {.epochs = o.epochs, .batch_size = o.batch_size, .seed = o.seed, .augment = augment},
-              callbacks::Progress({.out = &out}), evaluate,
-              callbacks::MultiStepLR{.milestones = o.lr_milestones, .factor = o.lr_factor, .out = &out});
+  const auto fit = [&]<class Optimizer>(typename Optimizer::Options options) {
+    Trainer<Net, Policy, Optimizer> trainer(devices, options, trainer_options, processes);
+    if (!o.resume.empty()) {
+      trainer.load(o.resume);
+      out << "resuming " << o.resume << " after step " << trainer.steps() << " (epoch "
+          << trainer.position().epoch << ")\n";
+    }
+    callbacks::Evaluate evaluate(data.test, &out);
+    Maybe<callbacks::Checkpoint> checkpoint;
+    if (!o.checkpoint.empty())
+      checkpoint.c.emplace(callbacks::Checkpoint::Options{
+          .path = o.checkpoint, .every_steps = o.checkpoint_every, .out = &out});
+    Maybe<callbacks::Metrics> metrics;
+    if (!o.metrics.empty() && (!processes || processes.rank() == 0))
+      metrics.c.emplace(callbacks::Metrics::Options{
+          .path = o.metrics, .append = !o.resume.empty(), .evaluate = &evaluate});
+    data::Augment augment;
+    if (o.augment) augment = {.crop_padding = cifar ? 4u : 2u, .horizontal_flip = true};
+    trainer.fit(data.train,
+                {.epochs = o.epochs,
+                 .batch_size = o.batch_size,
+                 .seed = o.seed,
+                 .accumulation_steps = o.accumulation,
+                 .augment = augment,
+                 .max_grad_norm = o.clip_norm},
+                ExampleSchedule{&o, &out}, callbacks::Progress({.out = &out}), evaluate, checkpoint,
+                metrics);
+    if (trainer.precision() == Precision::fp16)
+      out << "fp16: " << trainer.skipped_steps() << " step(s) skipped for overflow, loss scale "
+          << trainer.loss_scale() << '\n';
+    return evaluate.last;
+  };
+  // Each optimizer is a trainer type of its own: AdamW is built for the
+  // policies single and data only, which keeps this example's compile time.
+  EvalResult last;
+  if (o.optimizer == "adamw") {
+    if constexpr (std::is_same_v<Policy, SingleDevice> || is_data_parallel<Policy>)
+      last = fit.template operator()<AdamW>({.lr = o.lr, .weight_decay = o.weight_decay});
+    else
+      LOOM_FAIL("--optimizer adamw: this example builds AdamW for --policy single and data; "
+                "use sgd with split and hybrid (a program of your own can use "
+                "Trainer<Net, ModelSplit<...>, AdamW>)");
+  } else {
+    last = fit.template operator()<SGD>(
+        {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+  }
 
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   char line[160];
   std::snprintf(line, sizeof line, "final test accuracy: %.2f%% (loss %.4f) after %d epoch(s), %.1f s\n",
-                100.0 * evaluate.last.accuracy, evaluate.last.loss, o.epochs, seconds);
+                100.0 * last.accuracy, last.loss, o.epochs, seconds);
   out << line;
 }
 
@@ -216,7 +323,7 @@ int example_main(int argc, char** argv, const char* title, Options o) {
   app.add_option("--batch-size", o.batch_size, "samples per step (the global batch)")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
       ->capture_default_str();
-  app.add_option("--lr", o.lr, "SGD learning rate")
+  app.add_option("--lr", o.lr, "learning rate (the base the schedule scales)")
       ->check(CLI::Range(1e-8f, 100.0f))
       ->capture_default_str();
   app.add_option("--lr-milestones", o.lr_milestones, "epochs after which the learning rate drops")
@@ -227,9 +334,46 @@ int example_main(int argc, char** argv, const char* title, Options o) {
   app.add_option("--momentum", o.momentum, "SGD momentum")
       ->check(CLI::Range(0.0f, 0.999f))
       ->capture_default_str();
-  app.add_option("--weight-decay", o.weight_decay, "SGD weight decay (L2)")
+  app.add_option("--weight-decay", o.weight_decay, "weight decay (SGD: L2; AdamW: decoupled)")
       ->check(CLI::Range(0.0f, 1.0f))
       ->capture_default_str();
+  app.add_option("--optimizer", o.optimizer,
+                 "sgd (with --momentum) or adamw (--weight-decay is then AdamW's decoupled decay)")
+      ->check(CLI::IsMember({"sgd", "adamw"}))
+      ->capture_default_str();
+  app.add_option("--lr-schedule", o.lr_schedule,
+                 "step (x --lr-factor after each of --lr-milestones) or cosine (over the whole run)")
+      ->check(CLI::IsMember({"step", "cosine"}))
+      ->capture_default_str();
+  app.add_option("--warmup-steps", o.warmup_steps,
+                 "ramp the learning rate up linearly from a tenth over this many steps")
+      ->capture_default_str();
+  app.add_option("--lr-reference-batch", o.lr_reference_batch,
+                 "--lr is for this global batch: scale it linearly with the real one (0: off)")
+      ->capture_default_str();
+  app.add_option("--clip-norm", o.clip_norm,
+                 "clip the gradients to this global norm (0: off)")
+      ->check(CLI::Range(0.0f, 1e6f))
+      ->capture_default_str();
+  app.add_option("--accumulate", o.accumulation,
+                 "batches per optimizer step (gradient accumulation)")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--precision", o.precision,
+                 "fp32, bf16 or fp16 (fp32 master weights; fp16 with dynamic loss scaling); "
+                 "on the CPU bf16 and fp16 are emulated by rounding")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_option("--checkpoint", o.checkpoint,
+                 "save a checkpoint (safetensors) here after every epoch and at the end");
+  app.add_option("--checkpoint-every", o.checkpoint_every,
+                 "also save it every N optimizer steps")
+      ->capture_default_str();
+  app.add_option("--resume", o.resume,
+                 "load this checkpoint and go on from where it stopped (same data options)");
+  app.add_option("--metrics", o.metrics,
+                 "write every step's and epoch's figures here as JSON lines "
+                 "(draw them: python3 scripts/plot_metrics.py FILE)");
   app.add_flag("--augment", o.augment,
                "random crops (zero padding 2, or 4 on CIFAR-10) and horizontal flips of the "
                "training images, drawn from --seed");
