@@ -32,6 +32,7 @@
 #include "parallel/partition.hpp"
 #include "parallel/schedule.hpp"
 #include "parallel/single_device.hpp"
+#include "train/batch_size.hpp"
 #include "train/callbacks.hpp"
 #include "train/trainer.hpp"
 

@@ -462,3 +462,26 @@ TEST_CASE("metrics: one JSON line per step and per epoch, with the test set's fi
   REQUIRE_THROWS_WITH(callbacks::Metrics({.path = dir.file("no-such-folder/m.jsonl")}),
                       Catch::Contains("cannot open") && Catch::Contains("no-such-folder"));
 }
+
+TEST_CASE("batch size: the largest batch that fits a memory budget, from the memory plan") {
+  const std::size_t one = training_bytes<Regularised, SGD>(1);
+  REQUIRE(largest_batch<Regularised, SGD>(one - 1) == 0);
+  REQUIRE(largest_batch<Regularised, SGD>(one) == 1);
+  constexpr std::size_t budget = 8u << 20;
+  constexpr std::size_t batch = largest_batch<Regularised, AdamW>(budget);  // at compile time
+  static_assert(batch > 100);
+  REQUIRE(training_bytes<Regularised, AdamW>(batch) <= budget);
+  REQUIRE(training_bytes<Regularised, AdamW>(batch + 1) > budget);
+  // AdamW keeps two moments, SGD one velocity; bf16 adds the rounded weights.
+  REQUIRE(training_bytes<Regularised, AdamW>(batch) -
+              training_bytes<Regularised, SGD>(batch) ==
+          4 * Regularised::parameter_count);
+  REQUIRE(training_bytes<Regularised, SGD>(batch, Precision::bf16) -
+              training_bytes<Regularised, SGD>(batch) ==
+          4 * Regularised::parameter_count);
+  // The activations counted are what a model reserves.
+  Model<Regularised, float> model(0, batch);
+  REQUIRE(model.arena_elements() == Model<Regularised, float>::activation_elements(batch));
+  // This machine's memory, as a CPU device sees it.
+  REQUIRE(devices::memory_available(devices::cpu(1).front()) > (std::size_t{64} << 20));
+}

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <concepts>
+#include <cstddef>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,6 +70,31 @@ inline std::vector<Device> gpus() {
   for (int i = 0; i < count; ++i) list.push_back(Device{Device::Kind::cuda, i, 1});
 #endif
   return list;
+}
+
+// Bytes a device can give a model now: a GPU's free memory, or the
+// machine's available memory (/proc/meminfo's MemAvailable) for a CPU
+// device, which its workers share.
+inline std::size_t memory_available(const Device& device) {
+  if (device.kind == Device::Kind::cuda) {
+#if defined(__CUDACC__)
+    std::size_t free = 0, total = 0;
+    int previous = 0;
+    LOOM_CHECK(cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device.index) == cudaSuccess &&
+                   cudaMemGetInfo(&free, &total) == cudaSuccess && cudaSetDevice(previous) == cudaSuccess,
+               "devices::memory_available: cannot query ", device.name());
+    return free;
+#else
+    LOOM_FAIL("devices::memory_available: ", device.name(), " needs the CUDA backend (nvcc)");
+#endif
+  }
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  std::size_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  LOOM_FAIL("devices::memory_available: /proc/meminfo has no MemAvailable line");
 }
 
 // Every device the trainer can use: the GPUs when compiled by nvcc and any

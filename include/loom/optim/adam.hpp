@@ -19,6 +19,7 @@ namespace detail {
 template <bool Decoupled>
 struct AdamFamily {
   static constexpr const char* name = Decoupled ? "AdamW" : "Adam";
+  static constexpr std::size_t buffers_per_parameter = 2;
 
   struct Options {
     float lr = 1e-3f;

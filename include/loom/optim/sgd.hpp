@@ -14,6 +14,7 @@ namespace loom {
 
 struct SGD {
   static constexpr const char* name = "SGD";
+  static constexpr std::size_t buffers_per_parameter = 1;  // the velocity, with momentum
 
   struct Options {
     float lr = 0.01f;

@@ -1,0 +1,42 @@
+// The largest batch a device can train with, from the compile-time memory
+// plan: parameters, gradients, the optimizer's buffers, a reduced
+// precision's rounded weights, running statistics and the activation arena
+// Model::reserve would carve. A hardware-aware default: ask the device what
+// it has free (devices::memory_available) and pick the batch from that.
+#pragma once
+
+#include <cstddef>
+
+#include "../core/precision.hpp"
+#include "../net/model.hpp"
+
+namespace loom {
+
+// Bytes a model of Net takes to train batches of `batch` samples with Optimizer.
+template <class Net, class Optimizer>
+constexpr std::size_t training_bytes(std::size_t batch, Precision precision = Precision::fp32) {
+  const std::size_t per_parameter =
+      2 + Optimizer::buffers_per_parameter + (precision == Precision::fp32 ? 0 : 1);
+  return sizeof(float) * (per_parameter * Net::parameter_count + 2 * Net::state_count +
+                          Model<Net, float>::activation_elements(batch));
+}
+
+// The largest batch whose training_bytes fits in `bytes` (0: not even one
+// sample). For a data-parallel replica, the share of the global batch.
+template <class Net, class Optimizer>
+constexpr std::size_t largest_batch(std::size_t bytes, Precision precision = Precision::fp32) {
+  if (training_bytes<Net, Optimizer>(1, precision) > bytes) return 0;
+  std::size_t fits = 1, too_big = 2;
+  while (training_bytes<Net, Optimizer>(too_big, precision) <= bytes) {
+    fits = too_big;
+    if (too_big > (std::size_t{1} << 40)) return fits;
+    too_big *= 2;
+  }
+  while (too_big - fits > 1) {
+    const std::size_t middle = fits + (too_big - fits) / 2;
+    (training_bytes<Net, Optimizer>(middle, precision) <= bytes ? fits : too_big) = middle;
+  }
+  return fits;
+}
+
+}  // namespace loom
