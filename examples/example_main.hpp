@@ -182,6 +182,8 @@ void train(const char* title, const Options& o, const data::Split& data,
                  .max_grad_norm = o.clip_norm},
                 ExampleSchedule{&o, &out}, callbacks::Progress({.out = &out}), evaluate, checkpoint,
                 metrics);
+    // A resumed run that had already finished trained nothing: measure it now.
+    if (evaluate.history.empty()) evaluate.last = trainer.evaluate(data.test);
     if (trainer.precision() == Precision::fp16)
       out << "fp16: " << trainer.skipped_steps() << " step(s) skipped for overflow, loss scale "
           << trainer.loss_scale() << '\n';

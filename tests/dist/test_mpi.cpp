@@ -198,6 +198,11 @@ TEST_CASE("mpi: checkpoints across processes: rank 0 writes, every rank loads, a
   REQUIRE_THROWS_WITH(second.load(mine),
                       Catch::Contains(environment->rank() == 0 ? "another process could not read"
                                                                 : "rank-1"));
+  // Two different checkpoints: refused on both ranks rather than diverging.
+  const std::string end = (folder / "end.safetensors").string();
+  second.save(end);
+  REQUIRE_THROWS_WITH(second.load(environment->rank() == 0 ? path : end),
+                      Catch::Contains("is not the same file on every process"));
   world.barrier();
   if (environment->rank() == 0) std::filesystem::remove_all(folder);
 }

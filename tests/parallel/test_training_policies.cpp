@@ -42,6 +42,15 @@ Trainer<Mlp3, Policy, AdamW> make(std::size_t devices, std::uint64_t seed = 7) {
 
 std::vector<float> copy(std::span<const float> values) { return {values.begin(), values.end()}; }
 
+// Reads the weights through model() after step 2, as a logging callback might.
+struct Peek {
+  template <class T>
+  void on_step(const StepInfo& step, T& trainer) {
+    if (step.step == 2) seen = trainer.model().parameters()[3];
+  }
+  float seen = 0.0f;
+};
+
 // Sums of the same gradients in another order: float rounding, grown over
 // 16 Adam steps.
 const test::Tolerance tolerance{2e-6, 1e-4};
@@ -183,4 +192,20 @@ TEST_CASE("training policies: a pipeline's checkpoint holds weights edited throu
   REQUIRE(check.model().parameters()[5] == 42.0f);
   // The stages took the edit too.
   REQUIRE(split.model_split().stage_parameters(0)[5] == 42.0f);
+}
+
+TEST_CASE("training policies: reading model() in a callback does not roll a pipeline back") {
+  TempDir dir;
+  const auto train = head(fashion().train, 480);
+  auto peeked = make<ModelSplit<Balanced<3>>>(3);
+  Peek peek;
+  peeked.fit(train, fit, schedule, peek, StopAfter{6},
+             callbacks::Checkpoint({.path = dir.file("peeked.safetensors"), .every_steps = 6}));
+  auto plain = make<ModelSplit<Balanced<3>>>(3);
+  plain.fit(train, fit, schedule, StopAfter{6});
+  REQUIRE(peek.seen != 0.0f);
+  auto check = make<SingleDevice>(1, 99);
+  check.load(dir.file("peeked.safetensors"), false);
+  test::require_equal(check.model().parameters(), plain.model().parameters(),
+                      "the checkpoint after step 6");
 }

@@ -201,3 +201,26 @@ TEST_CASE("precision: an fp16 run resumed from a checkpoint keeps its loss scale
   REQUIRE(second.loss_scale() == whole.loss_scale());
   test::require_equal(second.model().parameters(), whole.model().parameters(), "weights");
 }
+
+TEST_CASE("precision: accumulated micro-batches add their rounded gradients in fp32") {
+  const auto data = head(fashion().train, 64);
+  const auto step = [&](Model<Mlp, float>& model, std::size_t first, bool accumulate) {
+    const float* logits = model.forward(data.images.data() + first * 784, 32);
+    SoftmaxCrossEntropy::evaluate<float>(logits, data.labels.data() + first, 32, 10, 64,
+                                         model.output_gradient());
+    model.backward(accumulate);
+  };
+  Model<Mlp, float> both(5), first(5), second(5);
+  for (auto* model : {&both, &first, &second}) model->set_precision(Precision::bf16);
+  step(both, 0, false);
+  step(both, 32, true);
+  step(first, 0, false);
+  step(second, 32, false);
+  const auto a = first.gradients(), b = second.gradients(), sum = both.gradients();
+  std::size_t off_grid = 0;
+  for (std::size_t i = 0; i < sum.size(); ++i) {
+    REQUIRE(same_bits(sum[i], a[i] + b[i]));
+    off_grid += !same_bits(sum[i], round_to_bf16(sum[i]));
+  }
+  REQUIRE(off_grid > 0);  // the sum is fp32's, not bf16's
+}

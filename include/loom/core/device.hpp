@@ -2,6 +2,7 @@
 // budget; a CUDA device is one GPU, used when the program is compiled by nvcc.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <fstream>
@@ -92,9 +93,20 @@ inline std::size_t memory_available(const Device& device) {
   std::string key;
   std::size_t kib = 0;
   std::string unit;
+  std::size_t available = 0;
   while (meminfo >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024;
-  LOOM_FAIL("devices::memory_available: /proc/meminfo has no MemAvailable line");
+    if (key == "MemAvailable:") available = kib * 1024;
+  LOOM_CHECK(available > 0, "devices::memory_available: /proc/meminfo has no MemAvailable line");
+  // In a container the cgroup's limit is what counts (v2: memory.max less
+  // memory.current; "max" means none).
+  std::ifstream limit_file("/sys/fs/cgroup/memory.max"), used_file("/sys/fs/cgroup/memory.current");
+  std::string limit;
+  std::size_t used = 0;
+  if (limit_file >> limit && limit != "max" && used_file >> used) {
+    const std::size_t cap = std::stoull(limit);
+    available = std::min(available, cap > used ? cap - used : 0);
+  }
+  return available;
 }
 
 // Every device the trainer can use: the GPUs when compiled by nvcc and any

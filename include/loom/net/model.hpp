@@ -45,6 +45,7 @@ class Model {
   // Seeded weights: the same seed gives the same weights for any backend,
   // policy, or fused/unfused form of the network.
   void initialize(std::uint64_t seed) {
+    weights_stale_ = true;
     using user_layers = typename Net::layers;
     static_for<user_layers::size>([&](auto i) {
       using L = type_at_t<i, user_layers>;
@@ -179,6 +180,7 @@ class Model {
     if (precision == precision_) return;
     precision_ = precision;
     compute_params_.assign(precision == Precision::fp32 ? 0 : parameter_count, T(0));
+    grad_sums_.assign(precision == Precision::fp32 ? 0 : largest_layer_parameters(), T(0));
     weights_stale_ = true;
   }
   Precision precision() const { return precision_; }
@@ -194,6 +196,13 @@ class Model {
   void restore_state() { std::ranges::copy(kept_state_, state_.begin()); }
 
  private:
+  static constexpr std::size_t largest_layer_parameters() {
+    std::size_t most = 0;
+    static_for<layer_count>(
+        [&](auto i) { most = std::max(most, type_at_t<i, executed>::param_count); });
+    return most;
+  }
+
   // Whether user layer I is followed by a ReLU (He rather than Glorot init).
   template <std::size_t I>
   static constexpr bool relu_follows() {
@@ -243,12 +252,19 @@ class Model {
       using L = type_at_t<i, executed>;
       const T* dy = grad_buffers_[current];
       T* dx = i == 0 ? input_gradient : grad_buffers_[1 - current];
+      // In a reduced precision a layer's weight gradients come out of its
+      // GEMMs rounded, and are added to the earlier micro-batches' in fp32:
+      // the sum so far waits in grad_sums_ while the layer writes its own.
+      const bool reduced = precision_ != Precision::fp32;
+      T* grads = layer_grads<i>();
+      if (reduced && accumulate) std::copy_n(grads, L::param_count, grad_sums_.data());
       detail::run_backward<L, T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s), dy, dx,
-                                 layer_grads<i>(), workspace_, s.batch, accumulate, context<i>(s));
-      if (precision_ != Precision::fp32) {
-        // The weight gradients come out of reduced-precision GEMMs (with
-        // accumulation, the rounded sum stands for the fp32 one).
-        round_to(precision_, layer_grads<i>(), L::param_count);
+                                 grads, workspace_, s.batch, accumulate && !reduced,
+                                 context<i>(s));
+      if (reduced) {
+        round_to(precision_, grads, L::param_count);
+        if (accumulate)
+          for (std::size_t k = 0; k < L::param_count; ++k) grads[k] += grad_sums_[k];
         if constexpr (!L::in_place)
           if (dx != nullptr) round_to(precision_, dx, s.batch * L::input_shape::size);
       }
@@ -280,6 +296,7 @@ class Model {
 
   std::vector<T> params_;
   std::vector<T> compute_params_;  // params_ rounded to precision_ (empty in fp32)
+  std::vector<T> grad_sums_;       // a layer's accumulated gradients, meanwhile (reduced precisions)
   Precision precision_ = Precision::fp32;
   bool weights_stale_ = true;  // params_ may have changed since compute_params_ was made
   std::vector<T> grads_;

@@ -48,7 +48,7 @@ class LossScaler {
     if (overflowed) {
       scale_ *= options_.backoff_factor;
       good_steps_ = 0;
-    } else if (++good_steps_ == options_.growth_interval) {
+    } else if (++good_steps_ >= options_.growth_interval) {
       scale_ *= options_.growth_factor;
       good_steps_ = 0;
     }

@@ -59,6 +59,7 @@ struct EngineJob {
   Pass pass{};  // training: seed and step (each rank adds its samples' offset)
   const data::Dataset* dataset = nullptr;
   float* whole = nullptr;  // the whole network's weights (gather, scatter)
+  double value = 0.0;      // summed over the ranks (agreement across processes)
 };
 
 template <class Job>

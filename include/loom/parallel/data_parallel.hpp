@@ -215,11 +215,11 @@ class DataParallelEngine {
     return sums;
   }
 
-  // How many ranks report `failed` (a collective: a checkpoint that one
-  // process could not write or read stops all of them).
-  std::size_t failures(bool failed) {
-    run({.kind = JobKind::agree, .n = failed ? 1u : 0u});
-    return static_cast<std::size_t>(replicas_.front()->stats[0]);
+  // The sum of `value` over the ranks, one per process (a collective: a
+  // checkpoint that one process could not write or read stops them all).
+  double sum_over_ranks(double value) {
+    run({.kind = JobKind::agree, .value = value});
+    return replicas_.front()->stats[0];
   }
 
   // Loss and correct-count sums over a data set, each rank taking its share.
@@ -273,7 +273,7 @@ class DataParallelEngine {
       replica.step_seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     } else if (job.kind == JobKind::agree) {
-      replica.stats = {static_cast<double>(job.n), 0.0};
+      replica.stats = {job.value, 0.0};
       replica.comm.all_reduce(std::span<double>(replica.stats), comm::ReduceOp::sum);
     } else {
       evaluate(replica, job);
@@ -349,7 +349,8 @@ class DataParallelEngine {
     // The reduced gradients are the same on every replica: so are their
     // overflow and their norm.
     const auto& settings = job.settings;
-    if (settings.loss_scale != 1.0f &&
+    // fp16 checks every step, whatever the scale (it may have come down to 1).
+    if (settings.precision == Precision::fp16 &&
         !unscale_gradients(model.gradients(), settings.loss_scale)) {
       replica.overflowed = true;
       return model.restore_state();

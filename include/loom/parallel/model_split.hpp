@@ -429,10 +429,10 @@ class PipelineEngine {
     return loss_sums(ranks_.front()->stats);
   }
 
-  // How many ranks report `failed` (see DataParallelEngine::failures).
-  std::size_t failures(bool failed) {
-    crew_.run({.kind = JobKind::agree, .n = failed ? 1u : 0u});
-    return static_cast<std::size_t>(ranks_.front()->stats[0]);
+  // The sum of `value` over the ranks (see DataParallelEngine::sum_over_ranks).
+  double sum_over_ranks(double value) {
+    crew_.run({.kind = JobKind::agree, .value = value});
+    return ranks_.front()->stats[0];
   }
 
   // Every stage's weights and running statistics into `whole`'s slices
@@ -605,7 +605,7 @@ class PipelineEngine {
                job.whole);
         break;
       case JobKind::agree:
-        r.stats = {static_cast<double>(job.n), 0.0};
+        r.stats = {job.value, 0.0};
         r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
         break;
       case JobKind::scatter_buffer: {
@@ -764,7 +764,7 @@ class PipelineEngine {
     r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
     if (!std::isfinite(r.stats[0])) return r.net->restore_state();  // its running statistics too
     const auto& settings = job.settings;
-    if (settings.loss_scale != 1.0f && overflowed(r, settings.loss_scale)) {
+    if (settings.precision == Precision::fp16 && overflowed(r, settings.loss_scale)) {
       r.overflowed = true;
       return r.net->restore_state();
     }

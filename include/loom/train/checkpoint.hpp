@@ -87,6 +87,24 @@ struct CheckpointImage {
   std::string network, policy;  // what wrote it, for messages
 };
 
+// A 40-bit digest of what a checkpoint restores (weights, running
+// statistics, optimizer state and position), to check that every process
+// read the same file.
+inline double fingerprint(const CheckpointImage& image) {
+  std::uint64_t h = 1469598103934665603ull;
+  const auto add = [&](const void* data, std::size_t bytes) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  };
+  add(image.parameters.data(), image.parameters.size() * sizeof(float));
+  add(image.state.data(), image.state.size() * sizeof(float));
+  for (const auto& buffer : image.buffers) add(buffer.data(), buffer.size() * sizeof(float));
+  add(&image.steps, sizeof image.steps);
+  add(&image.position.epoch, sizeof image.position.epoch);
+  add(&image.position.batches, sizeof image.position.batches);
+  return static_cast<double>(h >> 24);
+}
+
 // Numbers in the metadata (strings): doubles in their shortest form that
 // reads back to the same value, so a resumed run is bit-identical.
 template <class N>
@@ -217,10 +235,13 @@ CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_v
   image.base_lr = parse_number<float>(file, "trainer.base_lr", where);
   image.steps = parse_number<std::uint64_t>(file, "trainer.steps", where);
   image.seed = parse_number<std::uint64_t>(file, "trainer.seed", where);
-  image.precision = file.metadata("trainer.precision");
-  image.loss_scale = parse_number<float>(file, "scaler.scale", where);
-  image.good_steps = parse_number<std::size_t>(file, "scaler.good_steps", where);
-  image.skipped_steps = parse_number<std::uint64_t>(file, "scaler.skipped_steps", where);
+  // Checkpoints from before mixed precision have no scaler: fp32's.
+  if (file.metadata().contains("scaler.scale")) {
+    image.precision = file.metadata("trainer.precision");
+    image.loss_scale = parse_number<float>(file, "scaler.scale", where);
+    image.good_steps = parse_number<std::size_t>(file, "scaler.good_steps", where);
+    image.skipped_steps = parse_number<std::uint64_t>(file, "scaler.skipped_steps", where);
+  }
   LOOM_CHECK(image.loss_scale > 0.0f && std::isfinite(image.loss_scale), "checkpoint '", where,
              "': loss scale ", image.loss_scale, " must be positive and finite");
   image.batches = parse_number<std::uint64_t>(file, "trainer.batches", where);

@@ -321,7 +321,11 @@ class Trainer {
       std::uint64_t step_first_batch = batches_;
       while (loader.next(batch)) {
         const auto place = groups.next(batch.size);
-        if (!place.accumulate) step_first_batch = batches_;
+        if (!place.accumulate) {
+          step_first_batch = batches_;
+          // A callback changed the weights through model(): the stages take them now.
+          if constexpr (is_pipelined<Policy>) scatter_if_changed();
+        }
         if (!place.accumulate)
           (call_step_begin(callbacks, StepBegin{.epoch = epoch,
                                                 .step = step.step + 1,
@@ -444,11 +448,17 @@ class Trainer {
     if constexpr (is_data_parallel<Policy>)
       if (!on_gpu()) return engine_->model();
     if constexpr (is_pipelined<Policy>) {
+      // Across processes nothing is gathered: the copy is read-only there
+      // (a change would overwrite the stages with old weights).
       if (split_ready())
         with_split([&](auto& engine) {
-          if (engine.all_local()) engine.gather(model_);
+          if (engine.all_local()) {
+            engine.gather(model_);
+            host_changed_ = true;
+          }
         });
-      host_changed_ = true;
+      else
+        host_changed_ = true;
       return model_;
     }
 #if defined(__CUDACC__)
@@ -562,7 +572,7 @@ class Trainer {
     if (process_rank_ == 0) {
       try {
         detail::write_checkpoint<Net>(path, image);
-      } catch (const Error& error) {
+      } catch (const std::exception& error) {  // out of memory too: the others must hear
         failure = error.what();
       }
     }
@@ -590,7 +600,7 @@ class Trainer {
     std::string failure;
     try {
       image = detail::read_checkpoint<Net>(path, Optimizer::name, names);
-    } catch (const Error& error) {
+    } catch (const std::exception& error) {
       failure = error.what();
     }
     if (any_process_failed(!failure.empty())) {
@@ -598,6 +608,10 @@ class Trainer {
       LOOM_FAIL("Trainer::load: another process could not read checkpoint '", path.string(),
                 "' (its error says why); every process needs the file");
     }
+    // ... and the same file: a stale copy on one node would split the ranks.
+    LOOM_CHECK(!any_process_differs(detail::fingerprint(image)), "Trainer::load: checkpoint '",
+               path.string(), "' is not the same file on every process (its weights or "
+               "position differ); give every process the same checkpoint");
     const auto put = [&](Model<Net, float>& model, auto& optimizer) {
       std::ranges::copy(image.parameters, model.parameters().begin());
       std::ranges::copy(image.state, model.state().begin());
@@ -620,13 +634,15 @@ class Trainer {
     if (resume) {
       base_lr_ = image.base_lr;
       fit_ = image.fit;
+      position_ = image.position;
+    } else {
+      position_ = {};  // a new fit's, not the checkpoint's
     }
     steps_ = image.steps;
     options_.seed = image.seed;  // Dropout's masks go on as they would have
     batches_ = image.batches;
     scaler_.restore(image.loss_scale, image.good_steps);
     skipped_steps_ = image.skipped_steps;
-    position_ = image.position;
     resume_ = resume && image.position.epoch > 0 ? std::optional(image.position) : std::nullopt;
     resume_fit_ = resume ? image.fit : std::nullopt;
   }
@@ -639,16 +655,22 @@ class Trainer {
     return optimizer_;
   }
 
-  // Across MPI processes: whether any process reports `failed` (every
-  // process must call it); in one process: `failed`.
-  bool any_process_failed(bool failed) {
-    if (process_count_ <= 1) return failed;
+  // The sum of `value` over the MPI processes (every process must call
+  // it); in one process, `value`.
+  double sum_over_processes(double value) {
+    if (process_count_ <= 1) return value;
     if constexpr (is_data_parallel<Policy>)
-      return engine_->failures(failed) > 0;
+      return engine_->sum_over_ranks(value);
     else if constexpr (is_pipelined<Policy>)
-      return pipeline_->failures(failed) > 0;
+      return pipeline_->sum_over_ranks(value);
     else
-      return failed;
+      return value;
+  }
+  // Whether any process reports `failed`.
+  bool any_process_failed(bool failed) { return sum_over_processes(failed ? 1.0 : 0.0) > 0.0; }
+  // Whether any process holds another `value` (exact below 2^53 / processes).
+  bool any_process_differs(double value) {
+    return sum_over_processes(value) != value * static_cast<double>(std::max<std::size_t>(1, process_count_));
   }
 
   // Optimizer steps of a fit before step `step` (0-based count) of `epoch`.
@@ -1017,7 +1039,7 @@ class Trainer {
       // stay those of the last good step.
       if (!std::isfinite(sums.loss)) model_.restore_state();
       check_loss(sums.loss, epoch, step);
-      sums.overflowed = settings.loss_scale != 1.0f &&
+      sums.overflowed = settings.precision == Precision::fp16 &&
                         !unscale_gradients(model_.gradients(), settings.loss_scale);
       if (sums.overflowed) {
         model_.restore_state();
