@@ -20,28 +20,11 @@ using ResNet20 = Sequential<Input<1, 28, 28>, Conv2d<16, 3, 1, 1>, BatchNorm2d, 
                             GlobalAvgPool, Linear<10>>;
 using RowGru = Sequential<Input<1, 28, 28>, Reshape<28, 28>, GRU<128>, Linear<64>, ReLU, Linear<10>>;
 
-// Median training-step time (forward in training mode, loss, backward, SGD).
-template <class Net>
-double step_ms(const data::Dataset& train, std::size_t batch, const bench::Options& options) {
-  Model<Net, float> model(0, batch);
-  SGD::State<float> sgd({.lr = 0.01f, .momentum = 0.9f}, Net::parameter_count);
-  const std::size_t batches = train.count / batch;
-  return bench::median_step_ms(options, [&](std::size_t s) {
-    const std::size_t first = (s % batches) * batch;
-    const float* logits = model.forward(train.images.data() + first * train.sample_size(), batch,
-                                        0, Pass{.training = true, .step = s});
-    SoftmaxCrossEntropy::evaluate<float>(logits, train.labels.data() + first, batch, 10, batch,
-                                         model.output_gradient());
-    model.backward();
-    sgd.step(model.parameters(), model.gradients());
-  });
-}
-
 template <class Net>
 nlohmann::json compare(const char* network, const data::Dataset& train, std::size_t batch,
                        const bench::Options& options) {
-  const double fused = step_ms<Net>(train, batch, options);
-  const double unfused = step_ms<Unfused<Net>>(train, batch, options);
+  const double fused = bench::train_step_ms<Net>(train, batch, options);
+  const double unfused = bench::train_step_ms<Unfused<Net>>(train, batch, options);
   const auto images = static_cast<double>(batch);
   return {{"benchmark", "deep_train_step"},
           {"network", network},

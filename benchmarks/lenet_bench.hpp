@@ -69,6 +69,26 @@ double median_step_ms(const Options& options, Step&& step) {
   return step_ms[step_ms.size() / 2];
 }
 
+// Median time of a training step of Net (forward in training mode, loss,
+// backward, SGD with momentum) on real batches, computing in `precision`.
+template <class Net>
+double train_step_ms(const data::Dataset& train, std::size_t batch, const Options& options,
+                     Precision precision = Precision::fp32) {
+  Model<Net, float> model(0, batch);
+  model.set_precision(precision);
+  SGD::State<float> sgd({.lr = 0.01f, .momentum = 0.9f}, Net::parameter_count);
+  const std::size_t batches = train.count / batch;
+  return median_step_ms(options, [&](std::size_t s) {
+    const std::size_t first = (s % batches) * batch;
+    const float* logits = model.forward(train.images.data() + first * train.sample_size(), batch,
+                                        0, Pass{.training = true, .step = s});
+    SoftmaxCrossEntropy::evaluate<float>(logits, train.labels.data() + first, batch,
+                                         Net::output_shape::size, batch, model.output_gradient());
+    model.backward();
+    sgd.step(model.parameters(), model.gradients());
+  });
+}
+
 // LeNet's training step: median time, images/s and GFLOP/s.
 template <class Step>
 nlohmann::json time_steps(const char* library, std::size_t batch, const Options& options,

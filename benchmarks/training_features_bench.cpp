@@ -36,28 +36,11 @@ nlohmann::json optimizer_step(const char* name, typename Optimizer::Options opti
 }
 
 template <class Net>
-double train_step_ms(const data::Dataset& train, std::size_t batch, Precision precision,
-                     const bench::Options& options) {
-  Model<Net, float> model(0, batch);
-  model.set_precision(precision);
-  SGD::State<float> sgd({.lr = 0.01f, .momentum = 0.9f}, Net::parameter_count);
-  const std::size_t batches = train.count / batch;
-  return bench::median_step_ms(options, [&](std::size_t s) {
-    const std::size_t first = (s % batches) * batch;
-    const float* logits = model.forward(train.images.data() + first * train.sample_size(), batch);
-    SoftmaxCrossEntropy::evaluate<float>(logits, train.labels.data() + first, batch, 10, batch,
-                                         model.output_gradient());
-    model.backward();
-    sgd.step(model.parameters(), model.gradients());
-  });
-}
-
-template <class Net>
 nlohmann::json precision_step(const char* network, const data::Dataset& train, std::size_t batch,
                               const bench::Options& options) {
-  const double fp32 = train_step_ms<Net>(train, batch, Precision::fp32, options);
-  const double bf16 = train_step_ms<Net>(train, batch, Precision::bf16, options);
-  const double fp16 = train_step_ms<Net>(train, batch, Precision::fp16, options);
+  const double fp32 = bench::train_step_ms<Net>(train, batch, options, Precision::fp32);
+  const double bf16 = bench::train_step_ms<Net>(train, batch, options, Precision::bf16);
+  const double fp16 = bench::train_step_ms<Net>(train, batch, options, Precision::fp16);
   const auto images = static_cast<double>(batch);
   return {{"benchmark", "precision_step"},
           {"network", network},

@@ -327,13 +327,7 @@ class Trainer {
           if constexpr (is_pipelined<Policy>) scatter_if_changed();
         }
         if (!place.accumulate)
-          (call_step_begin(callbacks, StepBegin{.epoch = epoch,
-                                                .step = step.step + 1,
-                                                .fit_step = fit_steps(epoch, step.step, info),
-                                                .total_steps = info.steps_per_epoch *
-                                                               static_cast<std::size_t>(options.epochs),
-                                                .global_batch = options.batch_size * k}),
-           ...);
+          (call_step_begin(callbacks, step_begin(epoch, step.step, info, options)), ...);
         cpu::LossSums sums;
         try {
           sums = micro_step(batch, place.group_samples, place.accumulate, place.last, epoch,
@@ -673,9 +667,14 @@ class Trainer {
     return sum_over_processes(value) != value * static_cast<double>(std::max<std::size_t>(1, process_count_));
   }
 
-  // Optimizer steps of a fit before step `step` (0-based count) of `epoch`.
-  static std::size_t fit_steps(int epoch, std::size_t step, const FitInfo& info) {
-    return static_cast<std::size_t>(epoch - 1) * info.steps_per_epoch + step;
+  // What callbacks learn before the step that follows `done` steps of `epoch`.
+  static StepBegin step_begin(int epoch, std::size_t done, const FitInfo& info,
+                              const FitOptions& options) {
+    return {.epoch = epoch,
+            .step = done + 1,
+            .fit_step = static_cast<std::size_t>(epoch - 1) * info.steps_per_epoch + done,
+            .total_steps = info.steps_per_epoch * static_cast<std::size_t>(options.epochs),
+            .global_batch = options.batch_size * options.accumulation_steps};
   }
 
   // The position a loaded checkpoint left, if the fit about to run goes on
@@ -896,13 +895,7 @@ class Trainer {
         const auto place = groups.next(batch.size);
         if (!place.accumulate)
           (call_step_begin(callbacks,
-                           StepBegin{.epoch = epoch,
-                                     .step = step.step + 1 + (pending >= 0 ? 1 : 0),
-                                     .fit_step = fit_steps(epoch, step.step, info) +
-                                                 (pending >= 0 ? 1 : 0),
-                                     .total_steps = info.steps_per_epoch *
-                                                    static_cast<std::size_t>(options.epochs),
-                                     .global_batch = options.batch_size * k}),
+                           step_begin(epoch, step.step + (pending >= 0 ? 1 : 0), info, options)),
            ...);
         for (auto& replica : replicas) {
           replica.use();
