@@ -412,7 +412,18 @@ int example_main(int argc, char** argv, const char* title, Options o) {
                  "micro-batches per step (of each pipeline) of --policy split or hybrid")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
       ->capture_default_str();
+#if defined(LOOM_WITH_MPI)
+  double collective_timeout = mpi->collective_timeout().count();
+  app.add_option("--collective-timeout", collective_timeout,
+                 "under mpirun: seconds a rank waits for the others in a collective before it "
+                 "raises and the job is aborted (a rank died or hangs); default: "
+                 "LOOM_COLLECTIVE_TIMEOUT, else 600")
+      ->check(CLI::Range(0.001, 1e8));
+#endif
   CLI11_PARSE(app, argc, argv);
+#if defined(LOOM_WITH_MPI)
+  mpi->set_collective_timeout(comm::Timeout(collective_timeout));
+#endif
 
   std::ostream quiet(nullptr);
   std::ostream& out = talks ? std::cout : quiet;

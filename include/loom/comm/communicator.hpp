@@ -10,16 +10,63 @@
 // jobs are ended by mpirun when a rank exits).
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
+#include "../core/error.hpp"
+
 namespace loom::comm {
+
+// How long a call of a communicator between processes (MpiComm, NcclComm)
+// waits for the other ranks before it declares them lost and raises.
+using Timeout = std::chrono::duration<double>;
+
+// LOOM_COLLECTIVE_TIMEOUT (seconds) or 600 s: generous, since a rank may
+// legitimately be busy for minutes between two collectives (loading data,
+// writing a checkpoint the others wait for).
+inline Timeout collective_timeout() {
+  const char* text = std::getenv("LOOM_COLLECTIVE_TIMEOUT");
+  if (text == nullptr || *text == '\0') return Timeout(600.0);
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  LOOM_CHECK(*end == '\0' && seconds > 0.0 && seconds < 1e9, "LOOM_COLLECTIVE_TIMEOUT='", text,
+             "' is not a number of seconds above 0");
+  return Timeout(seconds);
+}
+
+// Calls done() until it returns true (completed: returns true) or `timeout`
+// has passed (returns false; `waited` says how long it was). Polling starts
+// busy, as MPI's and CUDA's own blocking waits do, then sleeps ever longer
+// (up to a millisecond) so that a long wait leaves the core to the ranks and
+// threads still computing.
+template <class Done>
+bool wait_until(Timeout timeout, Done&& done, Timeout& waited) {
+  using clock = std::chrono::steady_clock;
+  const auto begun = clock::now();
+  auto pause = std::chrono::microseconds(0);
+  for (int busy_polls = 0;;) {
+    if (done()) return true;
+    waited = clock::now() - begun;
+    if (waited > timeout) return false;
+    if (busy_polls < 1000) {
+      ++busy_polls;
+    } else {
+      pause = std::min(std::chrono::microseconds(1000),
+                       std::max(std::chrono::microseconds(10), pause * 2));
+      std::this_thread::sleep_for(pause);
+    }
+  }
+}
 
 enum class ReduceOp { sum, average };
 

@@ -8,6 +8,11 @@
 // meaning); the *_async forms only enqueue, for overlapping a bucket's
 // reduction with backward on another stream. Every NCCL status is checked;
 // a failure names the call, the rank and NCCL's last error text.
+//
+// A wait that lasts longer than the timeout (comm::collective_timeout():
+// another rank died or hangs, and its NCCL kernels never complete) aborts
+// the communicator with ncclCommAbort, which ends this rank's pending NCCL
+// kernels, and raises a loom::Error instead of waiting for ever.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -132,6 +137,18 @@ class NcclComm {
     wait("ncclRecv");
   }
 
+  // Waits for `event` (recorded after this communicator's kernels, e.g. a
+  // step's reductions) like cudaEventSynchronize, but gives up after the
+  // timeout: the communicator is aborted and the call raises.
+  void wait_event(cudaEvent_t event, const char* what) { wait_until_done(event, nullptr, what); }
+
+  Timeout timeout() const { return state_->timeout; }
+  void set_timeout(Timeout timeout) {
+    LOOM_CHECK(timeout.count() > 0.0, describe(), ": the timeout must be positive, got ",
+               timeout.count(), " s");
+    state_->timeout = timeout;
+  }
+
   // An all-reduce of one value in device memory: returns when every rank came.
   void barrier() {
     on_device();
@@ -145,7 +162,9 @@ class NcclComm {
     check(ncclCommSplit(get(), color, key, &made, nullptr), "ncclCommSplit");
     LOOM_CHECK(made != nullptr, describe(), ": ncclCommSplit gave no communicator for color ",
                color);
-    return NcclComm(made, device());
+    NcclComm part(made, device());
+    part.set_timeout(timeout());
+    return part;
   }
 
   // Ends this rank's pending NCCL operations and frees the communicator;
@@ -164,6 +183,7 @@ class NcclComm {
     ncclComm_t comm = nullptr;
     int rank = 0, size = 0, device = 0;
     bool aborted = false;
+    Timeout timeout = collective_timeout();
     gpu::Stream stream;
     gpu::DeviceBuffer<std::int32_t> token;
     State(ncclComm_t c, int d) : comm(c), device(d), token(1, "NcclComm barrier token") {}
@@ -190,12 +210,30 @@ class NcclComm {
       LOOM_FAIL(call, " failed on ", describe(), ": ", ncclGetErrorString(status), " (",
                 get() != nullptr ? ncclGetLastError(get()) : "aborted", ")");
   }
-  void wait(const char* call) const {
-    const cudaError_t status = cudaStreamSynchronize(stream());
-    if (status != cudaSuccess) LOOM_FAIL(call, " failed on ", describe(), ": ", cudaGetErrorString(status));
-    ncclResult_t async = ncclSuccess;
-    check(ncclCommGetAsyncError(get(), &async), "ncclCommGetAsyncError");
-    check(async, call);
+  void wait(const char* call) { wait_until_done(nullptr, stream(), call); }
+
+  // Polls the event (or the stream) and NCCL's asynchronous error until the
+  // work is done; past the timeout it aborts the communicator and raises.
+  void wait_until_done(cudaEvent_t event, cudaStream_t stream, const char* call) {
+    LOOM_CHECK(!state_->aborted, describe(), ": the communicator was aborted");
+    Timeout waited{};
+    const bool done = wait_until(state_->timeout, [&] {
+      const cudaError_t status = event != nullptr ? cudaEventQuery(event) : cudaStreamQuery(stream);
+      if (status != cudaSuccess && status != cudaErrorNotReady)
+        LOOM_FAIL(call, " failed on ", describe(), ": ", cudaGetErrorString(status));
+      ncclResult_t async = ncclSuccess;
+      check(ncclCommGetAsyncError(get(), &async), "ncclCommGetAsyncError");
+      check(async, call);
+      return status == cudaSuccess;
+    }, waited);
+    if (done) return;
+    const std::string who = describe();
+    cancel("timeout");
+    LOOM_FAIL(call, " on ", who, " timed out after ", waited.count(), " s (timeout ",
+              state_->timeout.count(),
+              " s): another rank died, hangs or made a different call. The communicator was "
+              "aborted (ncclCommAbort). A rank that legitimately takes longer between "
+              "collectives needs a larger timeout (LOOM_COLLECTIVE_TIMEOUT, in seconds)");
   }
   void check_peer(int peer, const char* call) const {
     LOOM_CHECK(peer >= 0 && peer < size(), call, " on ", describe(), ": rank ", peer,

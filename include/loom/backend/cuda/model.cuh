@@ -500,7 +500,12 @@ class DeviceModel {
   // they were after it.
   LossTotals wait_totals(int slot) {
     check_slot(slot);
-    done_[slot].synchronize();
+    // Under data parallelism the step holds NCCL kernels that wait for the
+    // other ranks: a lost rank must end in an error, not a wait for ever.
+    if (auto* comm = options_.data_parallel)
+      comm->wait_event(done_[slot].get(), "a training step's gradient all-reduce");
+    else
+      done_[slot].synchronize();
     return snapshots_.data()[slot];
   }
 

@@ -52,6 +52,7 @@ class Event {
     LOOM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, 0));
   }
   void synchronize() const { LOOM_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  cudaEvent_t get() const { return event_; }
 
  private:
   cudaEvent_t event_ = nullptr;
