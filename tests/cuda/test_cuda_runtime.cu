@@ -1,7 +1,8 @@
 // The CUDA runtime pieces a training step stands on: the plan-sized device
 // arena, batch staging through pinned memory on a copy stream, step capture
 // as a CUDA graph (replay must equal direct execution, bit for bit), and
-// NCCL's communicator (one rank here: NCCL refuses two ranks on one GPU).
+// NCCL's communicator (one rank here: NCCL refuses two ranks on one GPU),
+// and its timeout.
 #include <loom/backend/cuda/arena.hpp>
 #include <loom/backend/cuda/graph.hpp>
 #include <loom/backend/cuda/sgd.cuh>
@@ -107,6 +108,37 @@ TEST_CASE("cuda nccl: a one-rank NcclComm reduces, broadcasts, splits, a bad pee
                                       "not exist"));
   REQUIRE_THROWS_WITH(loom::comm::NcclComm::create_local({0, 0}),
                       Catch::Contains("ncclCommInitAll over 2 GPU(s) failed"));
+}
+
+// Keeps its stream busy for `ns` nanoseconds of the GPU's global timer: work
+// that never ends in time, as a collective waiting for a lost rank is.
+__global__ void busy_for(unsigned long long ns) {
+  unsigned long long start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    unsigned long long now = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start >= ns) return;
+    __nanosleep(1000);
+  }
+}
+
+TEST_CASE("cuda nccl: a wait past the timeout aborts the communicator and raises") {
+  auto ranks = loom::comm::NcclComm::create_local({0});
+  auto& comm = ranks[0];
+  comm.set_timeout(loom::comm::Timeout(0.3));
+  busy_for<<<1, 1, 0, comm.stream()>>>(3'000'000'000ull);
+  LOOM_CUDA_CHECK(cudaGetLastError());
+  loom::gpu::Event done;
+  done.record(comm.stream());
+  REQUIRE_THROWS_WITH(comm.wait_event(done.get(), "a test's step"),
+                      Catch::Contains("a test's step on NcclComm rank 0 of 1 on cuda:0 timed out "
+                                      "after") &&
+                          Catch::Contains("The communicator was aborted (ncclCommAbort)"));
+  auto data = test::to_device(std::vector<float>(4, 1.0f));
+  REQUIRE_THROWS_WITH(comm.all_reduce(std::span<float>(data.data(), 4), loom::comm::ReduceOp::sum),
+                      Catch::Contains("the communicator was aborted"));
+  LOOM_CUDA_CHECK(cudaDeviceSynchronize());  // the busy kernel ends in its own time
 }
 
 LOOM_CUDA_TEST_MAIN
