@@ -2,8 +2,10 @@
 // fixed reduction order, and how misuse and a failing rank end as errors.
 #include <loom/loom.hpp>
 #include <atomic>
+#include <cstdlib>
 #include <functional>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -178,4 +180,19 @@ TEST_CASE("Comm holds any Communicator, ops and ranks pass through") {
   REQUIRE(data[1] == std::vector<float>{2.0f, 3.5f});
   REQUIRE(held[1].rank() == 1);
   REQUIRE(held[1].describe() == "LocalComm rank 1 of 2");
+}
+
+TEST_CASE("comm: LOOM_COLLECTIVE_TIMEOUT sets the timeout in seconds; a bad value is refused") {
+  const auto restore = [] { unsetenv("LOOM_COLLECTIVE_TIMEOUT"); };
+  restore();
+  REQUIRE(comm::collective_timeout().count() == 600.0);
+  setenv("LOOM_COLLECTIVE_TIMEOUT", "2.5", 1);
+  REQUIRE(comm::collective_timeout().count() == 2.5);
+  for (const char* bad : {"0", "-3", "ten", "5s", "1e12"}) {
+    setenv("LOOM_COLLECTIVE_TIMEOUT", bad, 1);
+    REQUIRE_THROWS_WITH(comm::collective_timeout(),
+                        Catch::Contains(std::string("LOOM_COLLECTIVE_TIMEOUT='") + bad +
+                                        "' is not a number of seconds above 0"));
+  }
+  restore();
 }
