@@ -55,6 +55,7 @@ struct Options {
   std::size_t warmup_steps = 0;
   std::size_t lr_reference_batch = 0;  // > 0: --lr is for this global batch, scaled linearly
   float clip_norm = 0.0f;
+  std::string on_nonfinite = "raise";
   std::size_t accumulation = 1;
   std::string precision = "fp32";
   std::string checkpoint;  // save here after each epoch (and every --checkpoint-every steps)
@@ -179,7 +180,8 @@ void train(const char* title, const Options& o, const data::Split& data,
                  .seed = o.seed,
                  .accumulation_steps = o.accumulation,
                  .augment = augment,
-                 .max_grad_norm = o.clip_norm},
+                 .max_grad_norm = o.clip_norm,
+                 .on_nonfinite = o.on_nonfinite == "skip" ? NonFinite::skip : NonFinite::raise},
                 ExampleSchedule{&o, &out}, callbacks::Progress({.out = &out}), evaluate, checkpoint,
                 metrics);
     // A resumed run that had already finished trained nothing: measure it now.
@@ -187,6 +189,8 @@ void train(const char* title, const Options& o, const data::Split& data,
     if (trainer.precision() == Precision::fp16)
       out << "fp16: " << trainer.skipped_steps() << " step(s) skipped for overflow, loss scale "
           << trainer.loss_scale() << '\n';
+    if (trainer.nonfinite_steps() > 0)
+      out << trainer.nonfinite_steps() << " step(s) skipped for a non-finite loss or gradient\n";
     return evaluate.last;
   };
   // Each optimizer is a trainer type of its own: AdamW is built for the
@@ -356,6 +360,11 @@ int example_main(int argc, char** argv, const char* title, Options o) {
   app.add_option("--clip-norm", o.clip_norm,
                  "clip the gradients to this global norm (0: off)")
       ->check(CLI::Range(0.0f, 1e6f))
+      ->capture_default_str();
+  app.add_option("--on-nonfinite", o.on_nonfinite,
+                 "a step whose loss or gradients go NaN or infinite: raise (stop with an error "
+                 "naming the step and layer) or skip it (CPU devices)")
+      ->check(CLI::IsMember({"raise", "skip"}))
       ->capture_default_str();
   app.add_option("--accumulate", o.accumulation,
                  "batches per optimizer step (gradient accumulation)")

@@ -182,7 +182,7 @@ TEST_CASE("Comm holds any Communicator, ops and ranks pass through") {
   REQUIRE(held[1].describe() == "LocalComm rank 1 of 2");
 }
 
-TEST_CASE("comm: LOOM_COLLECTIVE_TIMEOUT sets the timeout in seconds; a bad value is refused") {
+TEST_CASE("comm: LOOM_COLLECTIVE_TIMEOUT sets the timeout in seconds, and a bad value is refused") {
   const auto restore = [] { unsetenv("LOOM_COLLECTIVE_TIMEOUT"); };
   restore();
   REQUIRE(comm::collective_timeout().count() == 600.0);

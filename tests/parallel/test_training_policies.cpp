@@ -209,3 +209,35 @@ TEST_CASE("training policies: reading model() in a callback does not roll a pipe
   test::require_equal(check.model().parameters(), plain.model().parameters(),
                       "the checkpoint after step 6");
 }
+
+namespace {
+
+// Trains 2 steps, doubles every weight through model() (calling it twice,
+// as a reader then a writer might), trains 2 more: every policy must
+// follow one device doing the same. (SGD: Adam's g / sqrt(v) would turn
+// the rounding noise of the near-zero gradients of border pixels into
+// whole steps.)
+template <class Policy>
+std::vector<float> edited_between_fits(std::size_t devices) {
+  auto workers = devices::cpu(devices);
+  for (auto& d : workers) d.threads = 1;
+  Trainer<Mlp3, Policy> trainer(workers, {.lr = 0.05f, .momentum = 0.9f}, {.seed = 7});
+  const FitOptions short_fit{.epochs = 1, .batch_size = 60, .seed = 5};
+  trainer.fit(head(fashion().train, 120), short_fit);
+  const float first = trainer.model().parameters()[0];
+  for (float& w : trainer.model().parameters()) w *= 2.0f;
+  REQUIRE(trainer.model().parameters()[0] == 2.0f * first);  // a second call keeps the change
+  trainer.fit(head(fashion().train, 120), short_fit);
+  return copy(trainer.model().parameters());
+}
+
+}  // namespace
+
+TEST_CASE("training policies: weights changed through model() between fits reach every device") {
+  const auto single = edited_between_fits<SingleDevice>(1);
+  test::require_close(edited_between_fits<DataParallel<>>(3), single, tolerance, "DataParallel(3)");
+  test::require_close(edited_between_fits<ModelSplit<Balanced<3>>>(3), single, tolerance,
+                      "ModelSplit(3)");
+  test::require_close(edited_between_fits<Hybrid<2, ModelSplit<Balanced<2>>>>(4), single, tolerance,
+                      "Hybrid 2x2");
+}

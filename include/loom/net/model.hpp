@@ -6,10 +6,14 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "../core/arena.hpp"
@@ -19,6 +23,160 @@
 #include "sequential.hpp"
 
 namespace loom {
+
+// Where a training step first went non-finite (FitOptions::on_nonfinite):
+// the batch's input, then in forward order a layer's weights (an earlier
+// update overflowed, or they were set so) or its output, then in backward
+// order a layer's weight gradient. Plain numbers, so that ranks in other
+// processes can send theirs.
+struct NonFiniteSpot {
+  enum class Where : std::uint8_t { nowhere, input, weight, output, gradient };
+  Where where = Where::nowhere;
+  std::size_t layer = 0;    // the user's index (a Residual block's layers: 64 x block + k)
+  std::size_t block = 0;    // the top-level layer holding it (== layer outside blocks)
+  std::size_t element = 0;  // the first non-finite value: in one sample's output, or the gradient
+  std::size_t size = 0;     // values of one sample's output (of the input), or of the gradient
+  std::size_t sample = 0;   // input and outputs: which sample of the batch
+  float value = 0.0f;       // nan, inf or -inf
+
+  explicit operator bool() const { return where != Where::nowhere; }
+  // Earlier in the step first: the input, outputs in forward order, then
+  // gradients in backward order (the last layer's first).
+  bool before(const NonFiniteSpot& other) const {
+    const auto stage = [](Where w) { return w == Where::output ? Where::weight : w; };
+    if (stage(where) != stage(other.where)) return stage(where) < stage(other.where);
+    if (block != other.block)
+      return where == Where::gradient ? block > other.block : block < other.block;
+    return where < other.where;
+  }
+};
+
+namespace detail {
+
+// The index of the first non-finite of n values (n when all are finite).
+// Finite or not is the exponent: all ones for inf and nan. An integer max
+// over it vectorises; a test with an early exit does not, and every step
+// of a healthy run reads every gradient.
+template <class T>
+std::size_t first_nonfinite(const T* values, std::size_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    constexpr std::uint32_t exponent = 0x7f800000u;
+    constexpr std::size_t block = 4096;
+    for (std::size_t begin = 0; begin < n; begin += block) {
+      const std::size_t end = std::min(n, begin + block);
+      std::uint32_t most = 0;
+      for (std::size_t i = begin; i < end; ++i)
+        most = std::max(most, std::bit_cast<std::uint32_t>(values[i]) & exponent);
+      if (most != exponent) continue;
+      for (std::size_t i = begin; i < end; ++i)
+        if (!std::isfinite(values[i])) return i;
+    }
+    return n;
+  } else {
+    for (std::size_t i = 0; i < n; ++i)
+      if (!std::isfinite(values[i])) return i;
+    return n;
+  }
+}
+
+template <class T>
+bool all_finite(const T* values, std::size_t n) {
+  return first_nonfinite(values, n) == n;
+}
+
+// f.template operator()<L>() for the bound layer of List whose index is
+// `index`, looking inside Residual blocks (their layers and projection);
+// false when none is.
+template <class List, class F>
+bool with_layer(std::size_t index, F&& f) {
+  bool found = false;
+  static_for<List::size>([&](auto i) {
+    using L = type_at_t<i, List>;
+    if (found) return;
+    if (L::index == index) {
+      f.template operator()<L>();
+      found = true;
+      return;
+    }
+    if constexpr (requires { typename L::layers; }) {
+      found = with_layer<typename L::layers>(index, f);
+      if constexpr (!L::identity)
+        if (!found && L::shortcut::index == index) {
+          f.template operator()<typename L::shortcut>();
+          found = true;
+        }
+    }
+  });
+  return found;
+}
+
+inline std::string value_text(float value) {
+  return std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf";
+}
+
+// "layer 3 (conv)"; inside a Residual block, "layer 66 (conv, the body's
+// 2nd layer of the Residual block at layer 1)" or its projection.
+template <class Net>
+std::string layer_text(std::size_t layer, std::size_t block) {
+  std::string_view kind = "?";
+  with_layer<typename Net::layers>(layer, [&]<class L>() { kind = L::kind; });
+  const std::string what = " (" + std::string(kind) + ")";
+  // A block's layers are numbered 64 x block + k inside: name them by the
+  // block's own number, as the user wrote it.
+  if (layer == block) return "layer " + std::to_string(layer) + what;
+  if (layer == 64 * block)
+    return "the projection" + what + " of the Residual block at layer " + std::to_string(block);
+  return "body layer " + std::to_string(layer - 64 * block) + what +
+         " of the Residual block at layer " + std::to_string(block);
+}
+
+// "its weight, element 17 of 5000": where element `element` of layer
+// `layer`'s parameters lies.
+template <class Net>
+std::string parameter_text(std::size_t layer, std::size_t element, std::size_t size) {
+  std::string where = "element " + std::to_string(element) + " of " + std::to_string(size);
+  with_layer<typename Net::layers>(layer, [&]<class L>() {
+    L::tensors([&](std::string_view name, std::size_t begin, std::vector<std::size_t> shape,
+                   bool state) {
+      std::size_t count = 1;
+      for (const std::size_t d : shape) count *= d;
+      if (!state && element >= begin && element < begin + count)
+        where = "its " + std::string(name) + ", element " + std::to_string(element - begin) +
+                " of " + std::to_string(count);
+    });
+  });
+  return where;
+}
+
+// What `spot` says, e.g. "layer 3 (conv) output became inf (sample 5 of
+// the batch, element 1234 of 11520)".
+template <class Net>
+std::string spot_text(const NonFiniteSpot& spot) {
+  using Where = NonFiniteSpot::Where;
+  const std::string value = value_text(spot.value);
+  const std::string at =
+      "element " + std::to_string(spot.element) + " of " + std::to_string(spot.size);
+  switch (spot.where) {
+    case Where::input:
+      return "the input batch holds " + value + " (sample " + std::to_string(spot.sample) + ", " +
+             at + ")";
+    case Where::output:
+      return layer_text<Net>(spot.layer, spot.block) + " output became " + value + " (sample " +
+             std::to_string(spot.sample) + " of the batch, " + at + ")";
+    case Where::weight:
+      return layer_text<Net>(spot.layer, spot.block) + " holds a weight that is " + value + " (" +
+             parameter_text<Net>(spot.layer, spot.element, spot.size) +
+             "): an earlier update overflowed, or it was set so";
+    case Where::gradient:
+      return "the gradient of " + layer_text<Net>(spot.layer, spot.block) + " became " + value +
+             " (" + parameter_text<Net>(spot.layer, spot.element, spot.size) + ")";
+    case Where::nowhere:
+      break;
+  }
+  return "no layer's output or gradient is non-finite";
+}
+
+}  // namespace detail
 
 template <class Net_, class T_ = float>
 class Model {
@@ -194,6 +352,87 @@ class Model {
   // restore_state() then puts the running statistics back.
   void keep_state() { std::ranges::copy(state_, kept_state_.begin()); }
   void restore_state() { std::ranges::copy(kept_state_, state_.begin()); }
+
+  // Whether every weight gradient is finite: one pass over gradients(),
+  // what a healthy step pays for the check.
+  bool gradients_finite() const { return detail::all_finite(grads_.data(), grads_.size()); }
+
+  // Diagnosis of a step gone non-finite (run only then): the first
+  // non-finite value of the last forward through `slot`, in its input
+  // (with `input`: a pipeline's later stages get theirs from the stage
+  // before, which looks at it), then layer by layer in forward order in the
+  // layer's weights and its output (a Residual block's body layers' outputs
+  // before the block's sum).
+  NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input = true) {
+    NonFiniteSpot spot;
+    const Slot& s = slots_.at(slot);
+    if (s.batch == 0) return spot;
+    const auto look = [&](NonFiniteSpot::Where where, std::size_t layer, std::size_t block,
+                          const T* values, std::size_t per_sample) {
+      const std::size_t at = detail::first_nonfinite(values, s.batch * per_sample);
+      if (at == s.batch * per_sample) return false;
+      spot = {where,      layer, block, at % per_sample, per_sample,
+              s.pass.first_sample + at / per_sample, static_cast<float>(values[at])};
+      return true;
+    };
+    if (input && look(NonFiniteSpot::Where::input, 0, 0, s.input, input_size)) return spot;
+    bool found = false;
+    static_for<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if (found) return;
+      // The master weights (a reduced precision's copy is rounded from them).
+      if constexpr (L::param_count > 0) {
+        const T* weights = params_.data() + detail::list_info<executed>::param_offsets[i];
+        const std::size_t at = detail::first_nonfinite(weights, L::param_count);
+        if (at < L::param_count) {
+          spot = {NonFiniteSpot::Where::weight, L::index, L::index, at, L::param_count, 0,
+                  static_cast<float>(weights[at])};
+          found = true;
+          return;
+        }
+      }
+      if constexpr (requires { typename L::layers; })
+        found = L::visit_body_outputs(
+            layer_input<i>(s), context<i>(s), s.batch,
+            [&](std::size_t layer, const T* values, std::size_t per_sample) {
+              return look(NonFiniteSpot::Where::output, layer, L::index, values, per_sample);
+            });
+      if constexpr (!L::in_place)
+        if (!found)
+          found = look(NonFiniteSpot::Where::output, L::index, L::index, layer_output<i>(s),
+                       L::output_shape::size);
+    });
+    return spot;
+  }
+
+  // The first layer in backward order (the last layer first) whose weight
+  // gradient holds a non-finite value.
+  NonFiniteSpot find_nonfinite_gradient() {
+    NonFiniteSpot spot;
+    const auto look = [&](std::size_t layer, std::size_t block, const T* values,
+                          std::size_t count) {
+      const std::size_t at = detail::first_nonfinite(values, count);
+      if (at == count) return false;
+      spot = {NonFiniteSpot::Where::gradient, layer, block, at, count, 0,
+              static_cast<float>(values[at])};
+      return true;
+    };
+    bool found = false;
+    static_for_reverse<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if constexpr (L::param_count > 0) {
+        if (found) return;
+        if constexpr (requires { typename L::layers; })
+          found = L::visit_body_gradients(
+              layer_grads<i>(), [&](std::size_t layer, const T* values, std::size_t count) {
+                return look(layer, L::index, values, count);
+              });
+        else
+          found = look(L::index, L::index, layer_grads<i>(), L::param_count);
+      }
+    });
+    return spot;
+  }
 
  private:
   static constexpr std::size_t largest_layer_parameters() {

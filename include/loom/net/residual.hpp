@@ -192,6 +192,36 @@ struct Bind<Residual<Ls...>, In, Index>
                                  (L::in_place ? 0 : L::output_shape::size))};
   }
 
+  // For the diagnosis of a non-finite step (net/model.hpp): visit(index,
+  // values, per-sample size) for each body layer's output of the last
+  // forward, in order, until one returns true (found).
+  template <class T, class Visit>
+  static bool visit_body_outputs(const T* x, const LayerContext<T>& context, std::size_t n,
+                                 Visit&& visit) {
+    bool found = false;
+    static_for<body_count>([&](auto i) {
+      using L = type_at_t<i, body>;
+      if constexpr (!L::in_place)
+        if (!found) found = visit(L::index, output<i>(x, context.saved, n), L::output_shape::size);
+    });
+    return found;
+  }
+  // visit(index, values, count) for the weight gradients in backward order:
+  // the projection's (its backward runs first), then the body's, last first.
+  template <class T, class Visit>
+  static bool visit_body_gradients(const T* dparams, Visit&& visit) {
+    bool found = false;
+    if constexpr (!identity) found = visit(shortcut::index, dparams + body_params, shortcut_params);
+    static_for_reverse<layers::size>([&](auto i) {
+      using L = type_at_t<i, layers>;
+      if constexpr (L::param_count > 0)
+        if (!found)
+          found = visit(L::index, dparams + detail::list_info<layers>::param_offsets[i],
+                        L::param_count);
+    });
+    return found;
+  }
+
   template <class T>
   static void forward(const T* params, const T* x, T* y, T* work, std::size_t n,
                       const LayerContext<T>& context) {

@@ -70,9 +70,10 @@ inline double global_norm(std::span<const double> layer_squares) {
 }
 
 // Scales `grads` as clip_grad_norm_ would for a global norm `norm`; returns
-// the factor (1: unchanged). A non-finite norm (an infinite or NaN gradient
-// under a finite loss) leaves them as they are: scaling cannot make them
-// finite, and fp16's loss scaling is what skips such steps.
+// the factor (1: unchanged). A non-finite norm (an infinite or NaN gradient)
+// leaves them as they are: scaling cannot make them finite. The trainer
+// checks the gradients before clipping and skips or raises for such a step
+// (FitOptions::on_nonfinite; fp16 skips it as an overflow).
 inline float clip_gradients(std::span<float> grads, double norm, double max_norm) {
   const double coefficient = max_norm / (norm + 1e-6);
   if (!std::isfinite(norm) || !(coefficient < 1.0)) return 1.0f;

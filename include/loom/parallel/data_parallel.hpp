@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -113,8 +114,43 @@ void check_same_program(comm::Comm& c) {
 }
 
 // A step's (loss sum, correct count) as the engines keep them, for the caller.
-inline cpu::LossSums loss_sums(const std::array<double, 2>& stats) {
+template <std::size_t N>
+cpu::LossSums loss_sums(const std::array<double, N>& stats) {
   return {stats[0], static_cast<std::size_t>(stats[1])};
+}
+
+// The spot of a non-finite step that comes first over every rank of `c`
+// (NonFiniteSpot::before; the lowest rank on a tie), on every rank: each
+// rank's spot as numbers in its own entries, one sum (one non-zero term
+// per entry: exact). Collective; run only for a step gone non-finite.
+inline NonFiniteSpot agree_on_spot(comm::Comm& c, const NonFiniteSpot& mine) {
+  constexpr std::size_t fields = 7;
+  const auto ranks = static_cast<std::size_t>(c.size());
+  std::vector<double> all(ranks * fields, 0.0);
+  double* own = all.data() + static_cast<std::size_t>(c.rank()) * fields;
+  own[0] = static_cast<double>(mine.where);
+  own[1] = static_cast<double>(mine.layer);
+  own[2] = static_cast<double>(mine.block);
+  own[3] = static_cast<double>(mine.element);
+  own[4] = static_cast<double>(mine.size);
+  own[5] = static_cast<double>(mine.sample);
+  own[6] = std::isnan(mine.value) ? 0.0 : mine.value > 0 ? 1.0 : -1.0;  // no nan in the sum
+  c.all_reduce(std::span<double>(all), comm::ReduceOp::sum);
+  NonFiniteSpot first;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    const double* f = all.data() + r * fields;
+    const NonFiniteSpot spot{static_cast<NonFiniteSpot::Where>(f[0]),
+                             static_cast<std::size_t>(f[1]),
+                             static_cast<std::size_t>(f[2]),
+                             static_cast<std::size_t>(f[3]),
+                             static_cast<std::size_t>(f[4]),
+                             static_cast<std::size_t>(f[5]),
+                             f[6] == 0.0 ? std::numeric_limits<float>::quiet_NaN()
+                                         : static_cast<float>(f[6]) *
+                                               std::numeric_limits<float>::infinity()};
+    if (spot && (!first || spot.before(first))) first = spot;
+  }
+  return first;
 }
 
 template <class Net, class Policy, class Optimizer>
@@ -166,6 +202,11 @@ class DataParallelEngine {
   int world() const { return replicas_.front()->comm.size(); }
   std::size_t local_replicas() const { return replicas_.size(); }
   Model<Net, float>& model() { return replicas_.front()->model; }
+  // Every replica runs in this process (no other process shares the group).
+  bool all_local() const { return world() == static_cast<int>(replicas_.size()); }
+  // Weights or running statistics were changed through model() (replica
+  // 0's): every replica takes them, as at the start.
+  void share_first_replica() { run({.kind = JobKind::share}); }
   const Model<Net, float>& model() const { return replicas_.front()->model; }
   Model<Net, float>& replica_model(std::size_t i) { return replicas_.at(i)->model; }
   OptimizerState& replica_optimizer(std::size_t i) { return replicas_.at(i)->optimizer; }
@@ -215,6 +256,10 @@ class DataParallelEngine {
     return sums;
   }
 
+  // After a step whose loss or gradients went non-finite (and which every
+  // rank skipped): where it happened first, over every replica.
+  const NonFiniteSpot& fault() const { return replicas_.front()->fault; }
+
   // The sum of `value` over the ranks, one per process (a collective: a
   // checkpoint that one process could not write or read stops them all).
   double sum_over_ranks(double value) {
@@ -230,7 +275,7 @@ class DataParallelEngine {
   }
 
  private:
-  enum class JobKind { start, train, evaluate, agree };
+  enum class JobKind { start, train, evaluate, agree, share };
   using Job = EngineJob<JobKind>;
 
   struct Replica {
@@ -255,6 +300,7 @@ class DataParallelEngine {
     StepTimeline timeline;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
     bool overflowed = false;    // the last step's scaled gradients were not finite
+    NonFiniteSpot fault;        // the step's first non-finite value (agreed by the ranks)
     Reducer reducer;  // the replica's communication thread
   };
 
@@ -275,6 +321,9 @@ class DataParallelEngine {
     } else if (job.kind == JobKind::agree) {
       replica.stats = {job.value, 0.0};
       replica.comm.all_reduce(std::span<double>(replica.stats), comm::ReduceOp::sum);
+    } else if (job.kind == JobKind::share) {
+      replica.comm.broadcast(replica.model.parameters(), 0);
+      share_state(replica);
     } else {
       evaluate(replica, job);
     }
@@ -300,6 +349,7 @@ class DataParallelEngine {
     if (!job.accumulate) {
       replica.stats = {};
       replica.overflowed = false;
+      replica.fault = {};
     }
     auto& model = replica.model;
     model.set_precision(job.settings.precision);
@@ -324,6 +374,9 @@ class DataParallelEngine {
           model.output_gradient(), job.settings.loss_scale);
       replica.stats[0] += sums.loss;
       replica.stats[1] += static_cast<double>(sums.correct);
+      // Looked for now, while this batch's outputs are alive.
+      if (!std::isfinite(sums.loss) && !replica.fault)
+        replica.fault = model.find_nonfinite_output(0);
       replica.timeline.backward_begin = StepTimeline::Clock::now();
       // SyncBatchNorm's backward calls collectives of its own: the buckets
       // then wait for the backward's end, so that no two threads of a rank
@@ -343,15 +396,22 @@ class DataParallelEngine {
     replica.reducer.drain();
     replica.timeline.reduce_begin = replica.reducer.begun();
     replica.timeline.reduce_end = replica.reducer.ended();
-    // Every rank holds the same global sums, so all skip or all update; a
-    // skipped step keeps the running statistics of the step before, too.
-    if (!std::isfinite(replica.stats[0])) return model.restore_state();
+    // Every rank holds the same global sums and reduced gradients, so all
+    // skip or all update; a skipped step keeps the running statistics of
+    // the step before, too. fp16's gradients are checked by unscaling
+    // (non-finite there is an overflow: the scale backs off).
+    const auto& settings = job.settings;
+    const bool fp16 = settings.precision == Precision::fp16;
+    if (!std::isfinite(replica.stats[0]) || (!fp16 && !model.gradients_finite())) {
+      if (!replica.fault && share.count > 0) replica.fault = model.find_nonfinite_output(0);
+      if (!replica.fault) replica.fault = model.find_nonfinite_gradient();
+      replica.fault = agree_on_spot(replica.comm, replica.fault);
+      return model.restore_state();
+    }
     // The reduced gradients are the same on every replica: so are their
     // overflow and their norm.
-    const auto& settings = job.settings;
     // fp16 checks every step, whatever the scale (it may have come down to 1).
-    if (settings.precision == Precision::fp16 &&
-        !unscale_gradients(model.gradients(), settings.loss_scale)) {
+    if (fp16 && !unscale_gradients(model.gradients(), settings.loss_scale)) {
       replica.overflowed = true;
       return model.restore_state();
     }

@@ -159,6 +159,10 @@ class PipelineStage {
   virtual std::span<float> state() = 0;
   virtual void keep_state() = 0;
   virtual void restore_state() = 0;
+  // A non-finite step's diagnosis (see Model).
+  virtual bool gradients_finite() const = 0;
+  virtual NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) = 0;
+  virtual NonFiniteSpot find_nonfinite_gradient() = 0;
   virtual std::size_t arena_elements() const = 0;
   // The optimizer's per-parameter buffers (momentum, moments) and step count.
   virtual std::size_t optimizer_buffers() const = 0;
@@ -211,6 +215,11 @@ class StageOf final : public PipelineStage {
   std::span<float> state() override { return model_.state(); }
   void keep_state() override { model_.keep_state(); }
   void restore_state() override { model_.restore_state(); }
+  bool gradients_finite() const override { return model_.gradients_finite(); }
+  NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) override {
+    return model_.find_nonfinite_output(slot, input);
+  }
+  NonFiniteSpot find_nonfinite_gradient() override { return model_.find_nonfinite_gradient(); }
   std::size_t arena_elements() const override { return model_.arena_elements(); }
   std::size_t optimizer_buffers() const override { return optimizer_.buffer_count(); }
   std::span<float> optimizer_buffer(std::size_t i) override { return optimizer_.buffer(i); }
@@ -420,6 +429,10 @@ class PipelineEngine {
     return sums;
   }
 
+  // After a step whose loss or gradients went non-finite (and which every
+  // rank skipped): where it happened first, over every stage and replica.
+  const NonFiniteSpot& fault() const { return ranks_.front()->fault; }
+
   // Loss and correct-count sums over a data set: each replica takes its
   // share, in pieces of `batch` samples, each streamed through its stages
   // in micro-batches.
@@ -526,10 +539,13 @@ class PipelineEngine {
     std::vector<std::size_t> free_slots, slot_of;  // slot_of: per micro-batch
     std::size_t capacity = 0, in_flight = 0, peak_in_flight = 0;
     std::size_t next_bucket = 0;  // Hybrid: the next gradient bucket to reduce this step
-    std::array<double, 2> stats{};  // loss sum, correct count
+    // Loss sum, correct count, and (training) how many stages' gradients
+    // are not finite.
+    std::array<double, 3> stats{};
     double busy = 0.0;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
     bool overflowed = false;    // the last step's scaled gradients were not finite
+    NonFiniteSpot fault;        // the step's first non-finite value (agreed by the ranks)
     Clock::time_point begin, end;
   };
 
@@ -691,6 +707,7 @@ class PipelineEngine {
     if (!job.accumulate) {
       r.stats = {};
       r.overflowed = false;
+      r.fault = {};
       r.net->keep_state();
     }
     r.net->set_precision(job.settings.precision);
@@ -717,10 +734,14 @@ class PipelineEngine {
         pass.first_sample = first_sample;
         const float* output = r.net->forward(input, piece.count, slot, pass);
         r.busy += seconds_since(started);
-        if (last(r))
+        if (last(r)) {
           r.outputs[slot] = output;
-        else
+        } else {
+          // Looked at now: by the step's end a later micro-batch may hold the slot.
+          if (!r.fault && !all_finite(output, piece.count * r.net->output_size))
+            r.fault = r.net->find_nonfinite_output(slot, first(r));
           send_output(r, output, piece.count);
+        }
       } else {
         const std::size_t slot = r.slot_of[op.micro_batch];
         float* dy = r.net->output_gradient();
@@ -734,6 +755,8 @@ class PipelineEngine {
               job.group_samples, dy, job.settings.loss_scale);
           r.stats[0] += sums.loss;
           r.stats[1] += static_cast<double>(sums.correct);
+          if (!std::isfinite(sums.loss) && !r.fault)
+            r.fault = r.net->find_nonfinite_output(slot, first(r));
         }
         float* input_gradient = first(r) ? nullptr : r.input_gradient.data();
         // The capture is one pointer: std::function holds it without allocating.
@@ -759,17 +782,38 @@ class PipelineEngine {
       post_ready(r, std::nullopt);
     drain(r);
     if (reduce) r.reducer->drain();
-    // Only the last stages have the loss; every rank learns the sum, so
-    // all skip a non-finite step or all take it.
-    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-    if (!std::isfinite(r.stats[0])) return r.net->restore_state();  // its running statistics too
+    // Only the last stages have the loss, and each stage its gradients (the
+    // reduced ones under Hybrid); every rank learns the sums, so all skip a
+    // non-finite step or all take it. (fp16 checks its gradients when it
+    // unscales them: non-finite there is an overflow.)
     const auto& settings = job.settings;
-    if (settings.precision == Precision::fp16 && overflowed(r, settings.loss_scale)) {
+    const bool fp16 = settings.precision == Precision::fp16;
+    r.stats[2] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
+    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+    if (!std::isfinite(r.stats[0]) || r.stats[2] > 0.0) {
+      diagnose(r, micro);
+      return r.net->restore_state();  // its running statistics too
+    }
+    if (fp16 && overflowed(r, settings.loss_scale)) {
       r.overflowed = true;
       return r.net->restore_state();
     }
     if (settings.max_grad_norm > 0.0f) clip(r, settings.max_grad_norm);
     r.net->update(settings.lr);
+  }
+
+  // A step gone non-finite: this rank's first non-finite value (the
+  // outputs its slots still hold, else its gradients), then the grid's.
+  static void diagnose(Rank& r, std::size_t micro) {
+    std::vector<bool> seen(r.inputs.size(), false);
+    for (std::size_t m = micro; m-- > 0 && !r.fault;) {
+      const std::size_t slot = r.slot_of[m];
+      if (seen[slot]) continue;
+      seen[slot] = true;
+      r.fault = r.net->find_nonfinite_output(slot, r.stage == 0);
+    }
+    if (!r.fault) r.fault = r.net->find_nonfinite_gradient();
+    r.fault = agree_on_spot(r.world, r.fault);
   }
 
   // Unscales the stage's gradients; whether any stage's overflowed (the

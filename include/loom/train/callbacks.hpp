@@ -75,6 +75,11 @@ class Progress {
     const std::size_t every = std::max<std::size_t>(
         1, step.steps / static_cast<std::size_t>(std::max(1, options_.lines_per_epoch)));
     const bool last = step.step == step.steps;
+    // A step skipped as non-finite (NonFinite::skip) gets a line of its own, always.
+    if (!step.nonfinite.empty()) {
+      *options_.out << (terminal_ ? "\r\x1b[K" : "") << "skipped: " << step.nonfinite << '\n';
+      options_.out->flush();
+    }
     if (terminal_) {
       // Redraws cost a terminal write; ten a second reads as smooth.
       if (!last && now - last_draw_ < std::chrono::milliseconds(100)) return;
@@ -235,9 +240,11 @@ class Checkpoint {
   explicit Checkpoint(Options options) : options_(std::move(options)) {
     LOOM_CHECK(!options_.path.empty(), "callbacks::Checkpoint: no path given");
     const auto folder = options_.path.parent_path();
-    LOOM_CHECK(folder.empty() || std::filesystem::is_directory(folder),
-               "callbacks::Checkpoint: the folder of '", options_.path.string(),
-               "' does not exist; create it first");
+    std::error_code error;
+    const auto status = std::filesystem::status(folder, error);
+    LOOM_CHECK(folder.empty() || std::filesystem::is_directory(status),
+               "callbacks::Checkpoint: the folder of '", options_.path.string(), "' ",
+               std::filesystem::exists(status) ? "is not a folder" : "does not exist; create it first");
   }
 
   template <class TrainerT>
@@ -318,6 +325,7 @@ class Metrics {
                          seconds > 0 ? static_cast<double>(step.step_samples) / seconds : 0.0},
                         {"device_step_seconds", trainer.device_step_seconds()}};
     if (trainer.precision() == Precision::fp16) line["loss_scale"] = trainer.loss_scale();
+    if (!step.nonfinite.empty()) line["nonfinite"] = step.nonfinite;
     write(line);
   }
 

@@ -58,6 +58,14 @@ struct TrainerOptions {
   LossScaling loss_scaling{};
 };
 
+// What a training step whose loss or gradients went non-finite (NaN or
+// infinite) does. Either way no device updates: the weights, optimizer
+// state and running statistics stay those of the step before.
+enum class NonFinite {
+  raise,  // a loom::Error naming the step and the first input, output or gradient that went bad
+  skip,   // go on with the next step (Trainer::nonfinite_steps() counts them; StepInfo says why)
+};
+
 struct FitOptions {
   int epochs = 1;
   std::size_t batch_size = 64;
@@ -72,6 +80,9 @@ struct FitOptions {
   // Clip each step's gradients to this global norm, over every layer,
   // replica and stage (PyTorch's clip_grad_norm_); 0: never.
   float max_grad_norm = 0.0f;
+  // A step whose loss or gradients are not finite (CPU devices; on GPUs a
+  // non-finite loss raises).
+  NonFinite on_nonfinite = NonFinite::raise;
 };
 
 struct EvalResult {
@@ -102,7 +113,10 @@ struct StepInfo {
   double step_loss = 0.0;
   double step_accuracy = 0.0;
   std::size_t step_samples = 0;
-  bool skipped = false;  // fp16: its gradients overflowed, so the update was skipped
+  // The update was skipped: fp16's gradients overflowed, or (with
+  // NonFinite::skip) the loss or a gradient went non-finite, as `nonfinite` says.
+  bool skipped = false;
+  std::string nonfinite{};
 };
 
 // Before an optimizer step's first batch, for callbacks that set the
@@ -278,6 +292,9 @@ class Trainer {
 #if defined(__CUDACC__)
     LOOM_CHECK(!on_gpu() || options.max_grad_norm == 0.0f, "fit: gradient clipping "
                "(FitOptions::max_grad_norm) runs on CPU devices only so far");
+    LOOM_CHECK(!on_gpu() || options.on_nonfinite == NonFinite::raise, "fit: skipping "
+               "non-finite steps (FitOptions::on_nonfinite = NonFinite::skip) runs on CPU "
+               "devices only so far; on GPUs a non-finite loss raises");
     LOOM_CHECK(!on_gpu() || options_.precision == Precision::fp32, "fit: ",
                precision_name(options_.precision), " runs on CPU devices only so far (the CUDA "
                "backend computes in fp32, or TF32 with TrainerOptions::allow_tf32)");
@@ -290,10 +307,12 @@ class Trainer {
     }
 #endif
     cpu::set_threads(devices_.front().threads);
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (is_data_parallel<Policy>) {
       engine_->reserve(options.batch_size);
-    else if constexpr (is_pipelined<Policy>)
       scatter_if_changed();
+    } else if constexpr (is_pipelined<Policy>) {
+      scatter_if_changed();
+    }
     else
       model_.reserve(options.batch_size);
     // A loaded checkpoint's position: this fit goes on from there.
@@ -312,6 +331,10 @@ class Trainer {
       StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
       step.step = position_.steps;
       step.samples = position_.samples;
+      // Samples of the epoch's skipped non-finite steps: not in its loss and
+      // accuracy. (Counted from this fit's start: a resumed epoch's earlier
+      // skips are not known.)
+      std::size_t skipped_samples = 0;
       detail::StepGroups groups(k, options.batch_size, epoch_samples, position_.samples);
       data::Batch batch{};
       // A step counts once all its batches are in: the position and
@@ -323,15 +346,16 @@ class Trainer {
         const auto place = groups.next(batch.size);
         if (!place.accumulate) {
           step_first_batch = batches_;
-          // A callback changed the weights through model(): the stages take them now.
-          if constexpr (is_pipelined<Policy>) scatter_if_changed();
+          // A callback changed the weights through model(): the stages or
+          // replicas take them now.
+          scatter_if_changed();
         }
         if (!place.accumulate)
           (call_step_begin(callbacks, step_begin(epoch, step.step, info, options)), ...);
         cpu::LossSums sums;
         try {
           sums = micro_step(batch, place.group_samples, place.accumulate, place.last, epoch,
-                            step.step + 1, options.max_grad_norm);
+                            step.step + 1, options);
         } catch (...) {
           batches_ = step_first_batch;
           throw;
@@ -341,16 +365,23 @@ class Trainer {
         if (!place.last) continue;
         position_.batches += std::exchange(step_batches, 0);
         steps_ += 1;
-        position_.loss_sum += sums.loss;
-        position_.correct += sums.correct;
-        step.skipped = sums.overflowed;
+        step.skipped = sums.overflowed || !nonfinite_.empty();
+        step.nonfinite = nonfinite_;
         step.step_samples = step.samples - position_.samples;
+        if (nonfinite_.empty()) {
+          position_.loss_sum += sums.loss;
+          position_.correct += sums.correct;
+        } else {
+          skipped_samples += step.step_samples;
+        }
         step.step_loss = sums.loss / static_cast<double>(step.step_samples);
         step.step_accuracy =
             static_cast<double>(sums.correct) / static_cast<double>(step.step_samples);
         step.step += 1;
-        step.loss = position_.loss_sum / static_cast<double>(step.samples);
-        step.accuracy = static_cast<double>(position_.correct) / static_cast<double>(step.samples);
+        const auto counted =
+            static_cast<double>(std::max<std::size_t>(1, step.samples - skipped_samples));
+        step.loss = position_.loss_sum / counted;
+        step.accuracy = static_cast<double>(position_.correct) / counted;
         step.seconds = seconds_since(start);
         position_.steps = step.step;
         position_.samples = step.samples;
@@ -364,12 +395,12 @@ class Trainer {
       if constexpr (is_pipelined<Policy>)
         with_split([&](auto& engine) { engine.gather(model_); });
       position_.ended = true;
+      const std::size_t counted = position_.samples - std::min(skipped_samples, position_.samples);
       [[maybe_unused]] const EpochInfo done{
           epoch,        options.epochs,
-          position_.samples > 0 ? position_.loss_sum / static_cast<double>(position_.samples) : 0.0,
-          position_.samples > 0
-              ? static_cast<double>(position_.correct) / static_cast<double>(position_.samples)
-              : 0.0,
+          counted > 0 ? position_.loss_sum / static_cast<double>(counted) : 0.0,
+          counted > 0 ? static_cast<double>(position_.correct) / static_cast<double>(counted)
+                      : 0.0,
           position_.samples, seconds_since(start)};
       (call_epoch_end(callbacks, done), ...);
     }
@@ -399,6 +430,7 @@ class Trainer {
 #endif
     if (!on_gpu() || is_pipelined<Policy>) {
       if constexpr (is_data_parallel<Policy>) {
+        scatter_if_changed();
         const auto sums =
             engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size, options_.precision);
         loss_sum = sums.loss;
@@ -438,15 +470,22 @@ class Trainer {
   //
   // ModelSplit: the stages' weights gathered into one Model (a copy, like
   // the GPU's); across processes, as of the end of the last epoch.
+  // DataParallel on CPUs: replica 0's Model; the other replicas take its
+  // weights and running statistics at the next fit() or evaluate() (within
+  // one process; across processes it is read-only, like ModelSplit's).
   Model<Net, float>& model() {
     if constexpr (is_data_parallel<Policy>)
-      if (!on_gpu()) return engine_->model();
+      if (!on_gpu()) {
+        host_changed_ = true;  // the other replicas take replica 0's weights next
+        return engine_->model();
+      }
     if constexpr (is_pipelined<Policy>) {
       // Across processes nothing is gathered: the copy is read-only there
-      // (a change would overwrite the stages with old weights).
+      // (a change would overwrite the stages with old weights). Gathered
+      // once: a second call must not overwrite the first one's changes.
       if (split_ready())
         with_split([&](auto& engine) {
-          if (engine.all_local()) {
+          if (engine.all_local() && !host_changed_) {
             engine.gather(model_);
             host_changed_ = true;
           }
@@ -501,6 +540,9 @@ class Trainer {
   // fp16: the loss scale now, and the steps skipped for overflowing.
   float loss_scale() const { return scaler_.scale(); }
   std::uint64_t skipped_steps() const { return skipped_steps_; }
+  // NonFinite::skip: the steps skipped for a non-finite loss or gradient,
+  // over every fit of this trainer (not kept in checkpoints).
+  std::uint64_t nonfinite_steps() const { return nonfinite_steps_; }
   // Where the current (or last) fit stands.
   const TrainingPosition& position() const { return position_; }
   // Each local device's time in the last optimizer step (a data-parallel
@@ -989,7 +1031,9 @@ class Trainer {
   // One batch of an optimizer step on the CPU (see FitOptions::accumulation_steps):
   // returns the step's loss and correct-count sums once `last`.
   cpu::LossSums micro_step(const data::Batch& batch, std::size_t group_samples, bool accumulate,
-                           bool last, int epoch, std::size_t step, float max_grad_norm) {
+                           bool last, int epoch, std::size_t step, const FitOptions& fit) {
+    const float max_grad_norm = fit.max_grad_norm;
+    nonfinite_.clear();
     cpu::LossSums sums;
     const Pass pass{.training = true, .seed = options_.seed, .step = batches_++};
     const StepSettings settings{
@@ -1007,12 +1051,25 @@ class Trainer {
       else
         sums = with_split(run);
       if (!last) return {};
-      check_loss(sums.loss, epoch, step);  // the replicas or stages skipped their update
-      note_overflow(sums.overflowed);
+      NonFiniteSpot spot;
+      const auto fault_of = [](auto& engine) {
+        if constexpr (requires { engine.fault(); })
+          return engine.fault();
+        else
+          return NonFiniteSpot{};
+      };
+      if constexpr (is_data_parallel<Policy>)
+        spot = fault_of(*engine_);
+      else
+        spot = with_split(fault_of);
+      // The replicas or stages skipped their update.
+      if (!handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite))
+        note_overflow(sums.overflowed);
     } else {
       const auto began = std::chrono::steady_clock::now();
       if (!accumulate) {
         pending_ = {};
+        spot_ = {};
         step_seconds_ = 0.0;
         model_.keep_state();  // before the forward updates the running statistics
       }
@@ -1021,6 +1078,8 @@ class Trainer {
       const auto batch_sums =
           Loss::evaluate<float>(logits, batch.labels, batch.size, classes, group_samples,
                                 model_.output_gradient(), settings.loss_scale);
+      // Looked for now, while this batch's outputs are alive.
+      if (!std::isfinite(batch_sums.loss) && !spot_) spot_ = model_.find_nonfinite_output(0);
       pending_.loss += batch_sums.loss;
       pending_.correct += batch_sums.correct;
       model_.backward(accumulate);
@@ -1029,11 +1088,18 @@ class Trainer {
       const auto update_began = std::chrono::steady_clock::now();
       sums = pending_;
       // Checked before the update, so the weights (and running statistics)
-      // stay those of the last good step.
-      if (!std::isfinite(sums.loss)) model_.restore_state();
-      check_loss(sums.loss, epoch, step);
-      sums.overflowed = settings.precision == Precision::fp16 &&
-                        !unscale_gradients(model_.gradients(), settings.loss_scale);
+      // stay those of the last good step. fp16's gradients are checked when
+      // unscaled: non-finite there is an overflow, which backs the scale off.
+      const bool fp16 = settings.precision == Precision::fp16;
+      if (!std::isfinite(sums.loss) || (!fp16 && !model_.gradients_finite())) {
+        if (!spot_) spot_ = model_.find_nonfinite_output(0);
+        if (!spot_) spot_ = model_.find_nonfinite_gradient();
+        model_.restore_state();
+        step_seconds_ += seconds_since(update_began);
+        handle_nonfinite(sums.loss, spot_, epoch, step, fit.on_nonfinite);
+        return sums;
+      }
+      sums.overflowed = fp16 && !unscale_gradients(model_.gradients(), settings.loss_scale);
       if (sums.overflowed) {
         model_.restore_state();
       } else {
@@ -1053,11 +1119,16 @@ class Trainer {
     skipped_steps_ += overflowed ? 1 : 0;
   }
 
-  // model() handed out the weights: the stages take them back.
+  // model() handed out the weights: the stages take them back, or the
+  // other replicas take replica 0's. (Across processes model() is
+  // read-only: the other processes could not know to take part.)
   void scatter_if_changed() {
     if constexpr (is_pipelined<Policy>)
       if (split_ready() && std::exchange(host_changed_, false))
         with_split([&](auto& engine) { engine.scatter(model_); });
+    if constexpr (is_data_parallel<Policy>)
+      if (!on_gpu() && std::exchange(host_changed_, false) && engine_->all_local())
+        engine_->share_first_replica();
   }
 
   // ModelSplit: f(its engine): the GPUs' or the CPU devices'.
@@ -1093,11 +1164,26 @@ class Trainer {
   }
 #endif
 
-  static void check_loss(double loss, int epoch, std::size_t step) {
-    if (!std::isfinite(loss))
-      LOOM_FAIL("the training loss became ", loss_text(loss), " at epoch ", epoch, ", step ", step,
-                "; the weights are kept from the step before. Lower the learning rate or check "
-                "the input data");
+  // After a step that every device skipped when its loss or gradients
+  // were not finite (`spot`: where first, when a device looked): raises,
+  // or (NonFinite::skip) counts it and says why in nonfinite_. False for a
+  // finite step.
+  bool handle_nonfinite(double loss, const NonFiniteSpot& spot, int epoch, std::size_t step,
+                        NonFinite on_nonfinite) {
+    if (std::isfinite(loss) && !spot) return false;
+    const std::string what =
+        (std::isfinite(loss) ? std::string("the gradients became non-finite")
+                             : "the training loss became " + loss_text(loss)) +
+        " at epoch " + std::to_string(epoch) + ", step " + std::to_string(step) +
+        (std::isfinite(loss) ? " under a finite loss" : "") +
+        (spot ? ": " + detail::spot_text<Net>(spot) : std::string());
+    if (on_nonfinite == NonFinite::raise)
+      LOOM_FAIL(what, "; the weights are kept from the step before. Lower the learning rate or "
+                "check the input data (FitOptions::on_nonfinite = NonFinite::skip skips such "
+                "steps)");
+    nonfinite_steps_ += 1;
+    nonfinite_ = what;
+    return true;
   }
 
   void check_dataset(const data::Dataset& dataset, const char* what) const {
@@ -1188,6 +1274,9 @@ class Trainer {
   double step_seconds_ = 0.0;  // one device: the last optimizer step's
   LossScaler scaler_;          // fp16's
   std::uint64_t skipped_steps_ = 0;  // fp16: steps whose gradients overflowed
+  std::uint64_t nonfinite_steps_ = 0;  // NonFinite::skip: steps skipped for a non-finite value
+  NonFiniteSpot spot_;     // one device: the step's first non-finite value so far
+  std::string nonfinite_;  // the last optimizer step's, when it was skipped as non-finite
   float base_lr_;              // the learning rate given: schedules scale it
   // stop() was called: fit() returns after this step. (Atomic, yet the
   // trainer stays movable.)
