@@ -6,12 +6,14 @@
 #pragma once
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cerrno>
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -185,6 +187,33 @@ inline void require_utf8(const std::string& text, const std::string& what) {
   }
 }
 
+// A writer killed mid-write (SIGKILL, the OOM killer, a preempted job)
+// leaves its temporary file "<name>.tmp-<pid>", as large as the file, and a
+// run that is killed and resumed again and again would pile them up until
+// the disk is full. So each write removes the temporary files of its target
+// whose process is gone. A process alive on this host keeps its file: it may
+// be another writer of the same path, and removing its file would fail its
+// rename. Best effort: what cannot be removed is left for the next write.
+inline void remove_stale_temporaries(const std::filesystem::path& path) {
+  const std::string prefix = path.filename().string() + ".tmp-";
+  if (prefix == ".tmp-") return;
+  const std::filesystem::path folder = path.has_parent_path() ? path.parent_path() : ".";
+  std::error_code error;
+  for (std::filesystem::directory_iterator it(folder, error), end; !error && it != end;
+       it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with(prefix) || !it->is_regular_file(error)) continue;
+    const char* digits = name.c_str() + prefix.size();
+    const char* digits_end = name.c_str() + name.size();
+    pid_t pid = 0;
+    const auto [stop, parsed] = std::from_chars(digits, digits_end, pid);
+    if (parsed != std::errc{} || stop != digits_end || pid <= 0 || pid == ::getpid()) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code ignored;
+    std::filesystem::remove(it->path(), ignored);
+  }
+}
+
 }  // namespace detail
 
 inline void SafetensorsWriter::add(std::string name, std::span<const float> values,
@@ -234,11 +263,12 @@ inline void SafetensorsWriter::write(const std::filesystem::path& path) const {
   std::filesystem::path temp = path;
   temp += ".tmp-" + std::to_string(::getpid());
 
-  const auto fail = [&](const char* step, int error, const char* hint) {
+  const auto fail = [&](const char* step, int error, std::string_view hint) {
     LOOM_FAIL("cannot write safetensors file '", path.string(), "' (through the temporary file '",
               temp.string(), "'): ", step, " failed: ", std::strerror(error), "; ", hint);
   };
 
+  detail::remove_stale_temporaries(path);
   std::FILE* file = std::fopen(temp.c_str(), "wb");
   if (!file) fail("creating it", errno, "check that the folder exists and is writable");
 
@@ -259,7 +289,20 @@ inline void SafetensorsWriter::write(const std::filesystem::path& path) const {
   }
   if (!ok) {
     ::unlink(temp.c_str());
-    fail("writing it", error, "check that the disk has free space");
+    // A full disk and a file size limit need different remedies; both need
+    // to know how much must fit, and that nothing was lost.
+    std::size_t bytes = length.size() + header.size();
+    for (const Entry& e : entries_) bytes += e.values.size() * sizeof(float);
+    const std::string size = "the file needs " + std::to_string(bytes) + " bytes";
+    const std::string kept = "; a file already at that path is unchanged";
+    if (error == ENOSPC || error == EDQUOT)
+      fail("writing it", error,
+           "free space on the disk (or raise the quota): " + size +
+               ", while the file it replaces stays until it is written" + kept);
+    if (error == EFBIG)
+      fail("writing it", error,
+           "raise the file size limit (ulimit -f) or write to another file system: " + size + kept);
+    fail("writing it", error, "check the disk" + kept);
   }
   if (std::rename(temp.c_str(), path.c_str()) != 0) {
     error = errno;
