@@ -10,7 +10,7 @@ LOOM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # (safetensors, which Debian 12 lacks, comes from PyPI into a venv; see
 # tests/interop/run_torch_interop.sh).
 LOOM_DEBIAN_PACKAGES=(
-  cmake ninja-build g++ zlib1g-dev
+  cmake ninja-build g++ clang libclang-rt-14-dev zlib1g-dev
   libopenblas-dev catch2 nlohmann-json3-dev libcli11-dev
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist

@@ -158,11 +158,14 @@ inline IdxArray read_idx(const std::string& path) {
   }
 
   // A corrupt header can claim far more bytes than the file holds, so memory
-  // grows with what is actually read instead of trusting the header up front.
-  constexpr std::size_t chunk = std::size_t{1} << 24;
+  // grows with what is actually read instead of trusting the header up front:
+  // from 64 KiB, doubling, at most 16 MiB a step. (A first step of 16 MiB
+  // had a 24-byte file claiming gigabytes allocate and zero 16 MiB; fuzzing
+  // ran at 350 inputs/s on that.)
+  constexpr std::size_t first_chunk = std::size_t{1} << 16, max_chunk = std::size_t{1} << 24;
   std::size_t filled = 0;
   while (filled < total) {
-    const std::size_t step = std::min(total - filled, chunk);
+    const std::size_t step = std::min({total - filled, max_chunk, std::max(filled, first_chunk)});
     array.data.resize(filled + step);
     const std::size_t got = detail::read_up_to(gz, path, array.data.data() + filled, step);
     filled += got;
