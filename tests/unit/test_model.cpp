@@ -141,3 +141,17 @@ TEST_CASE("model: backward before forward is an error") {
   Model<Small, float> model(3, 4);
   REQUIRE_THROWS_WITH(model.backward(), Catch::Contains("before forward"));
 }
+
+// AddressSanitizer's allocator reports an impossible allocation and stops the
+// program instead of throwing std::bad_alloc, so this runs in plain builds only.
+#if !defined(__SANITIZE_ADDRESS__)
+TEST_CASE("model: a batch whose activations cannot fit in host memory is a clear error") {
+  Model<Small> model;
+  const std::size_t batch = std::size_t{1} << 40;  // petabytes of activations
+  REQUIRE_THROWS_WITH(model.reserve(batch),
+                      Catch::StartsWith("loom: out of host memory: Model activations needs ") &&
+                          Catch::Contains(" bytes; use a smaller batch size"));
+  model.reserve(4);  // still usable
+  REQUIRE(model.capacity() == 4);
+}
+#endif

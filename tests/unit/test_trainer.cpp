@@ -145,5 +145,13 @@ TEST_CASE("trainer: misuse is a clear loom::Error") {
     Trainer<Mlp> trainer(devices::cpu(1), {});
     REQUIRE_THROWS_WITH(trainer.fit(head(fashion().train, 10), {.epochs = 0}),
                         Catch::Contains("epochs must be >= 1"));
+    REQUIRE_THROWS_WITH(trainer.fit(head(fashion().train, 10), {.batch_size = 0}),
+                        Catch::Contains("fit: batch size must be >= 1"));
+    REQUIRE_THROWS_WITH(trainer.fit(head(fashion().train, 10), {.accumulation_steps = 0}),
+                        Catch::Contains("fit: accumulation_steps must be >= 1"));
+    for (const float norm : {-1.0f, std::numeric_limits<float>::quiet_NaN()})
+      REQUIRE_THROWS_WITH(trainer.fit(head(fashion().train, 10), {.max_grad_norm = norm}),
+                          Catch::Contains("fit: max_grad_norm must be a finite number >= 0 (0: "
+                                          "no clipping), got "));
   }
 }

@@ -189,6 +189,9 @@ class Model {
   static constexpr std::size_t state_count = Net::state_count;
   static constexpr std::size_t input_size = Net::input_shape::size;
   static constexpr std::size_t output_size = Net::output_shape::size;
+  // (Named here: nvcc 13 loses `executed` in backward_slot's instantiation
+  // from DataParallel's engine when spelled out there.)
+  static constexpr bool first_in_place = type_at_t<0, executed>::in_place;
 
   explicit Model(std::uint64_t seed = 0, std::size_t max_batch = 0)
       : params_(parameter_count),
@@ -511,7 +514,7 @@ class Model {
       done(std::size_t{i});
     });
     // An in-place first layer (Flatten) passes the gradient through unchanged.
-    if constexpr (type_at_t<0, executed>::in_place)
+    if constexpr (first_in_place)
       if (input_gradient != nullptr)
         std::copy_n(grad_buffers_[current], s.batch * input_size, input_gradient);
   }
