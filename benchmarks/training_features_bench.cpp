@@ -8,6 +8,9 @@
 //                    (rounding after each layer), so this measures that
 //                    emulation's cost, not a speed-up
 //   checkpoint       writing and reading LeNet's checkpoint (safetensors)
+//   nonfinite_check  what a healthy LeNet step pays for the detection of
+//                    NaN/Inf gradients (one scan of the gradient buffer),
+//                    against the step itself
 #include <filesystem>
 #include <iostream>
 #include <unistd.h>
@@ -67,6 +70,19 @@ nlohmann::json checkpoint(const bench::Options& options) {
           {"save_ms", save_ms},         {"load_ms", load_ms}};
 }
 
+nlohmann::json nonfinite_check(const data::Dataset& train, std::size_t batch,
+                               const bench::Options& options) {
+  const double step_ms = bench::train_step_ms<bench::LeNet>(train, batch, options);
+  Model<bench::LeNet, float> model(0, batch);
+  bool finite = true;
+  const double scan_ms = bench::median_step_ms(
+      options, [&](std::size_t) { finite = model.gradients_finite() && finite; });
+  LOOM_CHECK(finite, "nonfinite_check: a fresh model's gradients are not finite");
+  return {{"benchmark", "nonfinite_check"}, {"network", "lenet"}, {"batch", batch},
+          {"threads", options.threads},       {"step_ms", step_ms}, {"scan_ms", scan_ms},
+          {"scan_over_step", scan_ms / step_ms}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -93,6 +109,7 @@ int main(int argc, char** argv) {
       bench::check_batch(batch, train.count);
       std::cout << precision_step<bench::LeNet>("lenet", train, batch, options).dump() << std::endl;
       std::cout << precision_step<Mlp>("mlp_3x1024", train, batch, options).dump() << std::endl;
+      std::cout << nonfinite_check(train, batch, options).dump() << std::endl;
     }
     std::cout << checkpoint(options).dump() << std::endl;
   } catch (const Error& error) {
