@@ -6,17 +6,19 @@
 #include <cmath>
 #include <cstdint>
 
+#include "host_device.hpp"
+
 namespace loom {
 
 // SplitMix64's finaliser: a bijective 64-bit mix with full avalanche.
-constexpr std::uint64_t mix64(std::uint64_t x) {
+LOOM_HOST_DEVICE constexpr std::uint64_t mix64(std::uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
 
-constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
+LOOM_HOST_DEVICE constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
   return mix64(mix64(mix64(seed) ^ stream) ^ counter);
 }
 
@@ -24,12 +26,12 @@ constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint64_t stream, std::
 // (seed, epoch k)'s shuffle never repeats (seed, layer k)'s weights.
 enum class RngPurpose : std::uint64_t { init = 1, shuffle = 2, dropout = 3, augment = 4 };
 
-constexpr std::uint64_t stream_key(RngPurpose purpose, std::uint64_t index) {
+LOOM_HOST_DEVICE constexpr std::uint64_t stream_key(RngPurpose purpose, std::uint64_t index) {
   return mix64((static_cast<std::uint64_t>(purpose) << 56) ^ index);
 }
 
 // Uniform in [0, 1) with 53 random bits.
-constexpr double uniform01(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
+LOOM_HOST_DEVICE constexpr double uniform01(std::uint64_t seed, std::uint64_t stream, std::uint64_t counter) {
   return static_cast<double>(hash_key(seed, stream, counter) >> 11) * 0x1.0p-53;
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "../core/host_device.hpp"
 #include "layer.hpp"
 
 namespace loom {
@@ -27,10 +28,14 @@ struct Bind<Dropout<P>, In, Index> : LayerBase<Dropout<P>, In, In, Index> {
   static constexpr std::size_t backward_flops = In::size;
   static constexpr std::string_view kind = "dropout";
 
-  static std::uint64_t stream(const Pass& pass) {
-    return mix64(stream_key(RngPurpose::dropout, Index) ^ mix64(pass.step));
+  // The CUDA runner reads the step from device memory, without a Pass: both
+  // draw their masks through stream_at.
+  LOOM_HOST_DEVICE static std::uint64_t stream_at(std::uint64_t step) {
+    return mix64(stream_key(RngPurpose::dropout, Index) ^ mix64(step));
   }
-  static bool keep(std::uint64_t seed, std::uint64_t stream, std::size_t sample, std::size_t i) {
+  static std::uint64_t stream(const Pass& pass) { return stream_at(pass.step); }
+  LOOM_HOST_DEVICE static bool keep(std::uint64_t seed, std::uint64_t stream, std::size_t sample,
+                                    std::size_t i) {
     return uniform01(seed, stream, sample * In::size + i) >= P;
   }
 

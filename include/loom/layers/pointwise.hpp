@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <string_view>
 
+#include "../core/host_device.hpp"
 #include "layer.hpp"
 
 namespace loom {
@@ -20,11 +21,11 @@ namespace detail {
 struct TanhFn {
   static constexpr std::string_view kind = "tanh";
   template <class T>
-  static T forward(T x) {
+  LOOM_HOST_DEVICE static T forward(T x) {
     return std::tanh(x);
   }
   template <class T>
-  static T backward(T, T y, T dy) {
+  LOOM_HOST_DEVICE static T backward(T, T y, T dy) {
     return dy * (T(1) - y * y);
   }
 };
@@ -32,14 +33,14 @@ struct TanhFn {
 struct SigmoidFn {
   static constexpr std::string_view kind = "sigmoid";
   template <class T>
-  static T forward(T x) {
+  LOOM_HOST_DEVICE static T forward(T x) {
     // exp of a negative argument only, so large |x| neither overflows nor loses the NaN.
     if (x >= T(0)) return T(1) / (T(1) + std::exp(-x));
     const T e = std::exp(x);
     return e / (T(1) + e);
   }
   template <class T>
-  static T backward(T, T y, T dy) {
+  LOOM_HOST_DEVICE static T backward(T, T y, T dy) {
     return dy * y * (T(1) - y);
   }
 };
@@ -47,12 +48,12 @@ struct SigmoidFn {
 struct GeluFn {
   static constexpr std::string_view kind = "gelu";
   template <class T>
-  static T forward(T x) {
+  LOOM_HOST_DEVICE static T forward(T x) {
     return T(0.5) * x * (T(1) + std::erf(x * T(0.70710678118654752440)));
   }
   // d/dx x Phi(x) = Phi(x) + x phi(x).
   template <class T>
-  static T backward(T x, T, T dy) {
+  LOOM_HOST_DEVICE static T backward(T x, T, T dy) {
     const T cdf = T(0.5) * (T(1) + std::erf(x * T(0.70710678118654752440)));
     const T pdf = T(0.39894228040143267794) * std::exp(T(-0.5) * x * x);
     return dy * (cdf + x * pdf);

@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "../backend/cpu/cpu.hpp"
+#include "../core/host_device.hpp"
 #include "layer.hpp"
 #include "pointwise.hpp"
 
@@ -38,12 +39,15 @@ struct LSTM {
 namespace detail {
 
 template <class T>
-T sigmoid(T x) {
+LOOM_HOST_DEVICE T sigmoid(T x) {
   return SigmoidFn::forward(x);
 }
 
 // One GRU step for one sample. Saved block per step: r, z, n, the
-// recurrent n-projection (W_hn h + b_hn, which r multiplies), h.
+// recurrent n-projection (W_hn h + b_hn, which r multiplies), h. step_at and
+// step_back_at compute element j of every vector and touch nothing else, so
+// the CPU loops over j and the CUDA runner gives each j a thread: both run
+// the very same arithmetic.
 struct GruCell {
   static constexpr std::size_t gates = 3;
   static constexpr std::size_t blocks = 5;
@@ -53,43 +57,50 @@ struct GruCell {
   // xg: input projections (+ b_ih); hg: recurrent ones (+ b_hh); prev: the
   // previous step's block or nullptr (zero state).
   template <class T>
+  LOOM_HOST_DEVICE static void step_at(std::size_t H, std::size_t j, const T* xg, const T* hg,
+                                       const T* prev, T* cur) {
+    const T r = sigmoid(xg[j] + hg[j]);
+    const T z = sigmoid(xg[H + j] + hg[H + j]);
+    const T hn = hg[2 * H + j];
+    const T n = std::tanh(xg[2 * H + j] + r * hn);
+    const T h_prev = prev != nullptr ? prev[h_block * H + j] : T(0);
+    cur[j] = r;
+    cur[H + j] = z;
+    cur[2 * H + j] = n;
+    cur[3 * H + j] = hn;
+    cur[4 * H + j] = (T(1) - z) * n + z * h_prev;
+  }
+  template <class T>
   static void step(std::size_t H, const T* xg, const T* hg, const T* prev, T* cur) {
-    for (std::size_t j = 0; j < H; ++j) {
-      const T r = sigmoid(xg[j] + hg[j]);
-      const T z = sigmoid(xg[H + j] + hg[H + j]);
-      const T hn = hg[2 * H + j];
-      const T n = std::tanh(xg[2 * H + j] + r * hn);
-      const T h_prev = prev != nullptr ? prev[h_block * H + j] : T(0);
-      cur[j] = r;
-      cur[H + j] = z;
-      cur[2 * H + j] = n;
-      cur[3 * H + j] = hn;
-      cur[4 * H + j] = (T(1) - z) * n + z * h_prev;
-    }
+    for (std::size_t j = 0; j < H; ++j) step_at(H, j, xg, hg, prev, cur);
   }
 
   // dh: d(loss)/d(h_t). Writes the pre-activation gradients of the input
   // (dgi) and recurrent (dgh) projections and the part of d(loss)/d(h_t-1)
   // that does not go through W_hh (dh_prev).
   template <class T>
-  static void step_back(std::size_t H, const T* cur, const T* prev, const T* dh, T*, T* dgi,
+  LOOM_HOST_DEVICE static void step_back_at(std::size_t H, std::size_t j, const T* cur,
+                                            const T* prev, const T* dh, T*, T* dgi, T* dgh,
+                                            T* dh_prev) {
+    const T r = cur[j], z = cur[H + j], n = cur[2 * H + j], hn = cur[3 * H + j];
+    const T h_prev = prev != nullptr ? prev[h_block * H + j] : T(0);
+    const T dn = dh[j] * (T(1) - z);
+    const T dz = dh[j] * (h_prev - n);
+    const T dan = dn * (T(1) - n * n);
+    const T dar = dan * hn * r * (T(1) - r);
+    const T daz = dz * z * (T(1) - z);
+    dgi[j] = dar;
+    dgi[H + j] = daz;
+    dgi[2 * H + j] = dan;
+    dgh[j] = dar;
+    dgh[H + j] = daz;
+    dgh[2 * H + j] = dan * r;
+    dh_prev[j] = dh[j] * z;
+  }
+  template <class T>
+  static void step_back(std::size_t H, const T* cur, const T* prev, const T* dh, T* dc, T* dgi,
                         T* dgh, T* dh_prev) {
-    for (std::size_t j = 0; j < H; ++j) {
-      const T r = cur[j], z = cur[H + j], n = cur[2 * H + j], hn = cur[3 * H + j];
-      const T h_prev = prev != nullptr ? prev[h_block * H + j] : T(0);
-      const T dn = dh[j] * (T(1) - z);
-      const T dz = dh[j] * (h_prev - n);
-      const T dan = dn * (T(1) - n * n);
-      const T dar = dan * hn * r * (T(1) - r);
-      const T daz = dz * z * (T(1) - z);
-      dgi[j] = dar;
-      dgi[H + j] = daz;
-      dgi[2 * H + j] = dan;
-      dgh[j] = dar;
-      dgh[H + j] = daz;
-      dgh[2 * H + j] = dan * r;
-      dh_prev[j] = dh[j] * z;
-    }
+    for (std::size_t j = 0; j < H; ++j) step_back_at(H, j, cur, prev, dh, dc, dgi, dgh, dh_prev);
   }
 };
 
@@ -101,48 +112,55 @@ struct LstmCell {
   static constexpr std::string_view kind = "lstm";
 
   template <class T>
+  LOOM_HOST_DEVICE static void step_at(std::size_t H, std::size_t j, const T* xg, const T* hg,
+                                       const T* prev, T* cur) {
+    const T i = sigmoid(xg[j] + hg[j]);
+    const T f = sigmoid(xg[H + j] + hg[H + j]);
+    const T g = std::tanh(xg[2 * H + j] + hg[2 * H + j]);
+    const T o = sigmoid(xg[3 * H + j] + hg[3 * H + j]);
+    const T c_prev = prev != nullptr ? prev[4 * H + j] : T(0);
+    const T c = f * c_prev + i * g;
+    cur[j] = i;
+    cur[H + j] = f;
+    cur[2 * H + j] = g;
+    cur[3 * H + j] = o;
+    cur[4 * H + j] = c;
+    cur[5 * H + j] = o * std::tanh(c);
+  }
+  template <class T>
   static void step(std::size_t H, const T* xg, const T* hg, const T* prev, T* cur) {
-    for (std::size_t j = 0; j < H; ++j) {
-      const T i = sigmoid(xg[j] + hg[j]);
-      const T f = sigmoid(xg[H + j] + hg[H + j]);
-      const T g = std::tanh(xg[2 * H + j] + hg[2 * H + j]);
-      const T o = sigmoid(xg[3 * H + j] + hg[3 * H + j]);
-      const T c_prev = prev != nullptr ? prev[4 * H + j] : T(0);
-      const T c = f * c_prev + i * g;
-      cur[j] = i;
-      cur[H + j] = f;
-      cur[2 * H + j] = g;
-      cur[3 * H + j] = o;
-      cur[4 * H + j] = c;
-      cur[5 * H + j] = o * std::tanh(c);
-    }
+    for (std::size_t j = 0; j < H; ++j) step_at(H, j, xg, hg, prev, cur);
   }
 
   // dc carries d(loss)/d(c_t) in and d(loss)/d(c_t-1) out.
   template <class T>
+  LOOM_HOST_DEVICE static void step_back_at(std::size_t H, std::size_t j, const T* cur,
+                                            const T* prev, const T* dh, T* dc, T* dgi, T* dgh,
+                                            T* dh_prev) {
+    const T i = cur[j], f = cur[H + j], g = cur[2 * H + j], o = cur[3 * H + j];
+    const T c = cur[4 * H + j];
+    const T c_prev = prev != nullptr ? prev[4 * H + j] : T(0);
+    const T tc = std::tanh(c);
+    const T dcj = dc[j] + dh[j] * o * (T(1) - tc * tc);
+    const T dai = dcj * g * i * (T(1) - i);
+    const T daf = dcj * c_prev * f * (T(1) - f);
+    const T dag = dcj * i * (T(1) - g * g);
+    const T dao = dh[j] * tc * o * (T(1) - o);
+    dgi[j] = dgh[j] = dai;
+    dgi[H + j] = dgh[H + j] = daf;
+    dgi[2 * H + j] = dgh[2 * H + j] = dag;
+    dgi[3 * H + j] = dgh[3 * H + j] = dao;
+    dc[j] = dcj * f;
+    dh_prev[j] = T(0);
+  }
+  template <class T>
   static void step_back(std::size_t H, const T* cur, const T* prev, const T* dh, T* dc, T* dgi,
                         T* dgh, T* dh_prev) {
-    for (std::size_t j = 0; j < H; ++j) {
-      const T i = cur[j], f = cur[H + j], g = cur[2 * H + j], o = cur[3 * H + j];
-      const T c = cur[4 * H + j];
-      const T c_prev = prev != nullptr ? prev[4 * H + j] : T(0);
-      const T tc = std::tanh(c);
-      const T dcj = dc[j] + dh[j] * o * (T(1) - tc * tc);
-      const T dai = dcj * g * i * (T(1) - i);
-      const T daf = dcj * c_prev * f * (T(1) - f);
-      const T dag = dcj * i * (T(1) - g * g);
-      const T dao = dh[j] * tc * o * (T(1) - o);
-      dgi[j] = dgh[j] = dai;
-      dgi[H + j] = dgh[H + j] = daf;
-      dgi[2 * H + j] = dgh[2 * H + j] = dag;
-      dgi[3 * H + j] = dgh[3 * H + j] = dao;
-      dc[j] = dcj * f;
-      dh_prev[j] = T(0);
-    }
+    for (std::size_t j = 0; j < H; ++j) step_back_at(H, j, cur, prev, dh, dc, dgi, dgh, dh_prev);
   }
 };
 
-template <class Spec, class Cell, class In, std::size_t Index>
+template <class Spec, class Cell_, class In, std::size_t Index>
 struct RecurrentLayer
     : LayerBase<Spec, In,
                 std::conditional_t<Spec::sequence, Shape<dim_or_one<In, 0>, Spec::hidden>,
@@ -150,6 +168,7 @@ struct RecurrentLayer
                 Index> {
   static constexpr bool checked = layer_argument_must_be_positive<Index, Spec, Spec::hidden>::ok &&
                                   layer_input_rank_mismatch<Index, Spec, 2, In::rank>::ok;
+  using Cell = Cell_;
   static constexpr std::size_t H = Spec::hidden;
   static constexpr std::size_t steps = dim_or_one<In, 0>;
   static constexpr std::size_t features = dim_or_one<In, 1>;

@@ -7,11 +7,12 @@
 #include <cstddef>
 
 #include "../../core/activation.hpp"
+#include "../../core/host_device.hpp"
 
 namespace loom::cpu {
 
 template <Act A, class T>
-inline T activate(T v) {
+LOOM_HOST_DEVICE inline T activate(T v) {
   // Written so that NaN passes through (as in PyTorch) and the NaN-loss check sees it.
   if constexpr (A == Act::relu)
     return v < T(0) ? T(0) : v;
@@ -22,7 +23,7 @@ inline T activate(T v) {
 // The derivative expressed through the activation's output y, so backward
 // needs only what forward stored: relu'(z) = [z > 0] = [y > 0].
 template <Act A, class T>
-inline T activate_grad(T dy, T y) {
+LOOM_HOST_DEVICE inline T activate_grad(T dy, T y) {
   if constexpr (A == Act::relu)
     return y > T(0) ? dy : T(0);
   else
