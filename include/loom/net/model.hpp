@@ -505,8 +505,9 @@ class Model {
                                  context<i>(s));
       if (reduced) {
         round_to(precision_, grads, L::param_count);
-        if (accumulate)
-          for (std::size_t k = 0; k < L::param_count; ++k) grads[k] += grad_sums_[k];
+        if constexpr (L::param_count > 0)
+          if (accumulate)
+            for (std::size_t k = 0; k < L::param_count; ++k) grads[k] += grad_sums_[k];
         if constexpr (!L::in_place)
           if (dx != nullptr) round_to(precision_, dx, s.batch * L::input_shape::size);
       }

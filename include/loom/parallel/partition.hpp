@@ -113,7 +113,8 @@ struct partition_bounds<Net, At<Cuts...>> {
   static constexpr std::array<std::size_t, stages + 1> bounds = [] {
     static_assert(checked, "loom ModelSplit error: see the At<...> error above");
     std::array<std::size_t, stages + 1> b{};
-    for (std::size_t k = 0; k < cuts.size(); ++k) b[k + 1] = cuts[k] - 1;
+    // != rather than <: no cuts (one stage) is no "pointless comparison" for nvcc.
+    for (std::size_t k = 0; k != cuts.size(); ++k) b[k + 1] = cuts[k] - 1;
     b[stages] = Net::layer_count;
     return b;
   }();
