@@ -1,0 +1,66 @@
+// What every CUDA layer runner is given: the GPU's library handles
+// (DeviceContext) and, per forward or backward call, the pointers into the
+// owning model's arena (LayerCall). DeviceModel and the pipeline stages fill
+// a LayerCall for each executed layer; runners never allocate.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../comm/nccl_comm.hpp"
+#include "conv.cuh"
+#include "gemm.hpp"
+#include "stream.hpp"
+
+namespace loom::gpu {
+
+struct DeviceContext {
+  Stream stream;
+  BlasLt blas;
+  Dnn dnn;
+  DeviceContext() { dnn.set_stream(stream.get()); }
+};
+
+// The part of loom::Pass that changes from step to step, kept in device
+// memory: a captured step graph reads it at replay, so Dropout draws the
+// masks of the step being run without a new capture. The owner writes it
+// (enqueued) before each step.
+struct DevicePass {
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;
+  std::uint64_t first_sample = 0;  // the first sample's index in the step's global batch
+};
+
+namespace detail {
+
+// The pointers of one layer's forward or backward call. Backward overwrites
+// dweights and dbias (the owner accumulates across micro-batches itself).
+struct LayerCall {
+  const float* weights = nullptr;  // the layer's weight block (Layer::weight_count)
+  const float* bias = nullptr;     // the rest of its parameters (param_count - weight_count)
+  const float* x = nullptr;
+  float* y = nullptr;
+  const float* dy = nullptr;
+  float* dx = nullptr;  // null when no gradient is wanted for the input
+  float* dweights = nullptr;
+  float* dbias = nullptr;
+  void* mask = nullptr;                 // this layer's ReLU mask, when it keeps one
+  const void* previous_mask = nullptr;  // layer I-1's, when this layer applies its dReLU
+  float* previous_dbias = nullptr;      // layer I-1's bias gradient, likewise
+  unsigned char* scratch = nullptr;     // shared by every layer, scratch_bytes() at least
+  std::size_t scratch_bytes = 0;
+  cudaStream_t stream = nullptr;
+  // Contextual layers (Layer::contextual):
+  bool training = false;               // batch statistics and dropout, or evaluation
+  const DevicePass* pass = nullptr;    // device memory
+  float* state = nullptr;              // Layer::state_count floats (running statistics)
+  float* saved = nullptr;              // n x Layer::saved floats, forward to backward
+  // SyncBatchNorm under data parallelism: sums statistics over the ranks
+  // (null: this device's batch is the whole batch).
+  comm::NcclComm* replicas = nullptr;
+};
+
+}  // namespace detail
+}  // namespace loom::gpu
