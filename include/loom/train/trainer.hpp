@@ -854,6 +854,8 @@ class Trainer {
                        bool last = true) {
     int slot = 0;
     const std::size_t sample = Net::input_shape::size;
+    // Dropout's step, as micro_step counts it on CPUs.
+    const std::uint64_t batch_number = train ? batches_++ : 0;
     for (auto& replica : gpus_) {
       replica.use();
       const auto share = batch_share(n, static_cast<std::size_t>(gpu_world()),
@@ -862,11 +864,13 @@ class Trainer {
       const auto staged = replica.stager->stage(images + share.first * sample,
                                                 labels + share.first, share.count);
       replica.stager->ready(staged, model.stream());
-      if (train)
+      if (train) {
+        model.set_pass({.seed = options_.seed, .step = batch_number, .first_sample = share.first});
         model.train_micro_step(staged.slot, share.count, n, group_n == 0 ? n : group_n,
                                accumulate, last);
-      else
+      } else {
         model.evaluate_step(staged.slot, share.count, n);
+      }
       replica.stager->consumed(staged, model.stream());
       slot = staged.slot;
     }

@@ -34,6 +34,7 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "../../comm/nccl_comm.hpp"
@@ -45,21 +46,17 @@
 #include "epilogue.cuh"
 #include "gemm.hpp"
 #include "graph.hpp"
+#include "layer_call.hpp"
+#include "layers.cuh"
 #include "../../parallel/buckets.hpp"
 #include "pool.cuh"
+#include "recurrent.cuh"
 #include "sgd.cuh"
 #include "softmax_xent.cuh"
 #include "staging.hpp"
 #include "stream.hpp"
 
 namespace loom::gpu {
-
-struct DeviceContext {
-  Stream stream;
-  BlasLt blas;
-  Dnn dnn;
-  DeviceContext() { dnn.set_stream(stream.get()); }
-};
 
 struct DeviceModelOptions {
   // Capture each step as a CUDA graph and replay it; off runs every kernel
@@ -86,18 +83,59 @@ namespace detail {
 // Where each layer's weights and bias sit in the device's flat parameter
 // buffer: the CPU Model's order, each block starting on a 256-byte boundary
 // (cuBLASLt's operands and epilogue vectors must be 16-byte aligned; cuDNN
-// is fastest at 256). The gaps are zero in parameters and gradients alike,
-// so the update over the whole buffer leaves them zero.
+// is fastest at 256). A Residual block's body layers (and its projection)
+// are laid out the same way inside the block, so every layer a runner sees
+// is aligned however deep it sits. The gaps are zero in parameters and
+// gradients alike, so the update over the whole buffer leaves them zero.
+inline constexpr std::size_t parameter_align = 64;  // floats
+constexpr std::size_t round_to_block(std::size_t n) {
+  return (n + parameter_align - 1) / parameter_align * parameter_align;
+}
+
+template <class L>
+struct residual_layout;
+
+// A layer's block: its weights, then (aligned) the rest of its parameters.
+template <class L>
+constexpr std::size_t device_size() {
+  if constexpr (L::kind == "residual")
+    return residual_layout<L>::offsets.total;
+  else
+    return round_to_block(L::weight_count) + round_to_block(L::param_count - L::weight_count);
+}
+
+template <class L>
+struct residual_layout {
+  using body = typename L::body;
+  static constexpr std::size_t count = body::size;
+  struct Offsets {
+    std::array<std::size_t, count> at{};  // each body layer's block in the block
+    std::size_t shortcut = 0;             // the projection's
+    std::size_t total = 0;
+  };
+  static constexpr Offsets offsets = [] {
+    Offsets o;
+    static_for<count>([&](auto i) {
+      o.at[i] = o.total;
+      o.total += device_size<type_at_t<i, body>>();
+    });
+    if constexpr (!L::identity) {
+      o.shortcut = o.total;
+      o.total += device_size<typename L::shortcut>();
+    }
+    return o;
+  }();
+};
+
 template <class List>
 struct device_layout;
 
 template <class... Ls>
 struct device_layout<TypeList<Ls...>> {
   static constexpr std::size_t count = sizeof...(Ls);
-  static constexpr std::size_t align = 64;  // floats
-  static constexpr std::size_t round_up(std::size_t n) { return (n + align - 1) / align * align; }
-  static constexpr std::array<std::size_t, count> weights{Ls::weight_count...};
-  static constexpr std::array<std::size_t, count> biases{(Ls::param_count - Ls::weight_count)...};
+  static constexpr std::array<std::size_t, count> sizes{device_size<Ls>()...};
+  static constexpr std::array<std::size_t, count> weight_sizes{
+      (Ls::kind == "residual" ? device_size<Ls>() : round_to_block(Ls::weight_count))...};
   struct Offsets {
     std::array<std::size_t, count> weight{}, bias{};
     std::size_t total = 0;
@@ -106,9 +144,8 @@ struct device_layout<TypeList<Ls...>> {
     Offsets o;
     for (std::size_t i = 0; i < count; ++i) {
       o.weight[i] = o.total;
-      o.total += round_up(weights[i]);
-      o.bias[i] = o.total;
-      o.total += round_up(biases[i]);
+      o.bias[i] = o.total + weight_sizes[i];
+      o.total += sizes[i];
     }
     return o;
   }();
@@ -122,25 +159,45 @@ struct device_layout<TypeList<Ls...>> {
   }();
 };
 
+// Enqueues copying one layer's parameters between the host's flat buffer
+// (the CPU Model's order, from host_at) and its device block (at device_at).
+template <class L>
+void copy_layer_parameters(float* device, float* host, std::size_t device_at, std::size_t host_at,
+                           cudaMemcpyKind kind, cudaStream_t stream) {
+  if constexpr (L::kind == "residual") {
+    using R = residual_layout<L>;
+    static_for<R::count>([&](auto i) {
+      copy_layer_parameters<type_at_t<i, typename R::body>>(
+          device, host, device_at + R::offsets.at[i], host_at + L::info::param_offsets[i], kind,
+          stream);
+    });
+    if constexpr (!L::identity)
+      copy_layer_parameters<typename L::shortcut>(device, host, device_at + R::offsets.shortcut,
+                                                  host_at + L::body_params, kind, stream);
+  } else {
+    const auto copy = [&](std::size_t d, std::size_t h, std::size_t count) {
+      if (count == 0) return;
+      if (kind == cudaMemcpyHostToDevice)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(device + d, host + h, count * sizeof(float), kind, stream));
+      else
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(host + h, device + d, count * sizeof(float), kind, stream));
+    };
+    copy(device_at, host_at, L::weight_count);
+    copy(device_at + round_to_block(L::weight_count), host_at + L::weight_count,
+         L::param_count - L::weight_count);
+  }
+}
+
 // Enqueues copying a layer list's parameters between the host's flat buffer
 // (the CPU Model's order) and the device's padded layout (device_layout).
 template <class List>
 void copy_parameters(float* device, float* host, cudaMemcpyKind kind, cudaStream_t stream) {
   using layout = device_layout<List>;
   constexpr auto& host_offsets = ::loom::detail::list_info<List>::param_offsets;
-  const auto copy = [&](std::size_t device_at, std::size_t host_at, std::size_t count) {
-    if (count == 0) return;
-    if (kind == cudaMemcpyHostToDevice)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(device + device_at, host + host_at, count * sizeof(float),
-                                      kind, stream));
-    else
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(host + host_at, device + device_at, count * sizeof(float),
-                                      kind, stream));
-  };
-  for (std::size_t i = 0; i < List::size; ++i) {
-    copy(layout::offsets.weight[i], host_offsets[i], layout::weights[i]);
-    copy(layout::offsets.bias[i], host_offsets[i] + layout::weights[i], layout::biases[i]);
-  }
+  static_for<List::size>([&](auto i) {
+    copy_layer_parameters<type_at_t<i, List>>(device, host, layout::offsets.weight[i],
+                                              host_offsets[i], kind, stream);
+  });
 }
 
 // Layer I (a Linear+ReLU) keeps its ReLU mask for layer I+1 (a Linear).
@@ -176,33 +233,49 @@ constexpr bool applies_previous_drelu() {
     return writes_relu_mask<List, I - 1>();
 }
 
-// The pointers of one layer's forward or backward call.
-struct LayerCall {
-  const float* weights = nullptr;
-  const float* bias = nullptr;
-  const float* x = nullptr;
-  float* y = nullptr;
-  const float* dy = nullptr;
-  float* dx = nullptr;  // null for the first layer
-  float* dweights = nullptr;
-  float* dbias = nullptr;
-  void* mask = nullptr;             // this layer's ReLU mask, when it keeps one
-  const void* previous_mask = nullptr;  // layer I-1's, when this layer applies its dReLU
-  float* previous_dbias = nullptr;      // layer I-1's bias gradient, likewise
-  unsigned char* scratch = nullptr;     // shared by every layer, scratch_bytes() at least
-  std::size_t scratch_bytes = 0;
-  cudaStream_t stream = nullptr;
-};
+template <class L>
+class ResidualRunner;
+
+// The runner of a layer kind that has one of its own (layers.cuh,
+// recurrent.cuh, ResidualRunner), or void for the kinds LayerRunner runs
+// itself (conv, linear, pooling, ReLU, flatten).
+template <class L>
+constexpr auto kernel_runner_of() {
+  if constexpr (L::kind == "tanh")
+    return std::type_identity<PointwiseRunner<L, ::loom::detail::TanhFn>>{};
+  else if constexpr (L::kind == "sigmoid")
+    return std::type_identity<PointwiseRunner<L, ::loom::detail::SigmoidFn>>{};
+  else if constexpr (L::kind == "gelu")
+    return std::type_identity<PointwiseRunner<L, ::loom::detail::GeluFn>>{};
+  else if constexpr (L::kind == "globalavgpool")
+    return std::type_identity<GlobalAvgPoolRunner<L>>{};
+  else if constexpr (L::kind == "dropout")
+    return std::type_identity<DropoutRunner<L>>{};
+  else if constexpr (L::kind == "batchnorm")
+    return std::type_identity<BatchNormRunner<L>>{};
+  else if constexpr (L::kind == "gru" || L::kind == "lstm")
+    return std::type_identity<RecurrentRunner<L>>{};
+  else if constexpr (L::kind == "residual")
+    return std::type_identity<ResidualRunner<L>>{};
+  else
+    return std::type_identity<void>{};
+}
+template <class L>
+using kernel_runner_t = typename decltype(kernel_runner_of<L>())::type;
 
 // How one executed layer runs on the GPU for one batch size. `library_limit`
 // caps the workspace its cuBLASLt and cuDNN algorithms may ask for.
 template <class L, bool WritesMask, bool AppliesPreviousDrelu, bool NeedsInputGradient>
 class LayerRunner {
+  using Kernel = kernel_runner_t<L>;
+
  public:
   LayerRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
               bool allow_tf32)
       : batch_(batch) {
-    if constexpr (L::kind == "conv") {
+    if constexpr (!std::is_void_v<Kernel>) {
+      kernel_ = std::make_unique<Kernel>(context, batch, library_limit, allow_tf32);
+    } else if constexpr (L::kind == "conv") {
       conv_ = std::make_unique<Convolution>(
           context.dnn, L::geometry(batch), out_channels,
           ConvOptions{.allow_tensor_ops = allow_tf32, .workspace_limit = library_limit});
@@ -228,8 +301,20 @@ class LayerRunner {
     }
   }
 
+  // The scratch a batch of n needs besides its libraries' workspace (which
+  // then gets the rest of the shared scratch).
+  static std::size_t fixed_bytes(std::size_t n) {
+    if constexpr (requires { Kernel::fixed_bytes(n); })
+      return Kernel::fixed_bytes(n);
+    else if constexpr (std::is_void_v<Kernel>)
+      return DeviceArena::padded_bytes<float>(n * L::output_shape::size);
+    else
+      return 0;
+  }
+
   // The gradient after the activation derivative (dZ) + the libraries' own.
   std::size_t scratch_bytes() const {
+    if constexpr (!std::is_void_v<Kernel>) return kernel_->scratch_bytes();
     std::size_t library = 0;
     if (conv_) library = conv_->workspace_bytes();
     for (const auto* plan : {forward_.get(), weight_grad_.get(), input_grad_.get()})
@@ -238,7 +323,9 @@ class LayerRunner {
   }
 
   void forward(const LayerCall& c) {
-    if constexpr (L::kind == "conv") {
+    if constexpr (!std::is_void_v<Kernel>) {
+      kernel_->forward(c);
+    } else if constexpr (L::kind == "conv") {
       conv_->forward_bias_act(c.x, c.weights, c.bias, c.y, activation_is_relu(),
                               library(c.scratch), library_size(c.scratch_bytes));
     } else if constexpr (L::kind == "linear") {
@@ -253,15 +340,15 @@ class LayerRunner {
     } else if constexpr (L::kind != "flatten") {
       static_assert(dependent_false<L>,
                     "No CUDA runner for this layer kind (the template argument names the "
-                    "layer): BatchNorm, SyncBatchNorm, Residual, GlobalAvgPool, Dropout, Tanh, "
-                    "Sigmoid, GELU, GRU and LSTM run on the CPU backend only so far; compile "
-                    "this network with the host compiler");
+                    "layer); add one to kernel_runner_of");
     }
   }
 
   void backward(const LayerCall& c) {
     float* dz = reinterpret_cast<float*>(c.scratch);
-    if constexpr (L::kind == "conv") {
+    if constexpr (!std::is_void_v<Kernel>) {
+      kernel_->backward(c);
+    } else if constexpr (L::kind == "conv") {
       conv_->bias_act_backward(c.dy, c.y, dz, c.dbias, activation_is_relu(), false);
       conv_->backward_filter(c.x, dz, c.dweights, false, library(c.scratch),
                              library_size(c.scratch_bytes));
@@ -322,8 +409,228 @@ class LayerRunner {
   }
 
   std::size_t batch_;
+  struct NoKernel {};
+  [[no_unique_address]] std::conditional_t<std::is_void_v<Kernel>, NoKernel,
+                                           std::unique_ptr<Kernel>> kernel_;
   std::unique_ptr<Convolution> conv_;
   std::unique_ptr<GemmPlan> forward_, weight_grad_, input_grad_;
+};
+
+// A Residual block's layers run by the same runners as the top level's
+// (without the ReLU-mask hand-over between Linear layers), each passing a
+// gradient to its input.
+template <class Body, class Indices>
+struct body_runners;
+template <class Body, std::size_t... I>
+struct body_runners<Body, std::index_sequence<I...>> {
+  using type = std::tuple<LayerRunner<type_at_t<I, Body>, false, false, true>...>;
+};
+
+// Where a layer's "bias" pointer starts in its device block (a Residual
+// block's parameters are all weights).
+template <class L>
+constexpr std::size_t weight_block() {
+  if constexpr (L::kind == "residual")
+    return device_size<L>();
+  else
+    return round_to_block(L::weight_count);
+}
+
+// Floats rounded up to whole 256-byte blocks.
+constexpr std::size_t padded_floats(std::size_t n) {
+  return (n + parameter_align - 1) / parameter_align * parameter_align;
+}
+
+// The floats a layer keeps from forward to backward for a batch of n on the
+// device. The CPU's layout, except that inside a Residual block each body
+// layer's output and saved tensors start on a 256-byte boundary: GEMMs and
+// cuDNN are planned for 16-byte aligned pointers at any batch size.
+template <class L>
+constexpr std::size_t device_saved_floats(std::size_t n);
+
+template <class Body, std::size_t I>
+constexpr std::size_t body_region_floats(std::size_t n) {
+  using B = type_at_t<I, Body>;
+  return (B::in_place ? 0 : padded_floats(n * B::output_shape::size)) +
+         device_saved_floats<B>(n);
+}
+
+// Where body layer I's region (its output, then its saved tensors) starts.
+template <class Body, std::size_t I>
+constexpr std::size_t body_region_at(std::size_t n) {
+  std::size_t at = 0;
+  static_for<I>([&](auto j) { at += body_region_floats<Body, j>(n); });
+  return at;
+}
+
+template <class L>
+constexpr std::size_t device_saved_floats(std::size_t n) {
+  if constexpr (L::kind == "residual")
+    return body_region_at<typename L::body, L::body::size>(n);
+  else
+    return L::saved == 0 ? 0 : padded_floats(n * L::saved);
+}
+
+// Residual<Layers...> on the GPU, as the CPU runs it: the body's outputs and
+// saved tensors sit in the block's saved area (device_saved_floats' layout),
+// y = body(x) + shortcut(x); backward runs the projection (or copies dy),
+// then the body in reverse over two gradient buffers at the start of the
+// scratch, and adds the body's input gradient.
+template <class L>
+class ResidualRunner {
+  using Body = typename L::body;
+  using R = residual_layout<L>;
+  static constexpr std::size_t count = Body::size;
+  using Runners = typename body_runners<Body, std::make_index_sequence<count>>::type;
+  struct NoShortcut {
+    static std::size_t fixed_bytes(std::size_t) { return 0; }
+  };
+  using Shortcut = std::conditional_t<L::identity, NoShortcut,
+                                      LayerRunner<typename L::shortcut, false, false, true>>;
+
+ public:
+  ResidualRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
+                 bool allow_tf32)
+      : batch_(batch),
+        body_(make_body(context, batch, library_limit, allow_tf32,
+                        std::make_index_sequence<count>{})) {
+    if constexpr (!L::identity)
+      shortcut_ = std::make_unique<Shortcut>(
+          context, batch, limit_for(Shortcut::fixed_bytes(batch), batch, library_limit),
+          allow_tf32);
+  }
+
+  // Two gradient buffers, then the largest of the body's and projection's needs.
+  static std::size_t fixed_bytes(std::size_t n) { return 2 * gradient_bytes(n) + largest_fixed(n); }
+  std::size_t scratch_bytes() const {
+    std::size_t inner = 0;
+    static_for<count>([&](auto i) { inner = std::max(inner, std::get<i>(body_).scratch_bytes()); });
+    if constexpr (!L::identity) inner = std::max(inner, shortcut_->scratch_bytes());
+    return 2 * gradient_bytes(batch_) + inner;
+  }
+
+  void forward(const LayerCall& c) {
+    static_for<count>([&](auto i) { std::get<i>(body_).forward(body_call<i>(c)); });
+    const float* body_out = output<count - 1>(c);
+    const std::size_t out = batch_ * L::output_shape::size;
+    if constexpr (L::identity) {
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(c.y, c.x, out * sizeof(float), cudaMemcpyDeviceToDevice,
+                                      c.stream));
+    } else {
+      shortcut_->forward(shortcut_call(c));
+    }
+    add_into(c.y, body_out, out, c.stream);
+  }
+
+  void backward(const LayerCall& c) {
+    std::array<float*, 2> gradients{
+        reinterpret_cast<float*>(c.scratch),
+        reinterpret_cast<float*>(c.scratch + gradient_bytes(batch_))};
+    if constexpr (L::identity) {
+      if (c.dx != nullptr)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(c.dx, c.dy, batch_ * L::input_shape::size * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, c.stream));
+    } else {
+      // The projection has no activation: its output is not read, dy stands in.
+      LayerCall s = shortcut_call(c);
+      s.y = const_cast<float*>(c.dy);
+      s.dy = c.dy;
+      s.dx = c.dx;
+      shortcut_->backward(s);
+    }
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(gradients[0], c.dy,
+                                    batch_ * L::output_shape::size * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, c.stream));
+    int current = 0;
+    static_for_reverse<count>([&](auto i) {
+      using B = type_at_t<i, Body>;
+      LayerCall b = body_call<i>(c);
+      b.dy = gradients[current];
+      b.dx = i == 0 && c.dx == nullptr ? nullptr : gradients[1 - current];
+      std::get<i>(body_).backward(b);
+      if (!B::in_place) current = 1 - current;
+    });
+    if (c.dx != nullptr) add_into(c.dx, gradients[current], batch_ * L::input_shape::size, c.stream);
+  }
+
+ private:
+  static std::size_t gradient_bytes(std::size_t n) {
+    return DeviceArena::padded_bytes<float>(n * L::gradient_buffer);
+  }
+  static std::size_t largest_fixed(std::size_t n) {
+    std::size_t most = Shortcut::fixed_bytes(n);
+    static_for<count>([&](auto i) {
+      most = std::max(most, std::tuple_element_t<i, Runners>::fixed_bytes(n));
+    });
+    return most;
+  }
+  // The room an inner layer's libraries get: what the block's limit leaves
+  // after the block's largest fixed need, plus what this layer leaves of it.
+  static std::size_t limit_for(std::size_t fixed, std::size_t n, std::size_t library_limit) {
+    if (library_limit == std::numeric_limits<std::size_t>::max()) return library_limit;
+    return library_limit + (largest_fixed(n) - fixed);
+  }
+  template <std::size_t... I>
+  static Runners make_body(DeviceContext& context, std::size_t n, std::size_t library_limit,
+                           bool allow_tf32, std::index_sequence<I...>) {
+    return Runners{std::tuple_element_t<I, Runners>(
+        context, n,
+        limit_for(std::tuple_element_t<I, Runners>::fixed_bytes(n), n, library_limit),
+        allow_tf32)...};
+  }
+
+  template <std::size_t I>
+  float* output(const LayerCall& c) const {
+    constexpr int owner = L::info::output_owner[I];
+    if constexpr (owner < 0)
+      return const_cast<float*>(c.x);
+    else
+      return c.saved + body_region_at<Body, static_cast<std::size_t>(owner)>(batch_);
+  }
+  template <std::size_t I>
+  const float* input(const LayerCall& c) const {
+    if constexpr (I == 0)
+      return c.x;
+    else
+      return output<I - 1>(c);
+  }
+  // What every inner call shares: the stream, the pass, the scratch after
+  // the gradient buffers.
+  LayerCall inner_call(const LayerCall& c, std::size_t at, std::size_t bias_at) const {
+    LayerCall b;
+    b.weights = c.weights + at;
+    b.bias = c.weights + at + bias_at;
+    b.dweights = c.dweights + at;
+    b.dbias = c.dweights + at + bias_at;
+    b.scratch = c.scratch + 2 * gradient_bytes(batch_);
+    b.scratch_bytes = c.scratch_bytes - 2 * gradient_bytes(batch_);
+    b.stream = c.stream;
+    b.training = c.training;
+    b.pass = c.pass;
+    b.replicas = c.replicas;
+    return b;
+  }
+  template <std::size_t I>
+  LayerCall body_call(const LayerCall& c) const {
+    using B = type_at_t<I, Body>;
+    LayerCall b = inner_call(c, R::offsets.at[I], weight_block<B>());
+    b.x = input<I>(c);
+    b.y = output<I>(c);
+    b.state = c.state + L::info::state_offsets[I];
+    b.saved = c.saved + body_region_at<Body, I>(batch_) +
+              (B::in_place ? 0 : padded_floats(batch_ * B::output_shape::size));
+    return b;
+  }
+  LayerCall shortcut_call(const LayerCall& c) const {
+    LayerCall s = inner_call(c, R::offsets.shortcut, weight_block<typename L::shortcut>());
+    s.x = c.x;
+    s.y = c.y;
+    return s;
+  }
+
+  std::size_t batch_;
+  Runners body_;
+  std::unique_ptr<Shortcut> shortcut_;
 };
 
 // InputGradient: every layer passes a gradient to its input, the first
@@ -348,8 +655,7 @@ class PlanCache {
 
   PlanCache(DeviceContext& context, std::size_t max_batch, bool allow_tf32)
       : context_(context), max_batch_(max_batch), allow_tf32_(allow_tf32) {
-    auto first = make(max_batch, std::numeric_limits<std::size_t>::max(),
-                      std::make_index_sequence<List::size>{});
+    auto first = make(max_batch, false, std::make_index_sequence<List::size>{});
     static_for<List::size>(
         [&](auto i) { scratch_bytes_ = std::max(scratch_bytes_, std::get<i>(*first).scratch_bytes()); });
     plans_.emplace(max_batch, std::move(first));
@@ -360,14 +666,7 @@ class PlanCache {
   Runners& get(std::size_t n) {
     auto found = plans_.find(n);
     if (found != plans_.end()) return *found->second;
-    std::size_t smallest_room = scratch_bytes_;
-    static_for<List::size>([&](auto i) {
-      using L = type_at_t<i, List>;
-      smallest_room = std::min(smallest_room,
-                               scratch_bytes_ - DeviceArena::padded_bytes<float>(
-                                                    n * L::output_shape::size));
-    });
-    auto made = make(n, smallest_room, std::make_index_sequence<List::size>{});
+    auto made = make(n, true, std::make_index_sequence<List::size>{});
     static_for<List::size>([&](auto i) {
       LOOM_CHECK(std::get<i>(*made).scratch_bytes() <= scratch_bytes_, "layer ", i + 1,
                  "'s algorithms for a batch of ", n, " need ", std::get<i>(*made).scratch_bytes(),
@@ -377,11 +676,18 @@ class PlanCache {
   }
 
  private:
+  // Within the scratch planned for the largest batch, each layer's
+  // algorithms get the room its own buffers for n samples leave.
+  template <std::size_t I>
+  std::size_t library_limit(std::size_t n, bool planned) const {
+    if (!planned) return std::numeric_limits<std::size_t>::max();
+    const std::size_t fixed = std::tuple_element_t<I, Runners>::fixed_bytes(n);
+    return fixed < scratch_bytes_ ? scratch_bytes_ - fixed : 0;
+  }
   template <std::size_t... I>
-  std::unique_ptr<Runners> make(std::size_t n, std::size_t library_limit,
-                                std::index_sequence<I...>) {
-    return std::unique_ptr<Runners>(new Runners{
-        std::tuple_element_t<I, Runners>(context_, n, library_limit, allow_tf32_)...});
+  std::unique_ptr<Runners> make(std::size_t n, bool planned, std::index_sequence<I...>) {
+    return std::unique_ptr<Runners>(new Runners{std::tuple_element_t<I, Runners>(
+        context_, n, library_limit<I>(n, planned), allow_tf32_)...});
   }
 
   DeviceContext& context_;
@@ -403,6 +709,7 @@ class DeviceModel {
   static constexpr std::size_t parameter_count = Net::parameter_count;
   static constexpr std::size_t sample_size = Net::input_shape::size;
   static constexpr std::size_t classes = Net::output_shape::size;
+  static constexpr std::size_t state_count = ::loom::detail::list_info<executed>::state_count;
 
   // Copies the weights of `initial` to the current GPU; steps then take
   // batches of 1 to `max_batch` samples.
@@ -425,6 +732,8 @@ class DeviceModel {
     lr_ = arena_->take<float>(1);
     totals_ = arena_->take<LossTotals>(1);
     stats_ = arena_->take<double>(3);
+    pass_ = arena_->take<DevicePass>(1);
+    if constexpr (state_count > 0) state_ = arena_->take<float>(state_count);
     if (options.gradient_accumulation) {
       accum_ = arena_->take<float>(layout::total);
       LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layout::total * sizeof(float), stream()));
@@ -434,6 +743,8 @@ class DeviceModel {
       if constexpr (!L::in_place) outputs_[i] = arena_->take<float>(max_batch * L::output_shape::size);
       if constexpr (detail::writes_relu_mask<executed, i>())
         masks_[i] = arena_->take<unsigned char>(relu_mask_bytes(max_batch, L::output_shape::size));
+      if constexpr (L::saved > 0)
+        saved_[i] = arena_->take<float>(detail::device_saved_floats<L>(max_batch));
     });
     for (auto& buffer : grad_buffers_) buffer = arena_->take<float>(max_batch * largest_activation());
     for (auto& slot : inputs_)
@@ -443,6 +754,8 @@ class DeviceModel {
     for (float* buffer : {params_, grads_, velocity_})
       LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
     copy_parameters(initial.parameters().data(), cudaMemcpyHostToDevice);
+    copy_running_state(initial.state().data(), cudaMemcpyHostToDevice);
+    set_pass({});
     set_lr(sgd.lr);
     reset_totals();
     if (auto* comm = options.data_parallel) {
@@ -539,14 +852,26 @@ class DeviceModel {
     train_step(0, n);
   }
 
-  // Waits for the stream and copies the weights into `host` (same network).
+  // What a training step's Dropout draws from: the trainer's seed, the
+  // step's number and where this device's samples start in the global
+  // batch (as loom::Pass). Enqueued: applies to the steps enqueued after.
+  void set_pass(const DevicePass& pass) {
+    pass_value_ = pass;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(pass_, &pass_value_, sizeof(DevicePass),
+                                    cudaMemcpyHostToDevice, stream()));
+  }
+
+  // Waits for the stream and copies the weights and running statistics
+  // into `host` (same network).
   void copy_parameters_to(Model<Net, float>& host) {
     copy_parameters(host.parameters().data(), cudaMemcpyDeviceToHost);
+    copy_running_state(host.state().data(), cudaMemcpyDeviceToHost);
     context_.stream.synchronize();
   }
-  // Replaces the device weights with `host`'s (enqueued).
+  // Replaces the device weights and running statistics with `host`'s (enqueued).
   void copy_parameters_from(const Model<Net, float>& host) {
     copy_parameters(host.parameters().data(), cudaMemcpyHostToDevice);
+    copy_running_state(host.state().data(), cudaMemcpyHostToDevice);
   }
 
   // Takes the weights and momentum of another model of the same network on
@@ -555,6 +880,9 @@ class DeviceModel {
     other.context_.stream.synchronize();
     for (auto [to, from] : {std::pair{params_, other.params_}, std::pair{velocity_, other.velocity_}})
       LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, layout::total * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream()));
+    if constexpr (state_count > 0)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, other.state_, state_count * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream()));
     // `other` may be destroyed as soon as this returns.
     context_.stream.synchronize();
@@ -579,7 +907,8 @@ class DeviceModel {
   std::size_t plan_bytes() const {
     std::size_t bytes = 3 * DeviceArena::padded_bytes<float>(layout::total);
     bytes += DeviceArena::padded_bytes<float>(1) + DeviceArena::padded_bytes<LossTotals>(1) +
-             DeviceArena::padded_bytes<double>(3);
+             DeviceArena::padded_bytes<double>(3) + DeviceArena::padded_bytes<DevicePass>(1);
+    if constexpr (state_count > 0) bytes += DeviceArena::padded_bytes<float>(state_count);
     if (options_.gradient_accumulation) bytes += DeviceArena::padded_bytes<float>(layout::total);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
@@ -588,12 +917,26 @@ class DeviceModel {
       if constexpr (detail::writes_relu_mask<executed, i>())
         bytes += DeviceArena::padded_bytes<unsigned char>(
             relu_mask_bytes(max_batch_, L::output_shape::size));
+      if constexpr (L::saved > 0)
+        bytes += DeviceArena::padded_bytes<float>(detail::device_saved_floats<L>(max_batch_));
     });
     bytes += 2 * DeviceArena::padded_bytes<float>(max_batch_ * largest_activation());
     bytes += 2 * (DeviceArena::padded_bytes<float>(max_batch_ * sample_size) +
                   DeviceArena::padded_bytes<std::int32_t>(max_batch_));
     bytes += DeviceArena::padded_bytes<unsigned char>(scratch_bytes_);
     return bytes;
+  }
+
+  // The running statistics (BatchNorm's) in the CPU Model's order, to or
+  // from the host (enqueued).
+  void copy_running_state(const float* host_src_or_dst, cudaMemcpyKind kind) {
+    if constexpr (state_count > 0) {
+      float* host = const_cast<float*>(host_src_or_dst);
+      if (kind == cudaMemcpyHostToDevice)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, host, state_count * sizeof(float), kind, stream()));
+      else
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(host, state_, state_count * sizeof(float), kind, stream()));
+    }
   }
 
   // Host flat buffer (the CPU Model's order) to or from the padded device one.
@@ -639,6 +982,14 @@ class DeviceModel {
     LOOM_CHECK((s.n >= 1 || parallel) && s.n <= max_batch_ && s.n <= s.global,
                "DeviceModel: a batch of ", s.n, " samples (of ", s.global,
                "); this model was planned for ", parallel ? "0" : "1", " to ", max_batch_);
+    // A rank without a sample would miss SyncBatchNorm's all-reduces (every
+    // rank knows the global batch, so all of them refuse alike).
+    if constexpr (Net::syncs)
+      if (auto* comm = options_.data_parallel; comm != nullptr && s.train)
+        LOOM_CHECK(s.global >= static_cast<std::size_t>(comm->size()), "DataParallel: a batch of ",
+                   s.global, " sample(s) over ", comm->size(), " ranks leaves a rank without one, "
+                   "and SyncBatchNorm needs every rank's statistics; use batches of at least ",
+                   comm->size(), " (the last batch of an epoch included)");
     Plan* p = s.n > 0 ? &plan(s.n) : nullptr;
     graphs_.run(s.key(), stream(), [&](cudaStream_t) { enqueue_step(p, s); });
     done_[s.slot].record(stream());
@@ -650,7 +1001,7 @@ class DeviceModel {
     const std::size_t n = s.n, global_n = s.global;
     const std::int32_t* labels = inputs_[slot].labels;
     if (n > 0) {
-      forward(*p, inputs_[slot].images, n);
+      forward(*p, inputs_[slot].images, train);
       softmax_xent_async(output<layer_count - 1>(), labels, n, classes, s.group,
                          train ? grad_buffers_[0] : nullptr, loss_, stream());
     }
@@ -740,8 +1091,15 @@ class DeviceModel {
   }
 
   template <std::size_t I>
-  detail::LayerCall call() const {
+  detail::LayerCall call(bool training) const {
+    using L = type_at_t<I, executed>;
     detail::LayerCall c;
+    c.training = training;
+    c.pass = pass_;
+    if constexpr (L::state_count > 0)
+      c.state = state_ + ::loom::detail::list_info<executed>::state_offsets[I];
+    c.saved = saved_[I];
+    if constexpr (L::syncs) c.replicas = options_.data_parallel;
     c.weights = params_ + layout::offsets.weight[I];
     c.bias = params_ + layout::offsets.bias[I];
     c.dweights = grads_ + layout::offsets.weight[I];
@@ -759,9 +1117,9 @@ class DeviceModel {
     return c;
   }
 
-  void forward(Plan& p, const float* images, std::size_t) {
+  void forward(Plan& p, const float* images, bool training) {
     input_ = images;
-    static_for<layer_count>([&](auto i) { std::get<i>(p).forward(call<i>()); });
+    static_for<layer_count>([&](auto i) { std::get<i>(p).forward(call<i>(training)); });
   }
 
   template <class OnLayerDone>
@@ -769,7 +1127,7 @@ class DeviceModel {
     int current = 0;
     static_for_reverse<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
-      detail::LayerCall c = call<i>();
+      detail::LayerCall c = call<i>(true);
       c.dy = grad_buffers_[current];
       if constexpr (detail::needs_input_gradient<executed, i>()) c.dx = grad_buffers_[1 - current];
       std::get<i>(p).backward(c);
@@ -824,6 +1182,10 @@ class DeviceModel {
   float* grads_ = nullptr;
   float* velocity_ = nullptr;
   float* lr_ = nullptr;
+  DevicePass* pass_ = nullptr;
+  DevicePass pass_value_;  // the source of the last set_pass copy (pageable: read on return)
+  float* state_ = nullptr;  // running statistics, the CPU Model's order
+  std::array<float*, layer_count> saved_{};
   float lr_value_ = std::numeric_limits<float>::quiet_NaN();  // never equal: the first set_lr writes
   LossTotals* totals_ = nullptr;
   std::array<float*, layer_count> outputs_{};

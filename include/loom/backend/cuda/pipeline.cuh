@@ -202,7 +202,8 @@ class DeviceStageBase {
   virtual std::int32_t* pinned_labels(std::size_t slot) = 0;
   virtual Event& staged(std::size_t slot) = 0;
   virtual Event& backward_done() = 0;
-  virtual void forward(std::size_t slot, std::size_t n) = 0;
+  // pass: what Dropout draws from (training only).
+  virtual void forward(std::size_t slot, std::size_t n, bool training, const DevicePass& pass) = 0;
   // The last stage: loss of slot's n samples (train: its gradient too, over group samples).
   virtual void loss(std::size_t slot, std::size_t n, std::size_t group, bool train) = 0;
   // first_of_step: the step's first backward (overwrites the accumulator).
@@ -214,10 +215,13 @@ class DeviceStageBase {
   // Waits for the stream; returns the totals since the last call and zeroes them.
   virtual LossTotals take_totals() = 0;
   virtual void copy_parameters(float* host, cudaMemcpyKind kind) = 0;
+  // The stage's running statistics (its slice of the Model's state); waits.
+  virtual void copy_running_state(float* host, cudaMemcpyKind kind) = 0;
   virtual void copy_state_from(DeviceStageBase& other) = 0;
   virtual void synchronize() = 0;
   virtual float* parameters_on_device() = 0;
   virtual float* velocity_on_device() = 0;
+  virtual float* running_state_on_device() = 0;
   virtual std::size_t device_parameters() const = 0;
 };
 
@@ -234,8 +238,8 @@ class DeviceStage final : public DeviceStageBase {
   static constexpr std::size_t out_size = StageNet::output_shape::size;
 
   // Made with `device` current.
-  DeviceStage(int device, std::span<const float> weights, SGD::Options sgd,
-              std::size_t max_batch, std::size_t slots, bool allow_tf32)
+  DeviceStage(int device, std::span<const float> weights, std::span<const float> state,
+              SGD::Options sgd, std::size_t max_batch, std::size_t slots, bool allow_tf32)
       : device_(device),
         max_batch_(max_batch),
         sgd_(sgd),
@@ -250,7 +254,8 @@ class DeviceStage final : public DeviceStageBase {
                         DeviceArena::padded_bytes<LossTotals>(1) +
                         2 * DeviceArena::padded_bytes<float>(max_batch * largest_activation()) +
                         DeviceArena::padded_bytes<float>(max_batch * in_size) +
-                        DeviceArena::padded_bytes<unsigned char>(plans_.scratch_bytes());
+                        DeviceArena::padded_bytes<unsigned char>(plans_.scratch_bytes()) +
+                        DeviceArena::padded_bytes<float>(state_count);
     const std::size_t per_slot = slot_bytes(max_batch);
     bytes += slots * per_slot;
     arena_ = std::make_unique<DeviceArena>(
@@ -263,21 +268,26 @@ class DeviceStage final : public DeviceStageBase {
     for (auto& buffer : grad_buffers_) buffer = arena_->take<float>(max_batch * largest_activation());
     input_gradient_ = arena_->take<float>(max_batch * in_size);
     scratch_ = arena_->take<unsigned char>(plans_.scratch_bytes());
+    if constexpr (state_count > 0) state_ = arena_->take<float>(state_count);
     slots_.resize(slots);
     for (auto& s : slots_) {
       s.input = arena_->take<float>(max_batch * in_size);
       s.labels = arena_->take<std::int32_t>(max_batch);
+      s.pass = arena_->take<DevicePass>(1);
       static_for<layer_count>([&](auto i) {
         using L = type_at_t<i, executed>;
         if constexpr (!L::in_place) s.outputs[i] = arena_->take<float>(max_batch * L::output_shape::size);
         if constexpr (detail::writes_relu_mask<executed, i>())
           s.masks[i] = arena_->take<unsigned char>(relu_mask_bytes(max_batch, L::output_shape::size));
+        if constexpr (L::saved > 0)
+          s.saved[i] = arena_->take<float>(detail::device_saved_floats<L>(max_batch));
       });
     }
     for (float* buffer : {params_, grads_, accum_, velocity_})
       LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
     LOOM_CUDA_CHECK(cudaMemsetAsync(totals_, 0, sizeof(LossTotals), stream()));
     copy_parameters(const_cast<float*>(weights.data()), cudaMemcpyHostToDevice);
+    copy_running_state(const_cast<float*>(state.data()), cudaMemcpyHostToDevice);
     // The host slice may go when this returns.
     context_.stream.synchronize();
   }
@@ -311,10 +321,16 @@ class DeviceStage final : public DeviceStageBase {
   Event& staged(std::size_t slot) override { return staged_[slot]; }
   Event& backward_done() override { return backward_done_; }
 
-  void forward(std::size_t slot, std::size_t n) override {
+  void forward(std::size_t slot, std::size_t n, bool training, const DevicePass& pass) override {
     check_batch(n);
     auto& plan = plans_.get(n);
-    static_for<layer_count>([&](auto i) { std::get<i>(plan).forward(call<i>(slots_[slot])); });
+    Slot& s = slots_[slot];
+    // From pageable memory: the copy has read `pass` when it returns.
+    if (training && contextual)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(s.pass, &pass, sizeof(DevicePass), cudaMemcpyHostToDevice,
+                                      stream()));
+    s.training = training;
+    static_for<layer_count>([&](auto i) { std::get<i>(plan).forward(call<i>(s)); });
   }
 
   void loss(std::size_t slot, std::size_t n, std::size_t group, bool train) override {
@@ -379,6 +395,16 @@ class DeviceStage final : public DeviceStageBase {
     context_.stream.synchronize();
   }
 
+  void copy_running_state(float* host, cudaMemcpyKind kind) override {
+    if constexpr (state_count > 0) {
+      if (kind == cudaMemcpyHostToDevice)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, host, state_count * sizeof(float), kind, stream()));
+      else
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(host, state_, state_count * sizeof(float), kind, stream()));
+    }
+    context_.stream.synchronize();
+  }
+
   void copy_state_from(DeviceStageBase& other) override {
     LOOM_CHECK(other.device_parameters() == layout::total,
                "ModelSplit: a stage takes the state of the same stage only");
@@ -387,10 +413,14 @@ class DeviceStage final : public DeviceStageBase {
                                     layout::total * sizeof(float), cudaMemcpyDefault, stream()));
     LOOM_CUDA_CHECK(cudaMemcpyAsync(velocity_, other.velocity_on_device(),
                                     layout::total * sizeof(float), cudaMemcpyDefault, stream()));
+    if constexpr (state_count > 0)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, other.running_state_on_device(),
+                                      state_count * sizeof(float), cudaMemcpyDefault, stream()));
     context_.stream.synchronize();  // `other` may go when this returns
   }
   float* parameters_on_device() override { return params_; }
   float* velocity_on_device() override { return velocity_; }
+  float* running_state_on_device() override { return state_; }
   std::size_t device_parameters() const override { return layout::total; }
 
  private:
@@ -399,7 +429,16 @@ class DeviceStage final : public DeviceStageBase {
     std::int32_t* labels = nullptr;
     std::array<float*, layer_count> outputs{};
     std::array<void*, layer_count> masks{};
+    std::array<float*, layer_count> saved{};
+    DevicePass* pass = nullptr;
+    bool training = false;  // of its last forward, which its backward follows
   };
+  static constexpr std::size_t state_count = ::loom::detail::list_info<executed>::state_count;
+  static constexpr bool contextual = [] {
+    bool any = false;
+    static_for<layer_count>([&](auto i) { any = any || type_at_t<i, executed>::contextual; });
+    return any;
+  }();
 
   static constexpr std::size_t largest_activation() {
     return ::loom::detail::list_info<executed>::largest_activation;
@@ -415,8 +454,10 @@ class DeviceStage final : public DeviceStageBase {
       if constexpr (detail::writes_relu_mask<executed, i>())
         bytes += DeviceArena::padded_bytes<unsigned char>(
             relu_mask_bytes(max_batch, L::output_shape::size));
+      if constexpr (L::saved > 0)
+        bytes += DeviceArena::padded_bytes<float>(detail::device_saved_floats<L>(max_batch));
     });
-    return bytes;
+    return bytes + DeviceArena::padded_bytes<DevicePass>(1);
   }
 
   void check_batch(std::size_t n) const {
@@ -442,7 +483,13 @@ class DeviceStage final : public DeviceStageBase {
 
   template <std::size_t I>
   detail::LayerCall call(const Slot& s) const {
+    using L = type_at_t<I, executed>;
     detail::LayerCall c;
+    c.training = s.training;
+    c.pass = s.pass;
+    if constexpr (L::state_count > 0)
+      c.state = state_ + ::loom::detail::list_info<executed>::state_offsets[I];
+    c.saved = s.saved[I];
     c.weights = params_ + layout::offsets.weight[I];
     c.bias = params_ + layout::offsets.bias[I];
     c.dweights = grads_ + layout::offsets.weight[I];
@@ -475,6 +522,7 @@ class DeviceStage final : public DeviceStageBase {
   float* grads_ = nullptr;
   float* accum_ = nullptr;  // the step's micro-batches' gradients, summed
   float* velocity_ = nullptr;
+  float* state_ = nullptr;  // running statistics, the stage's slice of the Model's order
   LossTotals* totals_ = nullptr;
   std::array<float*, 2> grad_buffers_{};
   float* input_gradient_ = nullptr;
@@ -549,8 +597,7 @@ class PipelineEngine {
 
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
-                           const StepSettings& settings, const Pass& = {.training = true}) {
-    // The Pass is for Dropout and BatchNorm, which the CUDA backend does not run yet.
+                           const StepSettings& settings, const Pass& pass = {.training = true}) {
     LOOM_CHECK(settings.max_grad_norm == 0.0f && settings.precision == Precision::fp32,
                Policy::name, ": gradient clipping and bf16/fp16 run on CPU devices only so far");
     const float lr = settings.lr;
@@ -562,7 +609,8 @@ class PipelineEngine {
                .n = n,
                .group_samples = group_samples,
                .accumulate = accumulate,
-               .last = last});
+               .last = last,
+               .pass = pass});
     if (!last) return {};
     std::size_t replica = 0;
     const LossTotals t = total(&replica);
@@ -587,11 +635,14 @@ class PipelineEngine {
     return {t.loss, static_cast<std::size_t>(t.correct)};
   }
 
-  // Replica 0's stages hold the weights (the copies are equal).
+  // Replica 0's stages hold the weights (the copies are equal) and the
+  // running statistics (each copy keeps its own, as on CPU devices).
   void gather(Model<Net, float>& whole) {
     for (std::size_t k = 0; k < stages; ++k) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
       stages_[k]->copy_parameters(whole.parameters().data() + offsets_[k], cudaMemcpyDeviceToHost);
+      stages_[k]->copy_running_state(whole.state().data() + state_offsets_[k],
+                                     cudaMemcpyDeviceToHost);
     }
   }
   void scatter(const Model<Net, float>& whole) {
@@ -599,6 +650,9 @@ class PipelineEngine {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
       stages_[w]->copy_parameters(
           const_cast<float*>(whole.parameters().data()) + offsets_[w % stages],
+          cudaMemcpyHostToDevice);
+      stages_[w]->copy_running_state(
+          const_cast<float*>(whole.state().data()) + state_offsets_[w % stages],
           cudaMemcpyHostToDevice);
     }
   }
@@ -627,17 +681,21 @@ class PipelineEngine {
     const std::size_t most = batch_share(replica_batch_, micro, 0).count;
     stages_.resize(ranks);
     offsets_.resize(stages);
+    state_offsets_.resize(stages);
     static_for<stages>([&](auto k) {
       constexpr std::size_t K = decltype(k)::value;
       using StageNet = stage_net_t<Net, Partition, K>;
       constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
+      constexpr std::size_t state_at = stage_state_offset<Net, Partition, K>;
       offsets_[K] = offset;
+      state_offsets_[K] = state_at;
       for (std::size_t r = 0; r < replicas; ++r) {
         const std::size_t w = r * stages + K;
         const int device = devices[w].index;
         LOOM_CUDA_CHECK(cudaSetDevice(device));
         stages_[w] = std::make_unique<DeviceStage<StageNet, K == 0>>(
-            device, initial.parameters().subspan(offset, StageNet::parameter_count), sgd, most,
+            device, initial.parameters().subspan(offset, StageNet::parameter_count),
+            initial.state().subspan(state_at, StageNet::state_count), sgd, most,
             pipeline_in_flight(schedule_.kind, stages, K, micro), allow_tf32);
         if (previous != nullptr) stages_[w]->copy_state_from(*previous->stages_[w]);
       }
@@ -785,11 +843,12 @@ class PipelineEngine {
     if (first || last) stage.staged(slot).record(stage.stream());
   }
 
-  void forward_pass(std::size_t w, DeviceStageBase& stage, std::size_t slot, std::size_t count) {
+  void forward_pass(std::size_t w, DeviceStageBase& stage, std::size_t slot, std::size_t count,
+                    bool training = false, const DevicePass& pass = {}) {
     const std::size_t r = replica_of(w), k = stage_of(w);
     const bool sends = k + 1 < stages;
     if (sends) forward_[link(r, k)]->before_overwrite(stage.output(slot), stage.stream());
-    stage.forward(slot, count);
+    stage.forward(slot, count, training, pass);
     stage.slot_done(slot).record(stage.stream());
     if (sends)
       forward_[link(r, k)]->send(stage.output(slot), count * stage.output_size(), stage.stream());
@@ -820,7 +879,8 @@ class PipelineEngine {
         slot_of[op.micro_batch] = slot;
         load(w, stage, slot, job.images + first_sample * sample, job.labels + first_sample,
              piece.count);
-        forward_pass(w, stage, slot, piece.count);
+        forward_pass(w, stage, slot, piece.count, true,
+                     {.seed = job.pass.seed, .step = job.pass.step, .first_sample = first_sample});
         return;
       }
       const std::size_t slot = slot_of[op.micro_batch];
@@ -903,6 +963,7 @@ class PipelineEngine {
   std::size_t replica_batch_ = 1;  // the most samples of a batch one replica takes
   std::vector<std::unique_ptr<DeviceStageBase>> stages_;  // by rank: replica * stages + stage
   std::vector<std::size_t> offsets_;  // where each stage's slice of the whole network's weights starts
+  std::vector<std::size_t> state_offsets_;  // and of its running statistics
   std::vector<std::unique_ptr<DeviceLink>> forward_, backward_;  // by link(replica, stage)
   std::vector<StageGroup> groups_;                  // Hybrid: per stage
   std::vector<std::unique_ptr<Event>> ready_, pulled_;  // Hybrid: per rank
