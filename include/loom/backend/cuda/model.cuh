@@ -88,6 +88,7 @@ namespace detail {
 // is aligned however deep it sits. The gaps are zero in parameters and
 // gradients alike, so the update over the whole buffer leaves them zero.
 inline constexpr std::size_t parameter_align = 64;  // floats
+// Floats rounded up to whole 256-byte blocks (parameters and saved areas).
 constexpr std::size_t round_to_block(std::size_t n) {
   return (n + parameter_align - 1) / parameter_align * parameter_align;
 }
@@ -102,6 +103,16 @@ constexpr std::size_t device_size() {
     return residual_layout<L>::offsets.total;
   else
     return round_to_block(L::weight_count) + round_to_block(L::param_count - L::weight_count);
+}
+
+// Where a layer's "bias" pointer starts in its device block (a Residual
+// block's parameters are all weights).
+template <class L>
+constexpr std::size_t weight_block() {
+  if constexpr (L::kind == "residual")
+    return device_size<L>();
+  else
+    return round_to_block(L::weight_count);
 }
 
 template <class L>
@@ -134,8 +145,7 @@ template <class... Ls>
 struct device_layout<TypeList<Ls...>> {
   static constexpr std::size_t count = sizeof...(Ls);
   static constexpr std::array<std::size_t, count> sizes{device_size<Ls>()...};
-  static constexpr std::array<std::size_t, count> weight_sizes{
-      (Ls::kind == "residual" ? device_size<Ls>() : round_to_block(Ls::weight_count))...};
+  static constexpr std::array<std::size_t, count> weight_sizes{weight_block<Ls>()...};
   struct Offsets {
     std::array<std::size_t, count> weight{}, bias{};
     std::size_t total = 0;
@@ -159,6 +169,16 @@ struct device_layout<TypeList<Ls...>> {
   }();
 };
 
+// Enqueues copying `count` floats between the host and the device, in the
+// direction `kind` names.
+inline void copy_floats(float* device, float* host, std::size_t count, cudaMemcpyKind kind,
+                        cudaStream_t stream) {
+  if (count == 0) return;
+  const bool to_device = kind == cudaMemcpyHostToDevice;
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(to_device ? device : host, to_device ? host : device,
+                                  count * sizeof(float), kind, stream));
+}
+
 // Enqueues copying one layer's parameters between the host's flat buffer
 // (the CPU Model's order, from host_at) and its device block (at device_at).
 template <class L>
@@ -175,16 +195,9 @@ void copy_layer_parameters(float* device, float* host, std::size_t device_at, st
       copy_layer_parameters<typename L::shortcut>(device, host, device_at + R::offsets.shortcut,
                                                   host_at + L::body_params, kind, stream);
   } else {
-    const auto copy = [&](std::size_t d, std::size_t h, std::size_t count) {
-      if (count == 0) return;
-      if (kind == cudaMemcpyHostToDevice)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(device + d, host + h, count * sizeof(float), kind, stream));
-      else
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(host + h, device + d, count * sizeof(float), kind, stream));
-    };
-    copy(device_at, host_at, L::weight_count);
-    copy(device_at + round_to_block(L::weight_count), host_at + L::weight_count,
-         L::param_count - L::weight_count);
+    copy_floats(device + device_at, host + host_at, L::weight_count, kind, stream);
+    copy_floats(device + device_at + weight_block<L>(), host + host_at + L::weight_count,
+                L::param_count - L::weight_count, kind, stream);
   }
 }
 
@@ -426,21 +439,6 @@ struct body_runners<Body, std::index_sequence<I...>> {
   using type = std::tuple<LayerRunner<type_at_t<I, Body>, false, false, true>...>;
 };
 
-// Where a layer's "bias" pointer starts in its device block (a Residual
-// block's parameters are all weights).
-template <class L>
-constexpr std::size_t weight_block() {
-  if constexpr (L::kind == "residual")
-    return device_size<L>();
-  else
-    return round_to_block(L::weight_count);
-}
-
-// Floats rounded up to whole 256-byte blocks.
-constexpr std::size_t padded_floats(std::size_t n) {
-  return (n + parameter_align - 1) / parameter_align * parameter_align;
-}
-
 // The floats a layer keeps from forward to backward for a batch of n on the
 // device. The CPU's layout, except that inside a Residual block each body
 // layer's output and saved tensors start on a 256-byte boundary: GEMMs and
@@ -451,7 +449,7 @@ constexpr std::size_t device_saved_floats(std::size_t n);
 template <class Body, std::size_t I>
 constexpr std::size_t body_region_floats(std::size_t n) {
   using B = type_at_t<I, Body>;
-  return (B::in_place ? 0 : padded_floats(n * B::output_shape::size)) +
+  return (B::in_place ? 0 : round_to_block(n * B::output_shape::size)) +
          device_saved_floats<B>(n);
 }
 
@@ -468,7 +466,7 @@ constexpr std::size_t device_saved_floats(std::size_t n) {
   if constexpr (L::kind == "residual")
     return body_region_at<typename L::body, L::body::size>(n);
   else
-    return L::saved == 0 ? 0 : padded_floats(n * L::saved);
+    return L::saved == 0 ? 0 : round_to_block(n * L::saved);
 }
 
 // Residual<Layers...> on the GPU, as the CPU runs it: the body's outputs and
@@ -618,7 +616,7 @@ class ResidualRunner {
     b.y = output<I>(c);
     b.state = c.state + L::info::state_offsets[I];
     b.saved = c.saved + body_region_at<Body, I>(batch_) +
-              (B::in_place ? 0 : padded_floats(batch_ * B::output_shape::size));
+              (B::in_place ? 0 : round_to_block(batch_ * B::output_shape::size));
     return b;
   }
   LayerCall shortcut_call(const LayerCall& c) const {
@@ -930,13 +928,7 @@ class DeviceModel {
   // The running statistics (BatchNorm's) in the CPU Model's order, to or
   // from the host (enqueued).
   void copy_running_state(const float* host_src_or_dst, cudaMemcpyKind kind) {
-    if constexpr (state_count > 0) {
-      float* host = const_cast<float*>(host_src_or_dst);
-      if (kind == cudaMemcpyHostToDevice)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, host, state_count * sizeof(float), kind, stream()));
-      else
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(host, state_, state_count * sizeof(float), kind, stream()));
-    }
+    detail::copy_floats(state_, const_cast<float*>(host_src_or_dst), state_count, kind, stream());
   }
 
   // Host flat buffer (the CPU Model's order) to or from the padded device one.

@@ -396,12 +396,7 @@ class DeviceStage final : public DeviceStageBase {
   }
 
   void copy_running_state(float* host, cudaMemcpyKind kind) override {
-    if constexpr (state_count > 0) {
-      if (kind == cudaMemcpyHostToDevice)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, host, state_count * sizeof(float), kind, stream()));
-      else
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(host, state_, state_count * sizeof(float), kind, stream()));
-    }
+    detail::copy_floats(state_, host, state_count, kind, stream());
     context_.stream.synchronize();
   }
 
