@@ -100,9 +100,13 @@ struct ExampleSchedule {
 template <class C>
 struct Maybe {
   std::optional<C> c;
-  void on_fit_begin(const FitInfo& info) {
-    if constexpr (requires { c->on_fit_begin(info); })
+  template <class T>
+  void on_fit_begin(const FitInfo& info, T& trainer) {
+    if constexpr (requires { c->on_fit_begin(info, trainer); }) {
+      if (c) c->on_fit_begin(info, trainer);
+    } else if constexpr (requires { c->on_fit_begin(info); }) {
       if (c) c->on_fit_begin(info);
+    }
   }
   template <class T>
   void on_step(const StepInfo& info, T& trainer) {

@@ -46,8 +46,9 @@ def number(record, key, where):
 def read_metrics(path):
     """The step and epoch lines, each sorted by step (the trainer's count,
     which goes on over fits, where epochs start again at 1). A resumed run
-    (Metrics with append) writes again the steps after its checkpoint; the
-    later line of a step wins. Lines of other kinds are left to other readers."""
+    (Metrics with append) drops the earlier lines it writes again, but files
+    from before it did repeat the steps after the checkpoint: the later line
+    of a step wins. Lines of other kinds are left to other readers."""
     try:
         with open(path, encoding="utf-8") as file:
             text = file.read()

@@ -137,7 +137,7 @@ TEST_CASE("training policies: bf16 and fp16 under every policy, every rank skipp
   // skipped, on every rank together, until the scale has backed off.
   const TrainerOptions fp16{.seed = 7,
                             .precision = Precision::fp16,
-                            .loss_scaling = {.initial_scale = 0x1p30f}};
+                            .loss_scaling = {.initial_scale = 0x1p30f, .max_scale = 0x1p30f}};
   const TrainerOptions bf16{.seed = 7, .precision = Precision::bf16};
   const FitOptions one_epoch{.epochs = 1, .batch_size = 60};
   const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};

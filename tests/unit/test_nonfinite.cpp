@@ -16,6 +16,7 @@
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
 #include "nonfinite_test.hpp"
+#include "stop_after.hpp"
 #include "temp_dir.hpp"
 
 using namespace loom;
@@ -118,6 +119,31 @@ TEST_CASE("nonfinite: a NaN pixel names the input and step, and skip trains as i
     REQUIRE(lines.at(1)["nonfinite"] == expected);
     REQUIRE(!lines.at(0).contains("nonfinite"));
   }
+}
+
+TEST_CASE("nonfinite: a run resumed from a checkpoint counts the steps skipped before it") {
+  auto bad = head(fashion().train, 256);
+  bad.images[(64 + 3) * 784 + 100] = not_a_number;  // step 2 of each epoch
+  const FitOptions fit{
+      .epochs = 2, .batch_size = 64, .shuffle = false, .on_nonfinite = NonFinite::skip};
+  Trainer<Mlp> whole(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  whole.fit(bad, fit);
+  REQUIRE(whole.nonfinite_steps() == 2);
+  test::TempDir dir;
+  const std::string path = dir.file("skipped.safetensors");
+  {
+    Trainer<Mlp> first(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+    first.fit(bad, fit, test::StopAfter{3},
+              callbacks::Checkpoint(
+                  {.path = path, .every_steps = 3, .every_epoch = false, .at_end = false}));
+    REQUIRE(first.nonfinite_steps() == 1);
+  }
+  Trainer<Mlp> second(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  second.load(path);
+  REQUIRE(second.nonfinite_steps() == 1);
+  second.fit(bad, fit);
+  REQUIRE(second.nonfinite_steps() == whole.nonfinite_steps());
+  test::require_equal(weights_of(second), weights_of(whole), "weights");
 }
 
 TEST_CASE("nonfinite: the batch that went bad is named under gradient accumulation") {

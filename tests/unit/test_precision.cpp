@@ -1,6 +1,7 @@
 // bf16 and fp16 on the CPU backend: rounding to each format, a network that
 // computes in it, training with fp32 master weights, and fp16's dynamic
-// loss scaling (skipped steps, back-off, growth, resume).
+// loss scaling (skipped steps, back-off, growth, its bounds, resume).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -133,7 +134,7 @@ TEST_CASE("precision: fp16 skips the steps whose scaled gradients overflow, back
     // 2^30 is far too large.
     const TrainerOptions fp16{.seed = 1,
                               .precision = Precision::fp16,
-                              .loss_scaling = {.initial_scale = 0x1p30f}};
+                              .loss_scaling = {.initial_scale = 0x1p30f, .max_scale = 0x1p30f}};
     {
       Trainer<Mlp> first(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, fp16);
       const auto initial = copy(first.model().parameters());
@@ -169,12 +170,97 @@ TEST_CASE("precision: fp16 skips the steps whose scaled gradients overflow, back
     for (std::size_t i = 0; i < scales.size(); ++i)
       REQUIRE(scales[i] == std::ldexp(1.0f, static_cast<int>((i + 1) / 3)));
   }
+  SECTION("growth stops at max_scale") {
+    Trainer<Mlp> trainer(
+        devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f},
+        {.seed = 1,
+         .precision = Precision::fp16,
+         .loss_scaling = {.initial_scale = 1.0f, .growth_interval = 3, .max_scale = 4.0f}});
+    trainer.fit(train, {.epochs = 1, .batch_size = 50}, RecordScale{&scales, &skipped});
+    REQUIRE(scales.size() == 24);
+    for (std::size_t i = 0; i < scales.size(); ++i)
+      REQUIRE(scales[i] == std::min(std::ldexp(1.0f, static_cast<int>((i + 1) / 3)), 4.0f));
+  }
+  SECTION("the scale stays within its bounds, a checkpoint's scale too") {
+    LossScaler scaler({.initial_scale = 4.0f,
+                       .growth_factor = 3.0f,
+                       .growth_interval = 1,
+                       .min_scale = 1.5f,
+                       .max_scale = 20.0f});
+    scaler.update(false);
+    REQUIRE(scaler.scale() == 12.0f);
+    scaler.update(false);
+    REQUIRE(scaler.scale() == 20.0f);  // not 36
+    scaler.update(false);
+    REQUIRE(scaler.scale() == 20.0f);
+    for (const float expected : {10.0f, 5.0f, 2.5f, 1.5f}) {  // 1.5, not 1.25
+      REQUIRE_FALSE(scaler.at_min_scale());
+      scaler.update(true);
+      REQUIRE(scaler.scale() == expected);
+    }
+    REQUIRE(scaler.at_min_scale());
+    scaler.update(true);
+    REQUIRE(scaler.scale() == 1.5f);
+    scaler.restore(100.0f, 0);
+    REQUIRE(scaler.scale() == 20.0f);
+    scaler.restore(0.25f, 0);
+    REQUIRE(scaler.scale() == 1.5f);
+  }
   SECTION("bad scaling options") {
     REQUIRE_THROWS_WITH(LossScaler({.backoff_factor = 1.0f}),
                         Catch::Contains("backoff_factor must be in (0, 1)"));
     REQUIRE_THROWS_WITH(LossScaler({.initial_scale = 0.0f}),
                         Catch::Contains("initial_scale must be positive"));
+    REQUIRE_THROWS_WITH(LossScaler({.min_scale = 0.0f}),
+                        Catch::Contains("LossScaling: min_scale and max_scale must be positive "
+                                        "and finite, got 0 and 1.67772e+07"));
+    REQUIRE_THROWS_WITH(LossScaler({.max_scale = std::numeric_limits<float>::infinity()}),
+                        Catch::Contains("got 1 and inf"));
+    REQUIRE_THROWS_WITH(LossScaler({.initial_scale = 0x1p25f}),
+                        Catch::Contains("LossScaling: initial_scale 3.35544e+07 must lie within "
+                                        "min_scale 1 and max_scale 1.67772e+07; widen the bounds"));
+    REQUIRE_THROWS_WITH(LossScaler({.initial_scale = 0.5f}),
+                        Catch::Contains("initial_scale 0.5 must lie within min_scale 1"));
   }
+}
+
+TEST_CASE("precision: an fp16 step that overflows at min_scale is a non-finite step") {
+  // This network's gradients overflow fp16 from a scale of about 2^17: with
+  // the scale bounded below by 2^28, the third step overflows at the bound.
+  const auto train = head(fashion().train, 1200);
+  const TrainerOptions fp16{
+      .seed = 1,
+      .precision = Precision::fp16,
+      .loss_scaling = {.initial_scale = 0x1p30f, .min_scale = 0x1p28f, .max_scale = 0x1p30f}};
+  Trainer<Mlp> trainer(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, fp16);
+  const auto initial = copy(trainer.model().parameters());
+  SECTION("raise: the error says the minimum scale did not help") {
+    std::string error;
+    try {
+      trainer.fit(train, {.epochs = 1, .batch_size = 50});
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    REQUIRE_THAT(error, Catch::Contains("the gradients became non-finite at epoch 1, step 3 under "
+                                       "a finite loss, even at fp16's minimum loss scale "
+                                       "268435456 (LossScaling::min_scale): the gradient of "
+                                       "layer ") &&
+                            Catch::Contains("; the weights are kept from the step before"));
+    REQUIRE(trainer.skipped_steps() == 2);
+    REQUIRE(trainer.loss_scale() == 0x1p28f);
+  }
+  SECTION("skip: counted as non-finite, the scale kept") {
+    std::vector<float> scales;
+    std::vector<bool> skipped;
+    trainer.fit(train, {.epochs = 1, .batch_size = 50, .on_nonfinite = NonFinite::skip},
+                RecordScale{&scales, &skipped});
+    REQUIRE(scales.size() == 24);
+    REQUIRE(std::ranges::count(skipped, true) == 24);
+    REQUIRE(trainer.skipped_steps() == 2);
+    REQUIRE(trainer.nonfinite_steps() == 22);
+    REQUIRE(trainer.loss_scale() == 0x1p28f);
+  }
+  test::require_equal(trainer.model().parameters(), initial, "weights");
 }
 
 TEST_CASE("precision: an fp16 run resumed from a checkpoint keeps its loss scale, bit for bit") {
@@ -182,7 +268,9 @@ TEST_CASE("precision: an fp16 run resumed from a checkpoint keeps its loss scale
   const auto train = head(fashion().train, 600);
   const TrainerOptions fp16{.seed = 2,
                             .precision = Precision::fp16,
-                            .loss_scaling = {.initial_scale = 0x1p36f, .growth_interval = 4}};
+                            .loss_scaling = {.initial_scale = 0x1p36f,
+                                             .growth_interval = 4,
+                                             .max_scale = 0x1p36f}};
   const FitOptions fit{.epochs = 2, .batch_size = 50};
   Trainer<Mlp> whole(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f}, fp16);
   whole.fit(train, fit);

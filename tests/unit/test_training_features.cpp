@@ -71,6 +71,40 @@ struct StopAtStepBegin {
   }
 };
 
+// Saves a checkpoint after optimizer step k and lets the fit go on, as a
+// run that dies later does: a run resumed from it repeats the steps after k.
+struct SaveAt {
+  std::uint64_t k;
+  std::string path;
+  template <class T>
+  void on_step(const StepInfo&, T& trainer) {
+    if (trainer.steps() == k) trainer.save(path);
+  }
+};
+
+// A copy of checkpoint `from` without the metadata `dropped`, as an older
+// loom wrote it.
+void copy_without(const std::string& from, const std::string& to,
+                  const std::vector<std::string>& dropped) {
+  const auto file = io::SafetensorsFile::read(from);
+  io::SafetensorsWriter writer;
+  for (const auto& tensor : file.tensors()) {
+    std::vector<float> values((tensor.end - tensor.begin) / sizeof(float));
+    file.read(tensor.name, values, tensor.shape);
+    writer.add(tensor.name, values, tensor.shape);
+  }
+  for (const auto& [key, value] : file.metadata())
+    if (std::ranges::find(dropped, key) == dropped.end()) writer.set_metadata(key, value);
+  writer.write(to);
+}
+
+std::vector<nlohmann::json> json_lines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
 }  // namespace
 
 TEST_CASE("adam: the first step moves each weight by lr against its gradient's sign") {
@@ -267,6 +301,11 @@ TEST_CASE("checkpoints: save and load give back weights, statistics and optimize
 
   const auto file = io::SafetensorsFile::read(dir.file("a.safetensors"));
   REQUIRE(file.metadata("optimizer") == "AdamW");
+  REQUIRE(file.metadata("optimizer.beta1") == "0.9");
+  REQUIRE(file.metadata("optimizer.beta2") == "0.999");
+  REQUIRE(file.metadata("optimizer.eps") == "1e-08");
+  REQUIRE(file.metadata("optimizer.weight_decay") == "0.01");
+  REQUIRE(file.metadata("trainer.nonfinite_steps") == "0");
   REQUIRE(file.metadata("position.epoch") == "1");
   REQUIRE(file.metadata("position.ended") == "1");
   REQUIRE(file.contains("optimizer.exp_avg.2.linear.weight"));
@@ -320,6 +359,27 @@ TEST_CASE("checkpoints: a checkpoint that does not fit is refused, and loses not
     REQUIRE_THROWS_WITH(sgd.load(dir.file("plain-tensors.safetensors")),
                         Catch::Contains("not a loom checkpoint"));
   }
+  SECTION("resuming with other optimizer options (another lr, or a new fit, may differ)") {
+    const std::string path = dir.file("mlp.safetensors");
+    Trainer<Mlp> other(devices::cpu(1), {.lr = 0.01f, .momentum = 0.8f});
+    const auto before = copy(other.model().parameters());
+    REQUIRE_THROWS_WITH(other.load(path),
+                        Catch::Contains("checkpoint '" + path + "' was written by a trainer using "
+                                        "SGD with momentum 0.9, but this one has 0.8; resume "
+                                        "with the same SGD options (lr may differ), or "
+                                        "load(path, false)"));
+    test::require_equal(other.model().parameters(), before, "weights after a refused load");
+    Trainer<Mlp> nesterov(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f, .nesterov = true});
+    REQUIRE_THROWS_WITH(nesterov.load(path), Catch::Contains("with nesterov 0, but this one has 1"));
+    Trainer<Mlp> decay(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f, .weight_decay = 1e-4f});
+    REQUIRE_THROWS_WITH(decay.load(path),
+                        Catch::Contains("with weight_decay 0, but this one has 1e-04"));
+    other.load(path, false);
+    REQUIRE(other.optimizer().options().momentum == 0.8f);
+    Trainer<Mlp> faster(devices::cpu(1), {.lr = 0.5f, .momentum = 0.9f});
+    faster.load(path);
+    REQUIRE(faster.optimizer().options().lr == 0.01f);  // the checkpoint's goes on
+  }
   SECTION("resuming with other fit options") {
     Trainer<Mlp> again(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
     sgd.fit(train, {.epochs = 2, .batch_size = 64}, callbacks::Checkpoint({
@@ -331,6 +391,33 @@ TEST_CASE("checkpoints: a checkpoint that does not fit is refused, and loses not
     REQUIRE_THROWS_WITH(again.fit(train, {.epochs = 2, .batch_size = 32}),
                         Catch::Contains("with batch size 64, but this fit has 32"));
   }
+}
+
+TEST_CASE("checkpoints: optimizer options round-trip exactly, and an older checkpoint has none to check") {
+  TempDir dir;
+  const std::string path = dir.file("adamw.safetensors");
+  // Values that six significant digits would not give back.
+  const AdamW::Options odd{.lr = 0.002f, .beta2 = std::nextafter(0.999f, 1.0f), .eps = 1.2345678e-8f};
+  Trainer<Mlp, SingleDevice, AdamW> source(devices::cpu(1), odd);
+  source.save(path);
+  const auto file = io::SafetensorsFile::read(path);
+  REQUIRE(file.metadata("optimizer.beta2") == "0.9990001");
+  REQUIRE(file.metadata("optimizer.eps") == "1.2345678e-08");
+  Trainer<Mlp, SingleDevice, AdamW> same(devices::cpu(1), odd);
+  REQUIRE_NOTHROW(same.load(path));
+  AdamW::Options rounded = odd;
+  rounded.beta2 = 0.999f;
+  Trainer<Mlp, SingleDevice, AdamW> other(devices::cpu(1), rounded);
+  REQUIRE_THROWS_WITH(other.load(path),
+                      Catch::Contains("using AdamW with beta2 0.9990001, but this one has 0.999;"));
+
+  const std::string older = dir.file("older.safetensors");
+  copy_without(path, older,
+               {"optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay",
+                "trainer.nonfinite_steps"});
+  REQUIRE_FALSE(io::SafetensorsFile::read(older).metadata().contains("optimizer.beta2"));
+  REQUIRE_NOTHROW(other.load(older));
+  REQUIRE(other.nonfinite_steps() == 0);
 }
 
 TEST_CASE("checkpoints: stopping after k steps and resuming gives the uninterrupted weights") {
@@ -469,6 +556,59 @@ TEST_CASE("metrics: one JSON line per step and per epoch, with the test set's fi
 
   REQUIRE_THROWS_WITH(callbacks::Metrics({.path = dir.file("no-such-folder/m.jsonl")}),
                       Catch::Contains("cannot open") && Catch::Contains("no-such-folder"));
+}
+
+TEST_CASE("metrics: appending after a resume keeps one line per step and per epoch") {
+  TempDir dir;
+  const auto train = head(fashion().train, 256);
+  // 4 steps an epoch, 8 in all. The first run saves after step k and goes
+  // on to the end; the second resumes there and appends. k = 4 is an
+  // epoch's last step, saved before its end: the resumed run ends epoch 1
+  // again.
+  const FitOptions fit{.epochs = 2, .batch_size = 64};
+  const SGD::Options sgd{.lr = 0.02f, .momentum = 0.9f};
+  for (const std::uint64_t k : {3, 4}) {
+    INFO("saved after step " << k);
+    const std::string metrics = dir.file("m" + std::to_string(k) + ".jsonl");
+    const std::string checkpoint = dir.file("c" + std::to_string(k) + ".safetensors");
+    Trainer<Mlp> first(devices::cpu(1), sgd);
+    first.fit(train, fit, SaveAt{k, checkpoint}, callbacks::Metrics({.path = metrics}));
+    const auto uninterrupted = json_lines(metrics);
+    REQUIRE(uninterrupted.size() == 8 + 2);
+    Trainer<Mlp> second(devices::cpu(1), sgd);
+    second.load(checkpoint);
+    second.fit(train, fit, callbacks::Metrics({.path = metrics, .append = true}));
+    const auto lines = json_lines(metrics);
+    REQUIRE(lines.size() == uninterrupted.size());
+    for (std::size_t i = 0; i < lines.size(); ++i) {
+      INFO("line " << i + 1);
+      REQUIRE(lines[i]["kind"] == uninterrupted[i]["kind"]);
+      REQUIRE(lines[i]["step"] == uninterrupted[i]["step"]);
+      REQUIRE(lines[i]["loss"] == uninterrupted[i]["loss"]);  // the resume is exact
+    }
+    std::vector<std::uint64_t> steps;
+    for (const auto& line : lines)
+      if (line["kind"] == "step") steps.push_back(line["step"].get<std::uint64_t>());
+    REQUIRE(steps == std::vector<std::uint64_t>{1, 2, 3, 4, 5, 6, 7, 8});
+  }
+
+  SECTION("a last line cut short by a crash is dropped; a malformed earlier line is an error") {
+    const std::string metrics = dir.file("m3.jsonl");
+    const auto whole = json_lines(metrics);
+    std::ofstream(metrics, std::ios::app) << R"({"kind": "step", "st)";
+    Trainer<Mlp> done(devices::cpu(1), sgd);
+    done.load(dir.file("c3.safetensors"));
+    done.fit(train, fit, callbacks::Metrics({.path = metrics, .append = true}));
+    REQUIRE(json_lines(metrics).size() == whole.size());
+
+    std::ofstream(metrics, std::ios::trunc) << whole[0].dump() << "\nnot json\n";
+    Trainer<Mlp> third(devices::cpu(1), sgd);
+    third.load(dir.file("c3.safetensors"));
+    REQUIRE_THROWS_WITH(third.fit(train, fit, callbacks::Metrics({.path = metrics, .append = true})),
+                        Catch::Contains("callbacks::Metrics: line 2 of '" + metrics +
+                                        "' is not a metrics line") &&
+                            Catch::Contains("'not json'"));
+  }
 }
 
 TEST_CASE("batch size: the largest batch that fits a memory budget, from the memory plan") {

@@ -5,21 +5,17 @@
 // a loom::Error that names the file and says what is wrong.
 #pragma once
 
-#include <fcntl.h>
-#include <signal.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cerrno>
-#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <loom/core/error.hpp>
+#include <loom/io/atomic_file.hpp>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -187,33 +183,6 @@ inline void require_utf8(const std::string& text, const std::string& what) {
   }
 }
 
-// A writer killed mid-write (SIGKILL, the OOM killer, a preempted job)
-// leaves its temporary file "<name>.tmp-<pid>", as large as the file, and a
-// run that is killed and resumed again and again would pile them up until
-// the disk is full. So each write removes the temporary files of its target
-// whose process is gone. A process alive on this host keeps its file: it may
-// be another writer of the same path, and removing its file would fail its
-// rename. Best effort: what cannot be removed is left for the next write.
-inline void remove_stale_temporaries(const std::filesystem::path& path) {
-  const std::string prefix = path.filename().string() + ".tmp-";
-  if (prefix == ".tmp-") return;
-  const std::filesystem::path folder = path.has_parent_path() ? path.parent_path() : ".";
-  std::error_code error;
-  for (std::filesystem::directory_iterator it(folder, error), end; !error && it != end;
-       it.increment(error)) {
-    const std::string name = it->path().filename().string();
-    if (!name.starts_with(prefix) || !it->is_regular_file(error)) continue;
-    const char* digits = name.c_str() + prefix.size();
-    const char* digits_end = name.c_str() + name.size();
-    pid_t pid = 0;
-    const auto [stop, parsed] = std::from_chars(digits, digits_end, pid);
-    if (parsed != std::errc{} || stop != digits_end || pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;
-    std::error_code ignored;
-    std::filesystem::remove(it->path(), ignored);
-  }
-}
-
 }  // namespace detail
 
 inline void SafetensorsWriter::add(std::string name, std::span<const float> values,
@@ -260,68 +229,20 @@ inline std::string SafetensorsWriter::header_text() const {
 
 inline void SafetensorsWriter::write(const std::filesystem::path& path) const {
   const std::string header = header_text();
-  std::filesystem::path temp = path;
-  temp += ".tmp-" + std::to_string(::getpid());
-
-  const auto fail = [&](const char* step, int error, std::string_view hint) {
-    LOOM_FAIL("cannot write safetensors file '", path.string(), "' (through the temporary file '",
-              temp.string(), "'): ", step, " failed: ", std::strerror(error), "; ", hint);
-  };
-
-  detail::remove_stale_temporaries(path);
-  std::FILE* file = std::fopen(temp.c_str(), "wb");
-  if (!file) fail("creating it", errno, "check that the folder exists and is writable");
-
   std::array<unsigned char, 8> length{};
   for (std::size_t i = 0; i < length.size(); ++i)
     length[i] = static_cast<unsigned char>(std::uint64_t{header.size()} >> (8 * i));
-  const auto put = [&](const void* data, std::size_t n) {
-    return n == 0 || std::fwrite(data, 1, n, file) == n;
-  };
-  bool ok = put(length.data(), length.size()) && put(header.data(), header.size());
-  for (const Entry& e : entries_) ok = ok && put(e.values.data(), e.values.size() * sizeof(float));
-  // fsync before rename: otherwise a crash can leave the new name on empty data.
-  ok = ok && std::fflush(file) == 0 && ::fsync(::fileno(file)) == 0;
-  int error = errno;
-  if (std::fclose(file) != 0 && ok) {
-    ok = false;
-    error = errno;
-  }
-  if (!ok) {
-    ::unlink(temp.c_str());
-    // A full disk and a file size limit need different remedies; both need
-    // to know how much must fit, and that nothing was lost.
-    std::size_t bytes = length.size() + header.size();
-    for (const Entry& e : entries_) bytes += e.values.size() * sizeof(float);
-    const std::string size = "the file needs " + std::to_string(bytes) + " bytes";
-    const std::string kept = "; a file already at that path is unchanged";
-    if (error == ENOSPC || error == EDQUOT)
-      fail("writing it", error,
-           "free space on the disk (or raise the quota): " + size +
-               ", while the file it replaces stays until it is written" + kept);
-    if (error == EFBIG)
-      fail("writing it", error,
-           "raise the file size limit (ulimit -f) or write to another file system: " + size + kept);
-    fail("writing it", error, "check the disk" + kept);
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    error = errno;
-    ::unlink(temp.c_str());
-    fail("renaming it over the target", error,
-         "check that the target is not a folder; a file already there is unchanged");
-  }
-
-  // The rename lives in the folder; until the folder is synced a crash can undo it.
-  const std::filesystem::path folder = path.has_parent_path() ? path.parent_path() : ".";
-  const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  // EINVAL: the file system cannot sync folders, so there is nothing more to do.
-  const bool synced = dir >= 0 && (::fsync(dir) == 0 || errno == EINVAL);
-  error = errno;
-  if (dir >= 0) ::close(dir);
-  if (!synced)
-    LOOM_FAIL("safetensors file '", path.string(), "' was written but syncing its folder '",
-              folder.string(), "' failed: ", std::strerror(error),
-              "; the file may not survive a power loss, check the file system");
+  std::size_t bytes = length.size() + header.size();
+  for (const Entry& e : entries_) bytes += e.values.size() * sizeof(float);
+  write_file_atomically(path, "safetensors file", bytes, [&](std::FILE* file) {
+    const auto put = [&](const void* data, std::size_t n) {
+      return n == 0 || std::fwrite(data, 1, n, file) == n;
+    };
+    bool ok = put(length.data(), length.size()) && put(header.data(), header.size());
+    for (const Entry& e : entries_)
+      ok = ok && put(e.values.data(), e.values.size() * sizeof(float));
+    return ok;
+  });
 }
 
 // ---- SafetensorsFile --------------------------------------------------------

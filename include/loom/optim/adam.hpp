@@ -3,10 +3,12 @@
 // including their default hyperparameters).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "../backend/cpu/adam.hpp"
@@ -27,6 +29,13 @@ struct AdamFamily {
     float beta2 = 0.999f;
     float eps = 1e-8f;
     float weight_decay = Decoupled ? 1e-2f : 0.0f;
+
+    // What a checkpoint keeps and a resumed run must share: every option
+    // but lr, which schedules change.
+    auto hyperparameters() const {
+      return std::to_array<std::pair<const char*, float>>(
+          {{"beta1", beta1}, {"beta2", beta2}, {"eps", eps}, {"weight_decay", weight_decay}});
+    }
   };
 
   template <class T>

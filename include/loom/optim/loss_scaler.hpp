@@ -2,9 +2,13 @@
 // is multiplied by a large scale so that small gradients survive fp16's
 // narrow range; the gradients are divided by it again in fp32 before the
 // update. A step whose gradients overflowed is skipped and the scale backs
-// off; after growth_interval good steps in a row it grows.
+// off; after growth_interval good steps in a row it grows. Unlike PyTorch's,
+// the scale stays within [min_scale, max_scale]: the trainer takes an
+// overflow at min_scale for non-finite gradients (FitOptions::on_nonfinite),
+// not for a scale too large.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <span>
@@ -18,6 +22,15 @@ struct LossScaling {
   float growth_factor = 2.0f;
   float backoff_factor = 0.5f;
   std::size_t growth_interval = 2000;
+  // 1: an overflow at scale 1 is a gradient beyond fp16's largest value
+  // (65504) itself, a run diverging rather than small gradients to keep; a
+  // smaller scale would only hide it.
+  float min_scale = 1.0f;
+  // 2^24: 64 times the scale LeNet's fp16 run ends at (2^18, README), yet a
+  // run whose gradients never overflow (all zero, a frozen network) cannot
+  // grow it to infinity, where scaled zeros become NaN and every step is
+  // skipped.
+  float max_scale = 0x1p24f;
 };
 
 class LossScaler {
@@ -31,25 +44,36 @@ class LossScaler {
     LOOM_CHECK(options.backoff_factor > 0.0f && options.backoff_factor < 1.0f,
                "LossScaling: backoff_factor must be in (0, 1), got ", options.backoff_factor);
     LOOM_CHECK(options.growth_interval > 0, "LossScaling: growth_interval must be at least 1");
+    LOOM_CHECK(options.min_scale > 0.0f && std::isfinite(options.max_scale),
+               "LossScaling: min_scale and max_scale must be positive and finite, got ",
+               options.min_scale, " and ", options.max_scale);
+    LOOM_CHECK(options.min_scale <= options.initial_scale &&
+                   options.initial_scale <= options.max_scale,
+               "LossScaling: initial_scale ", options.initial_scale, " must lie within min_scale ",
+               options.min_scale, " and max_scale ", options.max_scale,
+               "; widen the bounds or change the initial scale");
   }
 
   float scale() const { return scale_; }
   std::size_t good_steps() const { return good_steps_; }
-  // A checkpoint's scaler.
+  // Backing off cannot help a step that overflows now.
+  bool at_min_scale() const { return scale_ <= options_.min_scale; }
+  // A checkpoint's scaler, brought within this scaler's bounds (a checkpoint
+  // written under other bounds resumes as these would have left it).
   void restore(float scale, std::size_t good_steps) {
     LOOM_CHECK(scale > 0.0f && std::isfinite(scale), "loss scale ", scale,
                " must be positive and finite");
-    scale_ = scale;
+    scale_ = std::clamp(scale, options_.min_scale, options_.max_scale);
     good_steps_ = good_steps;
   }
 
   // After a step: `overflowed` when its gradients were not finite.
   void update(bool overflowed) {
     if (overflowed) {
-      scale_ *= options_.backoff_factor;
+      scale_ = std::max(scale_ * options_.backoff_factor, options_.min_scale);
       good_steps_ = 0;
     } else if (++good_steps_ >= options_.growth_interval) {
-      scale_ *= options_.growth_factor;
+      scale_ = std::min(scale_ * options_.growth_factor, options_.max_scale);
       good_steps_ = 0;
     }
   }

@@ -1,10 +1,12 @@
 // SGD with momentum, Nesterov and weight decay, over one flat buffer.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "../backend/cpu/sgd.hpp"
@@ -21,6 +23,14 @@ struct SGD {
     float momentum = 0.0f;
     float weight_decay = 0.0f;
     bool nesterov = false;
+
+    // What a checkpoint keeps and a resumed run must share: every option
+    // but lr, which schedules change.
+    auto hyperparameters() const {
+      return std::to_array<std::pair<const char*, float>>({{"momentum", momentum},
+                                                           {"weight_decay", weight_decay},
+                                                           {"nesterov", nesterov ? 1.0f : 0.0f}});
+    }
   };
 
   // Per-model optimizer state: one velocity per parameter.

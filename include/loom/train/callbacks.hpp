@@ -1,5 +1,5 @@
 // Callbacks for Trainer::fit. A callback implements any of
-// on_fit_begin(FitInfo), on_step_begin(StepBegin[, Trainer&]),
+// on_fit_begin(FitInfo[, Trainer&]), on_step_begin(StepBegin[, Trainer&]),
 // on_step(StepInfo[, Trainer&]), on_epoch_end(EpochInfo[, Trainer&]) and
 // on_fit_end([Trainer&]); the trainer calls the ones that exist, in the
 // order the callbacks were given.
@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -24,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../data/data.hpp"
+#include "../io/atomic_file.hpp"
 #include "../optim/lr_schedule.hpp"
 #include "trainer.hpp"
 
@@ -290,6 +292,12 @@ class Checkpoint {
 // figures when an Evaluate callback given here ran before it (list it
 // first). Across MPI processes give it to one process only.
 // scripts/plot_metrics.py draws them.
+//
+// With `append` (a resumed run) each fit first drops the earlier lines the
+// trainer is about to write again: those of steps after the checkpoint it
+// resumes, and of an epoch whose end the checkpoint did not reach; the file
+// is rewritten atomically. So each step keeps one line. A last line without
+// its newline, cut short by a crash, goes too.
 class Metrics {
  public:
   struct Options {
@@ -298,13 +306,16 @@ class Metrics {
     const Evaluate* evaluate = nullptr;
   };
 
-  explicit Metrics(Options options) : options_(std::move(options)) {
-    file_.open(options_.path, options_.append ? std::ios::app : std::ios::trunc);
-    LOOM_CHECK(file_.is_open(), "callbacks::Metrics: cannot open '", options_.path.string(),
-               "' for writing: ", std::strerror(errno));
-  }
+  explicit Metrics(Options options) : options_(std::move(options)) { open(); }
 
-  void on_fit_begin(const FitInfo&) { last_ = std::chrono::steady_clock::now(); }
+  template <class TrainerT>
+  void on_fit_begin(const FitInfo&, TrainerT& trainer) {
+    if (options_.append) {
+      const auto& at = trainer.position();
+      drop_lines_after(trainer.steps(), at.epoch > 0 && !at.ended);
+    }
+    last_ = std::chrono::steady_clock::now();
+  }
 
   template <class TrainerT>
   void on_step(const StepInfo& step, TrainerT& trainer) {
@@ -350,11 +361,61 @@ class Metrics {
   }
 
  private:
+  void open() {
+    file_.open(options_.path, options_.append ? std::ios::app : std::ios::trunc);
+    LOOM_CHECK(file_.is_open(), "callbacks::Metrics: cannot open '", options_.path.string(),
+               "' for writing: ", std::strerror(errno));
+  }
+
   void write(const nlohmann::json& line) {
     file_ << line.dump() << '\n';
     file_.flush();
     LOOM_CHECK(file_.good(), "callbacks::Metrics: writing '", options_.path.string(),
                "' failed (disk full?)");
+  }
+
+  // Drops the lines of steps after `steps`, and the line of the epoch that
+  // ended at step `steps` when `epoch_open` (the checkpoint was saved at its
+  // last step, before its end: the resumed fit ends it again).
+  void drop_lines_after(std::uint64_t steps, bool epoch_open) {
+    file_.close();
+    const std::string where = options_.path.string();
+    std::ifstream in(options_.path, std::ios::binary);
+    LOOM_CHECK(in.is_open(), "callbacks::Metrics: cannot read '", where, "' to append to it: ",
+               std::strerror(errno));
+    std::string kept;
+    bool dropped = false;
+    std::size_t number = 0;
+    for (std::string line; std::getline(in, line);) {
+      ++number;
+      if (in.eof()) {  // no newline: the line a crash cut short
+        dropped = true;
+        break;
+      }
+      const auto record = nlohmann::json::parse(line, nullptr, false);
+      const bool known = record.is_object() && record.contains("kind") &&
+                         record["kind"].is_string() && record.contains("step") &&
+                         record["step"].is_number_unsigned();
+      LOOM_CHECK(known, "callbacks::Metrics: line ", number, " of '", where,
+                 "' is not a metrics line (a JSON object with a \"kind\" and a \"step\"): '",
+                 line.substr(0, 80), "'; appending needs the earlier lines' steps, so move the "
+                 "file away or mend the line");
+      const auto step = record["step"].get<std::uint64_t>();
+      if (step > steps || (step == steps && epoch_open && record["kind"] == "epoch")) {
+        dropped = true;
+        continue;
+      }
+      kept += line;
+      kept += '\n';
+    }
+    LOOM_CHECK(!in.bad(), "callbacks::Metrics: reading '", where, "' failed: ",
+               std::strerror(errno));
+    in.close();
+    if (dropped)
+      io::write_file_atomically(options_.path, "metrics file", kept.size(), [&](std::FILE* file) {
+        return kept.empty() || std::fwrite(kept.data(), 1, kept.size(), file) == kept.size();
+      });
+    open();
   }
 
   Options options_;

@@ -1,9 +1,9 @@
 // What a checkpoint holds and how it maps onto a safetensors file: the
 // network's tensors by name ("1.conv.weight", see net/tensors.hpp), the
 // optimizer's buffers under "optimizer.<buffer>.<tensor>", and in the
-// metadata the optimizer's step count and learning rate, the trainer's
-// counters and where in which fit training stopped. Everything is in the
-// whole network's layout, whatever the policy that wrote it, so a
+// metadata the optimizer's step count, learning rate and other options, the
+// trainer's counters and where in which fit training stopped. Everything is
+// in the whole network's layout, whatever the policy that wrote it, so a
 // checkpoint loads under any policy and device count.
 #pragma once
 
@@ -13,9 +13,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "../core/error.hpp"
@@ -74,6 +76,8 @@ struct CheckpointImage {
   std::vector<std::vector<float>> buffers;
   std::string optimizer;
   std::uint64_t optimizer_steps = 0;
+  // Its options but lr (Options::hyperparameters()); read: those the file has.
+  std::vector<std::pair<std::string, float>> optimizer_options;
   float lr = 0.0f, base_lr = 0.0f;
   std::uint64_t steps = 0;    // optimizer steps the trainer has taken
   std::uint64_t seed = 0;     // the trainer's: Dropout's masks are keyed by it
@@ -81,6 +85,7 @@ struct CheckpointImage {
   float loss_scale = 1.0f;    // fp16's loss scaler
   std::size_t good_steps = 0;
   std::uint64_t skipped_steps = 0;
+  std::uint64_t nonfinite_steps = 0;  // skipped under NonFinite::skip
   std::uint64_t batches = 0;  // training batches: Dropout's step counter
   TrainingPosition position;
   std::optional<FitIdentity> fit;
@@ -145,6 +150,8 @@ void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& 
   writer.set_metadata("optimizer", image.optimizer);
   writer.set_metadata("optimizer.steps", number_text(image.optimizer_steps));
   writer.set_metadata("optimizer.lr", number_text(image.lr));
+  for (const auto& [name, value] : image.optimizer_options)
+    writer.set_metadata("optimizer." + name, number_text(value));
   writer.set_metadata("trainer.base_lr", number_text(image.base_lr));
   writer.set_metadata("trainer.steps", number_text(image.steps));
   writer.set_metadata("trainer.seed", number_text(image.seed));
@@ -152,6 +159,7 @@ void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& 
   writer.set_metadata("scaler.scale", number_text(image.loss_scale));
   writer.set_metadata("scaler.good_steps", number_text(image.good_steps));
   writer.set_metadata("scaler.skipped_steps", number_text(image.skipped_steps));
+  writer.set_metadata("trainer.nonfinite_steps", number_text(image.nonfinite_steps));
   writer.set_metadata("trainer.batches", number_text(image.batches));
   const auto& p = image.position;
   writer.set_metadata("position.epoch", number_text(p.epoch));
@@ -176,12 +184,17 @@ void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& 
   writer.write(path);
 }
 
+// The options of an optimizer (Options::hyperparameters()), by name.
+using OptimizerOptions = std::span<const std::pair<const char*, float>>;
+
 // Reads and checks everything before the caller changes anything: a
 // checkpoint that does not fit leaves the trainer as it was.
-// `buffer_names`: the optimizer's buffers this trainer keeps.
+// `buffer_names`: the optimizer's buffers this trainer keeps; `options`:
+// its options, whose names are read (check_resumed_options compares them).
 template <class Net>
 CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_view optimizer,
-                                const std::vector<std::string>& buffer_names) {
+                                const std::vector<std::string>& buffer_names,
+                                OptimizerOptions options) {
   const std::string where = path.string();
   const auto file = io::SafetensorsFile::read(path);
   LOOM_CHECK(file.metadata().contains("format") && file.metadata("format") == checkpoint_format,
@@ -231,6 +244,10 @@ CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_v
   LOOM_CHECK(file.tensors().size() == expected, "checkpoint '", where, "' holds ",
              file.tensors().size(), " tensors where ", expected, " were expected");
   image.optimizer_steps = parse_number<std::uint64_t>(file, "optimizer.steps", where);
+  // Checkpoints from before the options were kept have none to compare.
+  for (const auto& [name, value] : options)
+    if (const std::string key = std::string("optimizer.") + name; file.metadata().contains(key))
+      image.optimizer_options.emplace_back(name, parse_number<float>(file, key, where));
   image.lr = parse_number<float>(file, "optimizer.lr", where);
   image.base_lr = parse_number<float>(file, "trainer.base_lr", where);
   image.steps = parse_number<std::uint64_t>(file, "trainer.steps", where);
@@ -242,6 +259,9 @@ CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_v
     image.good_steps = parse_number<std::size_t>(file, "scaler.good_steps", where);
     image.skipped_steps = parse_number<std::uint64_t>(file, "scaler.skipped_steps", where);
   }
+  // Checkpoints from before the non-finite steps were kept: none counted.
+  if (file.metadata().contains("trainer.nonfinite_steps"))
+    image.nonfinite_steps = parse_number<std::uint64_t>(file, "trainer.nonfinite_steps", where);
   LOOM_CHECK(image.loss_scale > 0.0f && std::isfinite(image.loss_scale), "checkpoint '", where,
              "': loss scale ", image.loss_scale, " must be positive and finite");
   image.batches = parse_number<std::uint64_t>(file, "trainer.batches", where);
@@ -273,6 +293,20 @@ CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_v
     image.fit = f;
   }
   return image;
+}
+
+// A resumed run continues the one that wrote the checkpoint only with the
+// same optimizer options; lr aside, which schedules change (the checkpoint's
+// goes on).
+inline void check_resumed_options(const CheckpointImage& image, OptimizerOptions options,
+                                  const std::string& where) {
+  for (const auto& [name, was] : image.optimizer_options)
+    for (const auto& [this_name, now] : options)
+      LOOM_CHECK(name != this_name || was == now, "checkpoint '", where, "' was written by a "
+                 "trainer using ", image.optimizer, " with ", name, " ", number_text(was),
+                 ", but this one has ", number_text(now), "; resume with the same ",
+                 image.optimizer, " options (lr may differ), or load(path, false) to start a new "
+                 "fit from the checkpoint's weights and optimizer state");
 }
 
 }  // namespace detail

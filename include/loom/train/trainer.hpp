@@ -53,7 +53,8 @@ struct TrainerOptions {
   PipelineSchedule schedule{};
   // Compute precision (see core/precision.hpp): bf16 or fp16 with fp32
   // master weights; fp16 scales the loss dynamically (`loss_scaling`),
-  // skipping the steps whose gradients overflow.
+  // skipping the steps whose gradients overflow. A step that overflows even
+  // at the minimum scale is a non-finite step (FitOptions::on_nonfinite).
   Precision precision = Precision::fp32;
   LossScaling loss_scaling{};
 };
@@ -541,7 +542,7 @@ class Trainer {
   float loss_scale() const { return scaler_.scale(); }
   std::uint64_t skipped_steps() const { return skipped_steps_; }
   // NonFinite::skip: the steps skipped for a non-finite loss or gradient,
-  // over every fit of this trainer (not kept in checkpoints).
+  // over every fit of this trainer (a loaded checkpoint's included).
   std::uint64_t nonfinite_steps() const { return nonfinite_steps_; }
   // Where the current (or last) fit stands.
   const TrainingPosition& position() const { return position_; }
@@ -590,6 +591,8 @@ class Trainer {
       image.optimizer_steps = pipeline_->optimizer_steps();
     else
       image.optimizer_steps = optimizer.steps();
+    for (const auto& [name, value] : optimizer_.options().hyperparameters())
+      image.optimizer_options.emplace_back(name, value);
     image.lr = optimizer_.options().lr;
     image.base_lr = base_lr_;
     image.steps = steps_;
@@ -599,6 +602,7 @@ class Trainer {
     image.loss_scale = scaler_.scale();
     image.good_steps = scaler_.good_steps();
     image.skipped_steps = skipped_steps_;
+    image.nonfinite_steps = nonfinite_steps_;
     image.position = position_;
     image.fit = fit_;
     image.network = detail::type_label<Net>();
@@ -622,20 +626,23 @@ class Trainer {
   // Reads a checkpoint written by save() under any policy or device count.
   // Names, shapes and types are checked first: a loom::Error names the first
   // mismatch, and leaves the trainer as it was. With `resume` the next fit()
-  // goes on from the checkpoint's position (with the same data and batch
-  // options; a different set-up is an error naming it); without, it starts
-  // a fit of its own from the checkpoint's weights and optimizer state.
+  // goes on from the checkpoint's position (with the same optimizer options
+  // but lr, data and batch options; a different set-up is an error naming
+  // it); without, it starts a fit of its own, with its own options, from the
+  // checkpoint's weights and optimizer state.
   void load(const std::filesystem::path& path, bool resume = true) {
     LOOM_CHECK(!on_gpu(), "Trainer::load: checkpoints of training on GPUs are not supported "
                "yet; load on CPU devices");
     std::vector<std::string> names;
     for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
       names.emplace_back(optimizer_.buffer_name(b));
+    const auto options = optimizer_.options().hyperparameters();
     // Across processes every one reads the file; all go on only if all could.
     detail::CheckpointImage image;
     std::string failure;
     try {
-      image = detail::read_checkpoint<Net>(path, Optimizer::name, names);
+      image = detail::read_checkpoint<Net>(path, Optimizer::name, names, options);
+      if (resume) detail::check_resumed_options(image, options, path.string());
     } catch (const std::exception& error) {
       failure = error.what();
     }
@@ -679,6 +686,7 @@ class Trainer {
     batches_ = image.batches;
     scaler_.restore(image.loss_scale, image.good_steps);
     skipped_steps_ = image.skipped_steps;
+    nonfinite_steps_ = image.nonfinite_steps;
     resume_ = resume && image.position.epoch > 0 ? std::optional(image.position) : std::nullopt;
     resume_fit_ = resume ? image.fit : std::nullopt;
   }
@@ -1068,7 +1076,7 @@ class Trainer {
         spot = with_split(fault_of);
       // The replicas or stages skipped their update.
       if (!handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite))
-        note_overflow(sums.overflowed);
+        note_overflow(sums, spot, epoch, step, fit.on_nonfinite);
     } else {
       const auto began = std::chrono::steady_clock::now();
       if (!accumulate) {
@@ -1105,22 +1113,34 @@ class Trainer {
       }
       sums.overflowed = fp16 && !unscale_gradients(model_.gradients(), settings.loss_scale);
       if (sums.overflowed) {
+        if (scaler_.at_min_scale()) spot_ = model_.find_nonfinite_gradient();
         model_.restore_state();
       } else {
         if (max_grad_norm > 0.0f) clip_gradients<Net>(model_.gradients(), max_grad_norm);
         optimizer_.step(model_.parameters(), model_.gradients());
       }
-      note_overflow(sums.overflowed);
       step_seconds_ += seconds_since(update_began);
+      note_overflow(sums, spot_, epoch, step, fit.on_nonfinite);
     }
     return sums;
   }
 
-  // fp16: the scale follows the steps' overflows.
-  void note_overflow(bool overflowed) {
+  // fp16: the scale follows the steps' overflows. An overflow at the
+  // minimum scale is no overflow a smaller scale could avoid: the step's
+  // gradients are non-finite, and it raises or (NonFinite::skip) is skipped
+  // as such, the scale kept. (`spot`: the first non-finite gradient, when a
+  // device looked.)
+  void note_overflow(const cpu::LossSums& sums, const NonFiniteSpot& spot, int epoch,
+                     std::size_t step, NonFinite on_nonfinite) {
     if (options_.precision != Precision::fp16) return;
-    scaler_.update(overflowed);
-    skipped_steps_ += overflowed ? 1 : 0;
+    if (sums.overflowed && scaler_.at_min_scale()) {
+      handle_nonfinite(sums.loss, spot, epoch, step, on_nonfinite,
+                       ", even at fp16's minimum loss scale " + detail::number_text(scaler_.scale()) +
+                           " (LossScaling::min_scale)");
+      return;
+    }
+    scaler_.update(sums.overflowed);
+    skipped_steps_ += sums.overflowed ? 1 : 0;
   }
 
   // model() handed out the weights: the stages take them back, or the
@@ -1169,17 +1189,18 @@ class Trainer {
 #endif
 
   // After a step that every device skipped when its loss or gradients
-  // were not finite (`spot`: where first, when a device looked): raises,
-  // or (NonFinite::skip) counts it and says why in nonfinite_. False for a
-  // finite step.
+  // were not finite (`spot`: where first, when a device looked;
+  // `scale_note`: the words for fp16's overflow at its minimum scale):
+  // raises, or (NonFinite::skip) counts it and says why in nonfinite_.
+  // False for a finite step.
   bool handle_nonfinite(double loss, const NonFiniteSpot& spot, int epoch, std::size_t step,
-                        NonFinite on_nonfinite) {
-    if (std::isfinite(loss) && !spot) return false;
+                        NonFinite on_nonfinite, const std::string& scale_note = {}) {
+    if (std::isfinite(loss) && !spot && scale_note.empty()) return false;
     const std::string what =
         (std::isfinite(loss) ? std::string("the gradients became non-finite")
                              : "the training loss became " + loss_text(loss)) +
         " at epoch " + std::to_string(epoch) + ", step " + std::to_string(step) +
-        (std::isfinite(loss) ? " under a finite loss" : "") +
+        (std::isfinite(loss) ? " under a finite loss" : "") + scale_note +
         (spot ? ": " + detail::spot_text<Net>(spot) : std::string());
     if (on_nonfinite == NonFinite::raise)
       LOOM_FAIL(what, "; the weights are kept from the step before. Lower the learning rate or "
@@ -1219,8 +1240,11 @@ class Trainer {
   }
 
   template <class C>
-  static void call_fit_begin(C& callback, const FitInfo& info) {
-    if constexpr (requires { callback.on_fit_begin(info); }) callback.on_fit_begin(info);
+  void call_fit_begin(C& callback, const FitInfo& info) {
+    if constexpr (requires { callback.on_fit_begin(info, *this); })
+      callback.on_fit_begin(info, *this);
+    else if constexpr (requires { callback.on_fit_begin(info); })
+      callback.on_fit_begin(info);
   }
   template <class C>
   void call_step_begin(C& callback, const StepBegin& info) {
