@@ -5,6 +5,7 @@
 #include <loom/loom.hpp>
 
 #include <cstdio>
+#include <type_traits>
 
 using LeNet = loom::Sequential<loom::Input<1, 28, 28>, loom::Conv2d<20, 5>, loom::ReLU,
                                loom::MaxPool2d<2>, loom::Conv2d<50, 5>, loom::ReLU,
@@ -12,6 +13,26 @@ using LeNet = loom::Sequential<loom::Input<1, 28, 28>, loom::Conv2d<20, 5>, loom
                                loom::Linear<10>>;
 static_assert(LeNet::parameter_count == 431080);
 static_assert(LeNet::executed::size == 7);
+
+// nvcc's front end once took time and output doubling with every layer of a
+// network (a ResNet-20 example wrote a 37 GB host file): 42 layers, named
+// in a static_assert that it re-emits, would never finish. Now seconds.
+template <class... Repeat>
+using Deep = loom::Sequential<loom::Input<1, 8, 8>, loom::Conv2d<4, 3, 1, 1>, Repeat...,
+                              loom::Flatten, loom::Linear<10>>;
+using Deep42 = Deep<loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::Conv2d<4, 3, 1, 1>, loom::ReLU, loom::Conv2d<4, 3, 1, 1>,
+                    loom::ReLU, loom::BatchNorm2d, loom::ReLU>;
+static_assert(Deep42::layer_count == 42);
+static_assert(std::is_same_v<loom::type_at_t<39, Deep42::layers>::output_shape,
+                             loom::Shape<4, 8, 8>>);
 
 int main() {
   loom::Trainer<LeNet, loom::SingleDevice, loom::SGD> trainer(loom::devices::all(),

@@ -17,19 +17,32 @@ namespace loom {
 
 namespace detail {
 
+// The shape itself, with no trace of the expressions that named it.
+template <class S>
+struct plain_shape;
+template <std::size_t... Dims>
+struct plain_shape<Shape<Dims...>> {
+  using type = Shape<Dims...>;
+};
+
 template <class In, std::size_t I, class Done, class... Rest>
 struct bind_all {
   using type = Done;
 };
 
+// nvcc's host front end (cudafe++) keeps how each type was written and walks
+// it again for every use: had the list held `bound` (a member of this
+// instantiation, which names every earlier layer) and the next input been
+// `bound::output_shape` (which names this layer's input twice, as LayerBase's
+// In and Out), the walk would double with each layer: 20 s for 20 layers,
+// minutes for 24. Plain types keep it linear; g++ never cared.
 template <class In, std::size_t I, class... Done, class L, class... Rest>
 struct bind_all<In, I, TypeList<Done...>, L, Rest...> {
-  using bound = Bind<L, In, I>;
   // Reading `checked` instantiates the layer's shape checks here, in order,
   // so the first bad layer is the one reported.
-  static_assert(bound::checked || true);
-  using type = typename bind_all<typename bound::output_shape, I + 1, TypeList<Done..., bound>,
-                                 Rest...>::type;
+  static_assert(Bind<L, In, I>::checked || true);
+  using type = typename bind_all<typename plain_shape<typename Bind<L, In, I>::output_shape>::type,
+                                 I + 1, TypeList<Done..., Bind<L, In, I>>, Rest...>::type;
 };
 
 // Where each of a run of blocks starts when laid end to end (and the total).
