@@ -14,9 +14,10 @@ using LeNet = loom::Sequential<loom::Input<1, 28, 28>, loom::Conv2d<20, 5>, loom
 static_assert(LeNet::parameter_count == 431080);
 static_assert(LeNet::executed::size == 7);
 
-// nvcc's front end once took time and output doubling with every layer of a
-// network (a ResNet-20 example wrote a 37 GB host file): 42 layers, named
-// in a static_assert that it re-emits, would never finish. Now seconds.
+// nvcc's front end once took time doubling with every layer of a network
+// (types written as the previous layer's, see net/sequential.hpp), and a
+// static_assert naming such a type is re-emitted in full: 42 layers would
+// never finish. Now seconds.
 template <class... Repeat>
 using Deep = loom::Sequential<loom::Input<1, 8, 8>, loom::Conv2d<4, 3, 1, 1>, Repeat...,
                               loom::Flatten, loom::Linear<10>>;

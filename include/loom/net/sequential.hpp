@@ -30,12 +30,14 @@ struct bind_all {
   using type = Done;
 };
 
-// nvcc's host front end (cudafe++) keeps how each type was written and walks
-// it again for every use: had the list held `bound` (a member of this
-// instantiation, which names every earlier layer) and the next input been
-// `bound::output_shape` (which names this layer's input twice, as LayerBase's
-// In and Out), the walk would double with each layer: 20 s for 20 layers,
-// minutes for 24. Plain types keep it linear; g++ never cared.
+// nvcc's host front end (cudafe++) keeps how each type was written, walks it
+// again for every use and prints it so: had the list held `bound` (a member
+// of this instantiation, which names every earlier layer) and the next input
+// been `bound::output_shape` (which names this layer's input twice, as
+// LayerBase's In and Out), the walk would double with each layer: 20 s for
+// 20 layers, minutes for 24. plain_shape's partial specialisation re-states
+// the dimensions (a decltype would be printed as its expression, in full);
+// g++ never cared.
 template <class In, std::size_t I, class... Done, class L, class... Rest>
 struct bind_all<In, I, TypeList<Done...>, L, Rest...> {
   // Reading `checked` instantiates the layer's shape checks here, in order,
