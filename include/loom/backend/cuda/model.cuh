@@ -12,7 +12,8 @@
 // in its epilogue (DRELU_BGRAD): that layer's backward is then its weight
 // GEMM alone, with no elementwise or bias kernel. Conv2d is cuDNN (fused
 // conv+bias+ReLU where it offers it); pooling, standalone activations, the
-// loss and the SGD update are loom's kernels.
+// loss and the optimizer updates (SGD, Adam, AdamW; clipping by global norm)
+// are loom's kernels.
 //
 // A step (forward, loss, backward, update) only enqueues work: it is captured
 // as a CUDA graph the first time a (kind, batch size, input slot) is seen and
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -51,7 +53,7 @@
 #include "../../parallel/buckets.hpp"
 #include "pool.cuh"
 #include "recurrent.cuh"
-#include "sgd.cuh"
+#include "optimizer.cuh"
 #include "softmax_xent.cuh"
 #include "staging.hpp"
 #include "stream.hpp"
@@ -710,11 +712,12 @@ class DeviceModel {
   static constexpr std::size_t state_count = ::loom::detail::list_info<executed>::state_count;
 
   // Copies the weights of `initial` to the current GPU; steps then take
-  // batches of 1 to `max_batch` samples.
-  DeviceModel(const Model<Net, float>& initial, std::size_t max_batch, SGD::Options sgd,
+  // batches of 1 to `max_batch` samples and update with `optimizer` (its
+  // state starts at zero: copy_optimizer_from sets another).
+  DeviceModel(const Model<Net, float>& initial, std::size_t max_batch, DeviceOptimizer optimizer,
               DeviceModelOptions options = {})
       : max_batch_(max_batch),
-        sgd_(sgd),
+        optimizer_(optimizer),
         options_(options),
         graphs_(options.graphs),
         plans_(context_, checked_batch(max_batch), options.allow_tf32),
@@ -726,8 +729,11 @@ class DeviceModel {
     arena_ = std::make_unique<DeviceArena>(plan_bytes(), owner);
     params_ = arena_->take<float>(layout::total);
     grads_ = arena_->take<float>(layout::total);
-    velocity_ = arena_->take<float>(layout::total);
-    lr_ = arena_->take<float>(1);
+    moments_[0] = arena_->take<float>(layout::total);
+    if (optimizer.buffers() > 1) moments_[1] = arena_->take<float>(layout::total);
+    update_ = arena_->take<UpdateScalars>(1);
+    norm_ = arena_->take<double>(1);
+    norm_scratch_ = arena_->take<unsigned char>(norm_scratch_bytes_);
     totals_ = arena_->take<LossTotals>(1);
     stats_ = arena_->take<double>(3);
     pass_ = arena_->take<DevicePass>(1);
@@ -749,12 +755,13 @@ class DeviceModel {
       slot = {arena_->take<float>(max_batch * sample_size), arena_->take<std::int32_t>(max_batch)};
     scratch_ = arena_->take<unsigned char>(scratch_bytes_);
 
-    for (float* buffer : {params_, grads_, velocity_})
-      LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
+    for (float* buffer : {params_, grads_, moments_[0], moments_[1]})
+      if (buffer != nullptr)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
     copy_parameters(initial.parameters().data(), cudaMemcpyHostToDevice);
     copy_running_state(initial.state().data(), cudaMemcpyHostToDevice);
     set_pass({});
-    set_lr(sgd.lr);
+    set_lr(optimizer.lr);
     reset_totals();
     if (auto* comm = options.data_parallel) {
       buckets_ = plan_buckets(options.bucket_bytes);
@@ -764,6 +771,10 @@ class DeviceModel {
       comm->broadcast(std::span<float>(params_, layout::total), 0);
     }
   }
+
+  DeviceModel(const Model<Net, float>& initial, std::size_t max_batch, SGD::Options sgd,
+              DeviceModelOptions options = {})
+      : DeviceModel(initial, max_batch, DeviceOptimizer::from(sgd), options) {}
 
   DeviceModel(const DeviceModel&) = delete;
   DeviceModel& operator=(const DeviceModel&) = delete;
@@ -827,12 +838,20 @@ class DeviceModel {
 
   // Every later update uses this learning rate (read on the device, so the
   // captured steps need no new capture).
-  void set_lr(float lr) {
-    if (lr == lr_value_) return;
-    lr_value_ = lr;
-    LOOM_CUDA_CHECK(
-        cudaMemcpyAsync(lr_, &lr_value_, sizeof(float), cudaMemcpyHostToDevice, stream()));
+  void set_lr(float lr) { lr_ = lr; }
+  // Every later update first clips the gradients by their global norm
+  // (after the all-reduce under data parallelism: the norm of the summed
+  // gradients, as on the CPU); 0: no clipping.
+  void set_max_grad_norm(float max_norm) {
+    LOOM_CHECK(max_norm >= 0.0f && std::isfinite(max_norm),
+               "DeviceModel: max_grad_norm must be a finite number >= 0, got ", max_norm);
+    max_norm_ = max_norm;
   }
+  const DeviceOptimizer& optimizer() const { return optimizer_; }
+  // Optimizer steps enqueued (Adam's bias corrections count them; a step
+  // halted on the device counts too, and halts every later one).
+  std::uint64_t optimizer_steps() const { return updates_; }
+  void set_optimizer_steps(std::uint64_t steps) { updates_ = steps; }
 
   // One step on a device batch of n samples anywhere in device memory (it is
   // copied into input slot 0 first), waiting for its loss: for tests and
@@ -872,13 +891,36 @@ class DeviceModel {
     copy_running_state(host.state().data(), cudaMemcpyHostToDevice);
   }
 
-  // Takes the weights and momentum of another model of the same network on
-  // the same GPU (e.g. one planned for smaller batches).
+  // The optimizer's buffer b (SGD's velocity; Adam's exp_avg, exp_avg_sq)
+  // in the CPU Model's order: to `host` (waits), or from it (enqueued; read
+  // on return, as pageable copies are). For checkpoints.
+  void copy_optimizer_to(std::size_t b, std::span<float> host) {
+    check_optimizer_buffer(b, host.size());
+    detail::copy_parameters<executed>(moments_[b], host.data(), cudaMemcpyDeviceToHost, stream());
+    context_.stream.synchronize();
+  }
+  void copy_optimizer_from(std::size_t b, std::span<const float> host) {
+    check_optimizer_buffer(b, host.size());
+    detail::copy_parameters<executed>(moments_[b], const_cast<float*>(host.data()),
+                                      cudaMemcpyHostToDevice, stream());
+  }
+
+  // Takes the weights, optimizer state and running statistics of another
+  // model of the same network and optimizer on the same GPU (e.g. one
+  // planned for smaller batches).
   void copy_state_from(DeviceModel& other) {
+    LOOM_CHECK(other.optimizer_.rule == optimizer_.rule, "DeviceModel::copy_state_from: ",
+               other.optimizer_.name(), "'s state into a ", optimizer_.name(), " model");
     other.context_.stream.synchronize();
-    for (auto [to, from] : {std::pair{params_, other.params_}, std::pair{velocity_, other.velocity_}})
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, layout::total * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream()));
+    for (auto [to, from] : {std::pair{params_, other.params_},
+                            std::pair{moments_[0], other.moments_[0]},
+                            std::pair{moments_[1], other.moments_[1]}})
+      if (to != nullptr)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, layout::total * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream()));
+    updates_ = other.updates_;
+    lr_ = other.lr_;
+    max_norm_ = other.max_norm_;
     if constexpr (state_count > 0)
       LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, other.state_, state_count * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream()));
@@ -903,8 +945,10 @@ class DeviceModel {
   Plan& plan(std::size_t n) { return plans_.get(n); }
 
   std::size_t plan_bytes() const {
-    std::size_t bytes = 3 * DeviceArena::padded_bytes<float>(layout::total);
-    bytes += DeviceArena::padded_bytes<float>(1) + DeviceArena::padded_bytes<LossTotals>(1) +
+    std::size_t bytes = (2 + optimizer_.buffers()) * DeviceArena::padded_bytes<float>(layout::total);
+    bytes += DeviceArena::padded_bytes<UpdateScalars>(1) + DeviceArena::padded_bytes<double>(1) +
+             DeviceArena::padded_bytes<unsigned char>(norm_scratch_bytes_);
+    bytes += DeviceArena::padded_bytes<LossTotals>(1) +
              DeviceArena::padded_bytes<double>(3) + DeviceArena::padded_bytes<DevicePass>(1);
     if constexpr (state_count > 0) bytes += DeviceArena::padded_bytes<float>(state_count);
     if (options_.gradient_accumulation) bytes += DeviceArena::padded_bytes<float>(layout::total);
@@ -951,6 +995,13 @@ class DeviceModel {
                "global_n) on every rank");
   }
 
+  void check_optimizer_buffer(std::size_t b, std::size_t size) const {
+    LOOM_CHECK(b < optimizer_.buffers(), "DeviceModel: ", optimizer_.name(), " has ",
+               optimizer_.buffers(), " buffer(s), not ", b + 1);
+    LOOM_CHECK(size == parameter_count, "DeviceModel: an optimizer buffer of ", size,
+               " floats for a network of ", parameter_count, " parameters");
+  }
+
   void check_slot(int slot) const {
     LOOM_CHECK(slot == 0 || slot == 1, "DeviceModel: input slot ", slot, " does not exist (0 or 1)");
   }
@@ -964,8 +1015,9 @@ class DeviceModel {
     bool accumulate = false;  // add to the step's earlier gradients
     bool last = true;         // the step's last batch: reduce and update
     int slot = 0;
-    using Key = std::tuple<bool, std::size_t, std::size_t, std::size_t, bool, bool, int>;
-    Key key() const { return {train, n, global, group, accumulate, last, slot}; }
+    bool clip = false;        // clip the gradients by global norm before the update
+    using Key = std::tuple<bool, std::size_t, std::size_t, std::size_t, bool, bool, int, bool>;
+    Key key() const { return {train, n, global, group, accumulate, last, slot, clip}; }
   };
 
   void step(const StepShape& s) {
@@ -983,7 +1035,14 @@ class DeviceModel {
                    "and SyncBatchNorm needs every rank's statistics; use batches of at least ",
                    comm->size(), " (the last batch of an epoch included)");
     Plan* p = s.n > 0 ? &plan(s.n) : nullptr;
-    graphs_.run(s.key(), stream(), [&](cudaStream_t) { enqueue_step(p, s); });
+    StepShape shape = s;
+    const bool updates = s.train && s.last;
+    if (updates) {
+      shape.clip = max_norm_ > 0.0f;
+      stage_update(updates_ + 1);
+    }
+    graphs_.run(shape.key(), stream(), [&](cudaStream_t) { enqueue_step(p, shape); });
+    if (updates) updates_ += 1;  // counted once enqueued (a failed capture takes none)
     done_[s.slot].record(stream());
   }
 
@@ -1038,8 +1097,10 @@ class DeviceModel {
         } else if (s.accumulate) {
           add_into(grads_, accum_, layout::total, stream());
         }
-        sgd_update(params_, grads_, velocity_, layout::total, sgd_.lr, sgd_.momentum,
-                   sgd_.weight_decay, sgd_.nesterov, stream(), lr_, &totals_->halted);
+        if (s.clip)
+          squared_norm(grads_, layout::total, norm_, norm_scratch_, norm_scratch_bytes_, stream());
+        optimizer_update(optimizer_, params_, grads_, moments_[0], moments_[1], layout::total,
+                         update_, s.clip ? norm_ : nullptr, &totals_->halted, stream());
       }
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(snapshots_.data() + slot, totals_, sizeof(LossTotals),
@@ -1056,6 +1117,16 @@ class DeviceModel {
     bucket_ready_[b].wait_on(comm_stream_.get());
     options_.data_parallel->all_reduce_async(grads_ + bucket.begin, bucket.size(),
                                              comm::ReduceOp::sum, comm_stream_.get());
+  }
+
+  // Optimizer step t's scalars (its number, lr, clipping), written
+  // for the update to read; a pageable copy has read its source on return.
+  void stage_update(std::uint64_t t) {
+    const UpdateScalars next = update_scalars(optimizer_, lr_, t, max_norm_);
+    if (next == update_value_) return;
+    update_value_ = next;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(update_, &update_value_, sizeof(UpdateScalars),
+                                    cudaMemcpyHostToDevice, stream()));
   }
 
   // Gradient buckets over the padded device layout (BucketPlan's rule).
@@ -1155,7 +1226,7 @@ class DeviceModel {
 
   DeviceContext context_;
   std::size_t max_batch_;
-  SGD::Options sgd_;
+  DeviceOptimizer optimizer_;
   DeviceModelOptions options_;
   StepGraphs<typename StepShape::Key> graphs_;
   detail::PlanCache<executed> plans_;
@@ -1172,13 +1243,19 @@ class DeviceModel {
   float* accum_ = nullptr;   // gradients of an optimizer step's earlier batches
   float* params_ = nullptr;
   float* grads_ = nullptr;
-  float* velocity_ = nullptr;
-  float* lr_ = nullptr;
+  std::array<float*, 2> moments_{};  // SGD's velocity; Adam's exp_avg and exp_avg_sq
+  UpdateScalars* update_ = nullptr;
+  UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
+  float lr_ = 0.0f;
+  float max_norm_ = 0.0f;
+  std::uint64_t updates_ = 0;
+  double* norm_ = nullptr;  // the gradients' squared global norm, when clipping
+  std::size_t norm_scratch_bytes_ = squared_norm_bytes(layout::total);
+  unsigned char* norm_scratch_ = nullptr;
   DevicePass* pass_ = nullptr;
   DevicePass pass_value_;  // the source of the last set_pass copy (pageable: read on return)
   float* state_ = nullptr;  // running statistics, the CPU Model's order
   std::array<float*, layer_count> saved_{};
-  float lr_value_ = std::numeric_limits<float>::quiet_NaN();  // never equal: the first set_lr writes
   LossTotals* totals_ = nullptr;
   std::array<float*, layer_count> outputs_{};
   std::array<void*, layer_count> masks_{};
