@@ -420,6 +420,16 @@ TEST_CASE("checkpoints: optimizer options round-trip exactly, and an older check
   REQUIRE(other.nonfinite_steps() == 0);
 }
 
+TEST_CASE("checkpoints: callbacks::Checkpoint names the steps it saves after") {
+  TempDir dir;
+  const callbacks::Checkpoint every_5({.path = dir.file("c.safetensors"), .every_steps = 5});
+  REQUIRE(!every_5.needs_state_at_step(4));
+  REQUIRE(every_5.needs_state_at_step(5));
+  REQUIRE(every_5.needs_state_at_step(10));
+  const callbacks::Checkpoint by_epoch({.path = dir.file("c.safetensors")});
+  REQUIRE(!by_epoch.needs_state_at_step(5));
+}
+
 TEST_CASE("checkpoints: stopping after k steps and resuming gives the uninterrupted weights") {
   TempDir dir;
   const auto train = head(fashion().train, 600);

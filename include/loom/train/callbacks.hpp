@@ -251,7 +251,12 @@ class Checkpoint {
 
   template <class TrainerT>
   void on_step(const StepInfo&, TrainerT& trainer) {
-    if (options_.every_steps > 0 && trainer.steps() % options_.every_steps == 0) save(trainer);
+    if (needs_state_at_step(trainer.steps())) save(trainer);
+  }
+  // The steps it saves after: on a GPU the trainer then waits for the step
+  // before it enqueues the next, so the saved state is this step's.
+  bool needs_state_at_step(std::uint64_t steps) const {
+    return options_.every_steps > 0 && steps % options_.every_steps == 0;
   }
   template <class TrainerT>
   void on_epoch_end(const EpochInfo&, TrainerT& trainer) {

@@ -218,8 +218,10 @@ class Trainer {
       LOOM_CHECK(device.kind == devices_.front().kind, "devices ", devices_.front().name(), " and ",
                  device.name(), " are of different kinds; give one kind");
 #if defined(__CUDACC__)
-      LOOM_CHECK(device.kind == Device::Kind::cpu || (std::is_same_v<Optimizer, SGD>), "device ",
-                 device.name(), ": the CUDA backend trains with SGD only so far");
+      LOOM_CHECK(device.kind == Device::Kind::cpu || (std::is_same_v<Optimizer, SGD>) ||
+                     !is_pipelined<Policy>,
+                 "device ", device.name(), ": ", Policy::name, " on GPUs trains with SGD only so "
+                 "far (SingleDevice and DataParallel on GPUs take Adam and AdamW too)");
 #else
       LOOM_CHECK(device.kind == Device::Kind::cpu, "device ", device.name(),
                  " needs the CUDA backend: compile with nvcc to use GPUs");
@@ -291,8 +293,9 @@ class Trainer {
         options.drop_last ? loader.batches_per_epoch() * options.batch_size : train.count;
     stop_.set(false);
 #if defined(__CUDACC__)
-    LOOM_CHECK(!on_gpu() || options.max_grad_norm == 0.0f, "fit: gradient clipping "
-               "(FitOptions::max_grad_norm) runs on CPU devices only so far");
+    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy> || options.max_grad_norm == 0.0f,
+               "fit: gradient clipping (FitOptions::max_grad_norm) of ", Policy::name,
+               " on GPUs is not supported yet (SingleDevice and DataParallel on GPUs clip)");
     LOOM_CHECK(!on_gpu() || options.on_nonfinite == NonFinite::raise, "fit: skipping "
                "non-finite steps (FitOptions::on_nonfinite = NonFinite::skip) runs on CPU "
                "devices only so far; on GPUs a non-finite loss raises");
@@ -302,7 +305,7 @@ class Trainer {
     if constexpr (is_pipelined<Policy>) {
       if (on_gpu()) gpu_split(options.batch_size);
     } else if (on_gpu()) {
-      fit_gpu(loader, options, info, epoch_samples, callbacks...);
+      fit_gpu(loader, options, info, identity, epoch_samples, callbacks...);
       (call_fit_end(callbacks), ...);
       return;
     }
@@ -466,8 +469,8 @@ class Trainer {
   // On a GPU the device holds the weights: this copies them here first, and
   // the next fit() or evaluate() copies them back, so changes made through
   // the reference count. The const overload returns them as of the end of
-  // the last fit(). (The GPU keeps its own momentum; optimizer().velocity()
-  // is the CPU's.)
+  // the last fit(). (The GPU keeps its own optimizer state: optimizer()'s
+  // buffers are the CPU's, and take the GPU's when save() writes them.)
   //
   // ModelSplit: the stages' weights gathered into one Model (a copy, like
   // the GPU's); across processes, as of the end of the last epoch.
@@ -565,11 +568,20 @@ class Trainer {
   // under any policy and device count. Across MPI processes every process
   // calls it (the stages' parts are gathered) and rank 0 writes.
   void save(const std::filesystem::path& path) {
-    LOOM_CHECK(!on_gpu(), "Trainer::save: checkpoints of training on GPUs are not supported yet "
-               "(the GPU keeps its own optimizer state); train on CPU devices to checkpoint");
+    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy>, "Trainer::save: checkpoints of ",
+               Policy::name, " on GPUs are not supported yet (each stage keeps its optimizer "
+               "state on its GPU); train on CPU devices, or SingleDevice or DataParallel on GPUs, "
+               "to checkpoint");
+    LOOM_CHECK(gpu_unreported_ == 0, "Trainer::save: called while the GPU runs a step that "
+               "fit() has not reported (the GPU runs a step ahead of the callbacks, and a fit "
+               "that failed may leave one behind); save from callbacks::Checkpoint, at an "
+               "epoch's end, from a step callback whose needs_state_at_step(steps) is true for "
+               "that step, or after a fit that ended");
+    pull_from_gpu();
     detail::CheckpointImage image;
     Model<Net, float>* model = &model_;
-    if constexpr (is_data_parallel<Policy>) model = &engine_->model();
+    if constexpr (is_data_parallel<Policy>)
+      if (!on_gpu()) model = &engine_->model();
     if constexpr (is_pipelined<Policy>) {
       scatter_if_changed();  // weights edited through model() count
       pipeline_->gather(model_);
@@ -631,8 +643,9 @@ class Trainer {
   // it); without, it starts a fit of its own, with its own options, from the
   // checkpoint's weights and optimizer state.
   void load(const std::filesystem::path& path, bool resume = true) {
-    LOOM_CHECK(!on_gpu(), "Trainer::load: checkpoints of training on GPUs are not supported "
-               "yet; load on CPU devices");
+    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy>, "Trainer::load: checkpoints of ",
+               Policy::name, " on GPUs are not supported yet; load on CPU devices, or under "
+               "SingleDevice or DataParallel on GPUs");
     std::vector<std::string> names;
     for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
       names.emplace_back(optimizer_.buffer_name(b));
@@ -665,8 +678,10 @@ class Trainer {
     };
     put(model_, optimizer_);
     if constexpr (is_data_parallel<Policy>)
-      for (std::size_t r = 0; r < engine_->local_replicas(); ++r)
-        put(engine_->replica_model(r), engine_->replica_optimizer(r));
+      if (!on_gpu())
+        for (std::size_t r = 0; r < engine_->local_replicas(); ++r)
+          put(engine_->replica_model(r), engine_->replica_optimizer(r));
+    push_to_gpu();
     if constexpr (is_pipelined<Policy>) {
       pipeline_->scatter(model_);
       for (std::size_t b = 0; b < image.buffers.size(); ++b)
@@ -695,16 +710,62 @@ class Trainer {
   // The optimizer state this process updates (a replica's or stage's
   // under the parallel policies; the trainer's own holds the options).
   const typename Optimizer::template State<float>& local_optimizer() {
-    if constexpr (is_data_parallel<Policy>) return engine_->replica_optimizer(0);
+    if constexpr (is_data_parallel<Policy>)
+      if (!on_gpu()) return engine_->replica_optimizer(0);
     return optimizer_;
+  }
+
+  // On GPUs (SingleDevice, DataParallel): the device's weights, running
+  // statistics and optimizer state into model_ and optimizer_, for a
+  // checkpoint (weights changed through model() since are kept: the host
+  // holds the newer ones); and back after a checkpoint was loaded.
+  void pull_from_gpu() {
+#if defined(__CUDACC__)
+    if constexpr (!is_pipelined<Policy>) {
+      if (gpus_.empty()) return;
+      auto& first = gpus_.front();
+      first.use();
+      if (!host_changed_) first.model->copy_parameters_to(model_);
+      pull_optimizer(*first.model);
+    }
+#endif
+  }
+  // Weights changed through model() during a fit on GPUs: onto the
+  // replicas before the next step (the CPU's scatter_if_changed).
+  void push_host_edits() {
+#if defined(__CUDACC__)
+    if (!host_changed_ || gpus_.empty()) return;
+    for (auto& replica : gpus_) {
+      replica.use();
+      replica.model->copy_parameters_from(model_);
+    }
+    host_changed_ = false;
+#endif
+  }
+  void push_to_gpu() {
+#if defined(__CUDACC__)
+    if constexpr (!is_pipelined<Policy>) {
+      for (auto& replica : gpus_) {
+        replica.use();
+        replica.model->copy_parameters_from(model_);
+        push_optimizer(*replica.model);
+      }
+      if (!gpus_.empty()) host_changed_ = false;
+    }
+#endif
   }
 
   // The sum of `value` over the MPI processes (every process must call
   // it); in one process, `value`.
   double sum_over_processes(double value) {
     if (process_count_ <= 1) return value;
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (is_data_parallel<Policy>) {
+      if (on_gpu()) {
+        processes_.all_reduce(std::span<double>(&value, 1), comm::ReduceOp::sum);
+        return value;
+      }
       return engine_->sum_over_ranks(value);
+    }
     else if constexpr (is_pipelined<Policy>)
       return pipeline_->sum_over_ranks(value);
     else
@@ -775,13 +836,26 @@ class Trainer {
 
   int gpu_world() const { return nccl_.empty() ? 1 : nccl_.front().size(); }
 
-  // The CUDA backend's optimizer is SGD (the constructor refuses others on
-  // GPUs); a trainer with another one still compiles under nvcc.
+  // The CUDA pipeline's optimizer is SGD (the constructor refuses others
+  // for pipelines on GPUs); a trainer with another one still compiles under nvcc.
   SGD::Options gpu_sgd_options() const {
     if constexpr (std::is_same_v<Optimizer, SGD>)
       return optimizer_.options();
     else
-      LOOM_FAIL("the CUDA backend trains with SGD only so far");
+      LOOM_FAIL(Policy::name, " on GPUs trains with SGD only so far");
+  }
+
+  // The host's optimizer state (a fresh one's zeros, or a checkpoint's)
+  // onto a DeviceModel, or the device's back here (for a checkpoint).
+  void push_optimizer(loom::gpu::DeviceModel<Net>& model) {
+    for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
+      model.copy_optimizer_from(b, optimizer_.buffer(b));
+    model.set_optimizer_steps(optimizer_.steps());
+  }
+  void pull_optimizer(loom::gpu::DeviceModel<Net>& model) {
+    for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
+      model.copy_optimizer_to(b, optimizer_.buffer(b));
+    optimizer_.set_steps(model.optimizer_steps());
   }
 
   // DataParallel: this process's NCCL rank, made once (after checking that
@@ -829,14 +903,17 @@ class Trainer {
         const std::size_t planned = std::max<std::size_t>(
             {share, std::size_t{1}, gpus_.empty() ? 0 : gpus_.front().model->max_batch()});
         replica.model = std::make_unique<loom::gpu::DeviceModel<Net>>(
-            model_, planned, gpu_sgd_options(),
+            model_, planned, loom::gpu::DeviceOptimizer::from(optimizer_.options()),
             loom::gpu::DeviceModelOptions{
                 .graphs = options_.cuda_graphs,
                 .allow_tf32 = options_.allow_tf32,
                 .data_parallel = nccl_.empty() ? nullptr : &nccl_[r],
                 .bucket_bytes = bucket_bytes(),
                 .gradient_accumulation = keep_accumulation});
-        if (!gpus_.empty()) replica.model->copy_state_from(*gpus_[r].model);
+        if (!gpus_.empty())
+          replica.model->copy_state_from(*gpus_[r].model);
+        else
+          push_optimizer(*replica.model);
         replica.stager = std::make_unique<loom::gpu::BatchStager>(
             replica.model->max_batch(), Net::input_shape::size, replica.model->input_slots());
         made.push_back(std::move(replica));
@@ -903,49 +980,104 @@ class Trainer {
 
   // The loss of an optimizer step is read on the host late: its totals are
   // waited for once the next batch is enqueued, so the GPU never waits for
-  // the host.
+  // the host. A step whose callbacks need the trainer's state after it
+  // (needs_state_at_step: callbacks::Checkpoint's saves) is reported before
+  // the next one is enqueued instead. The position follows the reported
+  // steps, and a loaded checkpoint's fit goes on from its position.
   template <class... Callbacks>
   void fit_gpu(data::Loader& loader, const FitOptions& options, const FitInfo& info,
-               std::size_t epoch_samples, Callbacks&... callbacks) {
+               const FitIdentity& identity, std::size_t epoch_samples,
+               Callbacks&... callbacks) {
     const std::size_t k = options.accumulation_steps;
     auto& replicas = gpu_replicas(options.batch_size, k > 1);
+    for (auto& replica : replicas) {
+      replica.use();
+      replica.model->set_max_grad_norm(options.max_grad_norm);
+    }
+    const auto resumed = resume_position(identity, loader.batches_per_epoch());
+    // A fit that failed may have left steps unreported; this one goes on
+    // from the device's state.
+    gpu_unreported_ = 0;
+    // What the reported steps leave. A step the device halted (a non-finite
+    // loss, a bad label) skipped its update and every later one: the
+    // counters go back to them (Dropout's, Adam's step count), as the CPU
+    // leaves them at the step's start, and the device is at the position.
+    std::uint64_t reported_batches = batches_;
+    std::uint64_t reported_updates = replicas.front().model->optimizer_steps();
+    const auto rewind = [&] {
+      gpu_unreported_ = 0;
+      batches_ = reported_batches;
+      for (auto& replica : replicas) replica.model->set_optimizer_steps(reported_updates);
+    };
     (call_fit_begin(callbacks, info), ...);
-    for (int epoch = 1; epoch <= options.epochs && !stop_.get(); ++epoch) {
-      loader.start_epoch(static_cast<std::size_t>(epoch - 1));
-      const auto start = std::chrono::steady_clock::now();
+    const int first_epoch = resumed ? resumed->epoch + (resumed->ended ? 1 : 0) : 1;
+    for (int epoch = first_epoch; epoch <= options.epochs && !stop_.get(); ++epoch) {
+      const bool part = resumed && epoch == resumed->epoch;
+      position_ = part ? *resumed : TrainingPosition{.epoch = epoch};
+      // The device's totals count from here (a resumed epoch's sums come first).
+      const TrainingPosition base = position_;
+      loader.start_epoch(static_cast<std::size_t>(epoch - 1), position_.batches);
+      const auto start = std::chrono::steady_clock::now() -
+                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             std::chrono::duration<double>(position_.seconds));
       StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
+      step.step = position_.steps;
+      step.samples = position_.samples;
       for (auto& replica : replicas) {
         replica.use();
         replica.model->reset_totals();
       }
-      const auto report = [&](int slot) {
+      // While its callbacks run, the batches enqueued after it are
+      // unreported: save() refuses then (the device is past the position).
+      const auto report = [&](int slot, std::size_t batches) {
         const auto totals = wait_gpu_totals(slot);
-        check_totals(totals, epoch, step.step + 1);
+        try {
+          check_totals(totals, epoch, step.step + 1);
+        } catch (...) {
+          rewind();
+          throw;
+        }
+        gpu_unreported_ -= batches;
+        reported_batches += batches;
+        reported_updates += 1;
         steps_ += 1;
         step.step += 1;
-        // The totals are the epoch's so far: this step's are the difference.
-        step.step_samples = totals.samples - step.samples;
-        step.step_loss = (totals.loss - step.loss * static_cast<double>(step.samples)) /
-                         static_cast<double>(step.step_samples);
-        step.step_accuracy = (static_cast<double>(totals.correct) -
-                              step.accuracy * static_cast<double>(step.samples)) /
-                             static_cast<double>(step.step_samples);
-        step.samples = totals.samples;
-        step.loss = totals.loss / static_cast<double>(step.samples);
-        step.accuracy = static_cast<double>(totals.correct) / static_cast<double>(step.samples);
+        const std::size_t samples = base.samples + static_cast<std::size_t>(totals.samples);
+        const double loss_sum = base.loss_sum + totals.loss;
+        const std::size_t correct = base.correct + static_cast<std::size_t>(totals.correct);
+        step.step_samples = samples - step.samples;
+        const auto step_n = static_cast<double>(std::max<std::size_t>(1, step.step_samples));
+        step.step_loss = (loss_sum - position_.loss_sum) / step_n;
+        step.step_accuracy = static_cast<double>(correct - position_.correct) / step_n;
+        step.samples = samples;
+        const auto all = static_cast<double>(std::max<std::size_t>(1, samples));
+        step.loss = loss_sum / all;
+        step.accuracy = static_cast<double>(correct) / all;
         step.seconds = seconds_since(start);
+        position_.batches += batches;
+        position_.steps = step.step;
+        position_.samples = samples;
+        position_.loss_sum = loss_sum;
+        position_.correct = correct;
+        position_.seconds = step.seconds;
         (call_step(callbacks, step), ...);
       };
       // The optimizer step whose totals are still to be read, by its slot:
       // read once the next batch is enqueued (on the other slot), before a
       // later one could reuse this slot.
       int pending = -1;
-      detail::StepGroups groups(k, options.batch_size, epoch_samples);
+      std::size_t pending_batches = 0, step_batches = 0;
+      detail::StepGroups groups(k, options.batch_size, epoch_samples, position_.samples);
       data::Batch batch{};
       // stop() takes effect at a step's first batch: the step before it,
       // still being reported, completes.
       while (loader.next(batch)) {
+        if (pending >= 0 && groups.at_step_start() &&
+            (needs_state_at_step(callbacks, steps_ + 1) || ...))
+          report(std::exchange(pending, -1), pending_batches);
         if (stop_.get() && groups.at_step_start()) break;
+        // A callback changed the weights through model(): the GPUs take them now.
+        if (groups.at_step_start()) push_host_edits();
         const auto place = groups.next(batch.size);
         if (!place.accumulate)
           (call_step_begin(callbacks,
@@ -957,14 +1089,21 @@ class Trainer {
         }
         const int slot = enqueue_gpu_step(batch.images, batch.labels, batch.size, true,
                                           place.group_samples, place.accumulate, place.last);
-        if (pending >= 0) report(std::exchange(pending, -1));
-        if (place.last) pending = slot;
+        step_batches += 1;
+        gpu_unreported_ += 1;
+        if (pending >= 0) report(std::exchange(pending, -1), pending_batches);
+        if (place.last) {
+          pending = slot;
+          pending_batches = std::exchange(step_batches, 0);
+        }
       }
-      if (pending >= 0) report(pending);
-      if (stop_.get() && step.step < info.steps_per_epoch) break;
+      if (pending >= 0) report(pending, pending_batches);
+      if (stop_.get() && position_.batches < loader.batches_per_epoch()) break;
       // Before the callbacks: Evaluate and a user's on_epoch_end see this epoch's weights.
+      push_host_edits();
       replicas.front().use();
       replicas.front().model->copy_parameters_to(model_);
+      position_.ended = true;
       [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
                                             step.accuracy, step.samples,   seconds_since(start)};
       (call_epoch_end(callbacks, done), ...);
@@ -1260,6 +1399,16 @@ class Trainer {
     else if constexpr (requires { callback.on_step(info); })
       callback.on_step(info);
   }
+  // Whether the callback's on_step after optimizer step `steps` (as
+  // steps() counts) reads or saves the trainer's state: a GPU must then not
+  // have begun the next step.
+  template <class C>
+  static bool needs_state_at_step(const C& callback, std::uint64_t steps) {
+    if constexpr (requires { callback.needs_state_at_step(steps); })
+      return callback.needs_state_at_step(steps);
+    else
+      return false;
+  }
   template <class C>
   void call_fit_end(C& callback) {
     if constexpr (requires { callback.on_fit_end(*this); })
@@ -1297,6 +1446,9 @@ class Trainer {
   comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
   std::size_t process_count_ = 0, process_rank_ = 0;  // across MPI processes
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
+  // Training batches on the GPU(s) whose optimizer step is not reported yet
+  // (fit_gpu): the device is past position_ while there are any.
+  std::size_t gpu_unreported_ = 0;
   std::uint64_t batches_ = 0;  // training batches run: Dropout's step
   std::uint64_t steps_ = 0;    // optimizer steps taken
   double step_seconds_ = 0.0;  // one device: the last optimizer step's
