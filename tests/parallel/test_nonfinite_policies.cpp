@@ -136,3 +136,41 @@ TEST_CASE("nonfinite under Hybrid: replicas and stages agree on the first") {
   require_faults_like_one_device<Hybrid<2, ModelSplit<At<4>, OneFOneB<2>>>,
                                  Hybrid<2, ModelSplit<At<3>, OneFOneB<2>>>>(4, {1e-6, 1e-4});
 }
+
+namespace {
+
+// fp16 whose gradients overflow from a scale of about 2^17, bounded below
+// by 2^28: steps 1 and 2 overflow and back off, step 3 overflows at the
+// bound, which raises naming the first non-finite gradient, as one device does.
+template <class Policy>
+std::string overflow_at_min_scale(std::size_t devices) {
+  using Mlp = Sequential<Input<1, 28, 28>, Flatten, Linear<64>, ReLU, Linear<10>>;
+  const TrainerOptions fp16{
+      .seed = 1,
+      .precision = Precision::fp16,
+      .loss_scaling = {.initial_scale = 0x1p30f, .min_scale = 0x1p28f, .max_scale = 0x1p30f}};
+  Trainer<Mlp, Policy> trainer(devices::cpu(devices), {.lr = 0.05f, .momentum = 0.9f}, fp16);
+  const auto before = weights_of(trainer);
+  const auto error = error_of(trainer, head(fashion().train, 1200), {.epochs = 1, .batch_size = 50});
+  REQUIRE(trainer.skipped_steps() == 2);
+  test::require_equal(weights_of(trainer), before, "weights");
+  return error;
+}
+
+}  // namespace
+
+TEST_CASE("nonfinite: an fp16 overflow at the minimum loss scale names its gradient under every policy") {
+  const std::string named = "the gradients became non-finite at epoch 1, step 3 under a finite "
+                            "loss, even at fp16's minimum loss scale 268435456 "
+                            "(LossScaling::min_scale): the gradient of layer ";
+  const auto one = overflow_at_min_scale<SingleDevice>(1);
+  REQUIRE_THAT(one, Catch::Contains(named));
+  for (const auto& [what, error] :
+       {std::pair{"DataParallel", overflow_at_min_scale<DataParallel<>>(2)},
+        std::pair{"ModelSplit", overflow_at_min_scale<ModelSplit<Balanced<2>, OneFOneB<2>>>(2)},
+        std::pair{"Hybrid", overflow_at_min_scale<Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<2>>>>(4)}}) {
+    INFO(what);
+    REQUIRE_THAT(error, Catch::Contains(named) &&
+                            Catch::Contains("; the weights are kept from the step before"));
+  }
+}

@@ -37,6 +37,9 @@ struct StepSettings {
   float max_grad_norm = 0.0f;  // clip the gradients to this global norm (0: never)
   Precision precision = Precision::fp32;
   float loss_scale = 1.0f;  // fp16: the loss gradient's scale, divided out before the update
+  // fp16 at LossScaling::min_scale: an overflow is a non-finite step, whose
+  // first non-finite gradient the ranks find and agree on.
+  bool at_min_scale = false;
 };
 
 }  // namespace loom

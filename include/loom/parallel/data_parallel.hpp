@@ -413,6 +413,9 @@ class DataParallelEngine {
     // fp16 checks every step, whatever the scale (it may have come down to 1).
     if (fp16 && !unscale_gradients(model.gradients(), settings.loss_scale)) {
       replica.overflowed = true;
+      // Every replica overflowed alike (the same reduced gradients).
+      if (settings.at_min_scale)
+        replica.fault = agree_on_spot(replica.comm, model.find_nonfinite_gradient());
       return model.restore_state();
     }
     if (settings.max_grad_norm > 0.0f) clip_gradients<Net>(model.gradients(), settings.max_grad_norm);

@@ -796,6 +796,9 @@ class PipelineEngine {
     }
     if (fp16 && overflowed(r, settings.loss_scale)) {
       r.overflowed = true;
+      // Every rank learned it (overflowed sums over the pipeline, whose
+      // replicas hold the same reduced gradients): all agree on where.
+      if (settings.at_min_scale) r.fault = agree_on_spot(r.world, r.net->find_nonfinite_gradient());
       return r.net->restore_state();
     }
     if (settings.max_grad_norm > 0.0f) clip(r, settings.max_grad_norm);

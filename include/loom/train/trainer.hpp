@@ -1191,7 +1191,8 @@ class Trainer {
         .lr = optimizer_.options().lr,
         .max_grad_norm = max_grad_norm,
         .precision = options_.precision,
-        .loss_scale = options_.precision == Precision::fp16 ? scaler_.scale() : 1.0f};
+        .loss_scale = options_.precision == Precision::fp16 ? scaler_.scale() : 1.0f,
+        .at_min_scale = options_.precision == Precision::fp16 && scaler_.at_min_scale()};
     if constexpr (is_data_parallel<Policy> || is_pipelined<Policy>) {
       const auto run = [&](auto& engine) {
         return engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
@@ -1213,8 +1214,9 @@ class Trainer {
         spot = fault_of(*engine_);
       else
         spot = with_split(fault_of);
-      // The replicas or stages skipped their update.
-      if (!handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite))
+      // The replicas or stages skipped their update. An fp16 overflow's
+      // spot (at the minimum scale) is the scale's to report.
+      if (sums.overflowed || !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite))
         note_overflow(sums, spot, epoch, step, fit.on_nonfinite);
     } else {
       const auto began = std::chrono::steady_clock::now();
