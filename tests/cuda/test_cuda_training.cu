@@ -122,8 +122,11 @@ TEST_CASE("cuda trainer: AdamW with clipping on a GPU follows the CPU trainer, s
   gpu_trainer.fit(part, fit, Record{&gpu_steps});
   REQUIRE(gpu_steps.size() == 32);
   same_steps(gpu_steps, cpu_steps, 1e-3);
+  // Adam divides each gradient by its own size: one that is near zero, and
+  // whose last bits the GPU's sums round otherwise, moves its weight by up
+  // to lr a step either way. Hence 1e-3 here rather than SGD's 1e-4.
   test::require_close(gpu_trainer.model().parameters(), cpu_trainer.model().parameters(),
-                      {1e-4, 1e-2}, "weights after 2 epochs");
+                      {1e-3, 1e-2}, "weights after 2 epochs");
 }
 
 TEST_CASE("cuda trainer: SGD with momentum, clipped by global norm on a GPU, follows the CPU") {
@@ -162,8 +165,9 @@ TEST_CASE("cuda DataParallel: Adam with weight decay on an NCCL rank follows the
   Trainer<LeNet, DataParallel<>, Adam> gpu_trainer(one_gpu(), adam, {.seed = 8});
   gpu_trainer.fit(part, fit, Record{&gpu_steps});
   same_steps(gpu_steps, cpu_steps, 1e-3);
+  // As above: Adam's near-zero gradients.
   test::require_close(gpu_trainer.model().parameters(), cpu_trainer.model().parameters(),
-                      {1e-4, 1e-2}, "weights after an epoch");
+                      {1e-3, 1e-2}, "weights after an epoch");
 }
 
 TEST_CASE("cuda trainer: a checkpoint saved on a GPU mid-epoch resumes there as if never stopped") {
