@@ -745,12 +745,13 @@ class Trainer {
   void push_to_gpu() {
 #if defined(__CUDACC__)
     if constexpr (!is_pipelined<Policy>) {
+      if (gpus_.empty()) return;
+      host_changed_ = true;
+      push_host_edits();
       for (auto& replica : gpus_) {
         replica.use();
-        replica.model->copy_parameters_from(model_);
         push_optimizer(*replica.model);
       }
-      if (!gpus_.empty()) host_changed_ = false;
     }
 #endif
   }

@@ -17,18 +17,31 @@ struct AdamStep {
   std::uint64_t t = 1;  // this step's number, from 1: the bias corrections
 };
 
+// A step's scalars, the same for every element: computed once in double
+// (the GPU's update reads the same ones, rounded to float alike).
+struct AdamScalars {
+  double step_size = 0.0;    // lr / (1 - beta1^t): the first moment's bias correction
+  double correction2 = 1.0;  // 1 / sqrt(1 - beta2^t): the second moment's
+  double decay = 1.0;        // AdamW's 1 - lr * weight_decay (1 for Adam)
+};
+
+inline AdamScalars adam_scalars(const AdamStep& s) {
+  const auto t = static_cast<double>(s.t);
+  return {.step_size = s.lr / (1.0 - std::pow(s.beta1, t)),
+          .correction2 = 1.0 / std::sqrt(1.0 - std::pow(s.beta2, t)),
+          .decay = s.decoupled ? 1.0 - s.lr * s.weight_decay : 1.0};
+}
+
 template <class T>
 void adam_update(T* weights, const T* grads, T* exp_avg, T* exp_avg_sq, std::size_t count,
                  const AdamStep& s) {
-  // The bias corrections are per step, not per element: computed once in
-  // double, then every element works in T.
-  const T step_size = static_cast<T>(s.lr / (1.0 - std::pow(s.beta1, static_cast<double>(s.t))));
-  const T correction2 =
-      static_cast<T>(1.0 / std::sqrt(1.0 - std::pow(s.beta2, static_cast<double>(s.t))));
+  const AdamScalars k = adam_scalars(s);
+  const T step_size = static_cast<T>(k.step_size);
+  const T correction2 = static_cast<T>(k.correction2);
   const T b1 = static_cast<T>(s.beta1), b2 = static_cast<T>(s.beta2);
   const T one_minus_b1 = static_cast<T>(1.0 - s.beta1), one_minus_b2 = static_cast<T>(1.0 - s.beta2);
   const T eps = static_cast<T>(s.eps);
-  const T decay = static_cast<T>(s.decoupled ? 1.0 - s.lr * s.weight_decay : 1.0);
+  const T decay = static_cast<T>(k.decay);
   const T l2 = static_cast<T>(s.decoupled ? 0.0 : s.weight_decay);
   for (std::size_t i = 0; i < count; ++i) {
     const T g = grads[i] + l2 * weights[i];

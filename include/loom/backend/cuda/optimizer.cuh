@@ -84,18 +84,20 @@ struct UpdateScalars {
   bool operator==(const UpdateScalars&) const = default;
 };
 
-// The scalars of optimizer step t (from 1), as cpu::adam_update computes them.
+// The scalars of optimizer step t (from 1): cpu::adam_update's.
 inline UpdateScalars update_scalars(const DeviceOptimizer& o, float lr, std::uint64_t t,
                                     float max_norm) {
   UpdateScalars s{.lr = lr, .max_norm = max_norm};
   if (o.rule == DeviceOptimizer::Rule::adam) {
-    const double step = static_cast<double>(t);
-    s.step_size = static_cast<float>(static_cast<double>(lr) /
-                                     (1.0 - std::pow(static_cast<double>(o.beta1), step)));
-    s.correction2 = static_cast<float>(
-        1.0 / std::sqrt(1.0 - std::pow(static_cast<double>(o.beta2), step)));
-    s.decay = static_cast<float>(
-        o.decoupled ? 1.0 - static_cast<double>(lr) * static_cast<double>(o.weight_decay) : 1.0);
+    const cpu::AdamScalars k = cpu::adam_scalars({.lr = lr,
+                                                  .beta1 = o.beta1,
+                                                  .beta2 = o.beta2,
+                                                  .weight_decay = o.weight_decay,
+                                                  .decoupled = o.decoupled,
+                                                  .t = t});
+    s.step_size = static_cast<float>(k.step_size);
+    s.correction2 = static_cast<float>(k.correction2);
+    s.decay = static_cast<float>(k.decay);
   }
   return s;
 }
