@@ -18,8 +18,9 @@ namespace {
 
 // Runs body(comm) on one thread per rank; returns each rank's error text
 // ("" when it returned normally).
-std::vector<std::string> on_ranks(int n, const std::function<void(comm::LocalComm&)>& body) {
-  auto comms = comm::LocalComm::create(n);
+std::vector<std::string> on_ranks(int n, const std::function<void(comm::LocalComm&)>& body,
+                                  comm::Timeout timeout = comm::collective_timeout()) {
+  auto comms = comm::LocalComm::create(n, timeout);
   std::vector<std::string> errors(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
@@ -162,6 +163,50 @@ TEST_CASE("LocalComm: a rank that fails aborts the group, the others' calls rais
     REQUIRE_THAT(errors[static_cast<std::size_t>(r)],
                  Catch::Contains("LocalComm all_reduce on rank " + std::to_string(r) +
                                  " of 3 stopped: rank 2 aborted the group: the data file is corrupt"));
+}
+
+TEST_CASE("LocalComm: a rank that never comes is given up after the timeout, and named") {
+  // Long enough that rank 1 surely reaches the barrier before rank 0 gives
+  // up, under sanitizers and a loaded machine too.
+  const comm::Timeout timeout(2.0);
+  REQUIRE(comm::LocalComm::create(3, timeout)[2].timeout() == timeout);
+  const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
+    if (c.rank() == 2) return;  // returns without its all_reduce
+    std::vector<float> data(4, 1.0f);
+    c.all_reduce(std::span<float>(data), comm::ReduceOp::sum);
+  }, timeout);
+  REQUIRE(errors[2].empty());
+  for (int r : {0, 1}) {
+    // The first to give up aborts the group; the other times out too or is
+    // stopped by it, and both say whom they waited for.
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    REQUIRE_THAT(e, Catch::Contains("LocalComm all_reduce on rank " + std::to_string(r) + " of 3"));
+    REQUIRE_THAT(e, Catch::Contains("timed out") && Catch::Contains("waiting for rank(s) 2"));
+  }
+  REQUIRE_THAT(errors[0] + errors[1], Catch::Contains("after 2 s waiting for rank(s) 2: that "
+                                                      "rank's thread returned, hangs or made "
+                                                      "different calls") &&
+                                          Catch::Contains("LOOM_COLLECTIVE_TIMEOUT"));
+
+  const auto unsent = on_ranks(2, [&](comm::LocalComm& c) {
+    std::vector<float> data(4);
+    if (c.rank() == 1) c.recv(std::span<float>(data), 0);  // rank 0 never sends
+  }, timeout);
+  REQUIRE(unsent[0].empty());
+  REQUIRE_THAT(unsent[1], Catch::Contains("LocalComm recv on rank 1 of 2 timed out after 2 s "
+                                          "waiting for rank 0's message"));
+
+  SECTION("a subgroup keeps its parent's timeout") {
+    const auto split = on_ranks(2, [&](comm::LocalComm& c) {
+      const comm::LocalComm mine = c.split(c.rank(), 0);
+      if (mine.timeout() != timeout || mine.size() != 1)
+        throw std::runtime_error("split made a group of " + std::to_string(mine.size()) +
+                                 " with a timeout of " + std::to_string(mine.timeout().count()));
+    }, timeout);
+    REQUIRE(split == std::vector<std::string>{"", ""});
+  }
+  REQUIRE_THROWS_WITH(comm::LocalComm::create(2, comm::Timeout(0.0)),
+                      Catch::Contains("LocalComm::create: the timeout must be positive, got 0 s"));
 }
 
 TEST_CASE("Comm holds any Communicator, ops and ranks pass through") {

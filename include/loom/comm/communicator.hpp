@@ -7,7 +7,8 @@
 // blocks until this rank's part is done. A failure is a loom::Error naming
 // the operation and the rank; a rank that fails calls cancel() so that the
 // others' pending calls raise instead of waiting forever (LocalComm; MPI
-// jobs are ended by mpirun when a rank exits).
+// jobs are ended by mpirun when a rank exits). A rank that never comes is
+// given up after a timeout, by every communicator.
 #pragma once
 
 #include <algorithm>
@@ -27,8 +28,8 @@
 
 namespace loom::comm {
 
-// How long a call of a communicator between processes (MpiComm, NcclComm)
-// waits for the other ranks before it declares them lost and raises.
+// How long a call of a communicator (LocalComm, MpiComm, NcclComm) waits for
+// the other ranks before it declares them lost and raises.
 using Timeout = std::chrono::duration<double>;
 
 // LOOM_COLLECTIVE_TIMEOUT (seconds) or 600 s: generous, since a rank may

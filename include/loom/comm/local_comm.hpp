@@ -5,9 +5,15 @@
 // result is the same bits on every rank and in every run, whatever the
 // threads' timing. A second barrier ends the call, after which no rank's
 // buffer is touched by another.
+//
+// A call that waits longer than the group's timeout (LOOM_COLLECTIVE_TIMEOUT,
+// as between processes) for ranks that never come raises a loom::Error that
+// names them, and aborts the group so that the others raise too: a rank
+// thread that returned early or made fewer calls ends the run, not hangs it.
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -32,7 +38,11 @@ namespace detail {
 // What the ranks of a LocalComm share.
 class LocalGroup {
  public:
-  explicit LocalGroup(int size) : size_(size), slots_(static_cast<std::size_t>(size)) {}
+  LocalGroup(int size, Timeout timeout)
+      : size_(size),
+        timeout_(timeout),
+        slots_(static_cast<std::size_t>(size)),
+        present_(static_cast<std::size_t>(size), false) {}
 
   struct Slot {
     void* data = nullptr;
@@ -44,6 +54,7 @@ class LocalGroup {
   };
 
   int size() const { return size_; }
+  Timeout timeout() const { return timeout_; }
 
   // Publishes this rank's slot and waits until every rank has published its
   // own for the same operation; returns all slots.
@@ -69,11 +80,20 @@ class LocalGroup {
     const std::uint64_t generation = generation_;
     if (++arrived_ == size_) {
       arrived_ = 0;
+      present_.assign(present_.size(), false);
       ++generation_;
       changed_.notify_all();
       return;
     }
-    changed_.wait(lock, [&] { return generation_ != generation || aborted_; });
+    present_[static_cast<std::size_t>(rank)] = true;
+    if (!changed_.wait_for(lock, timeout_,
+                           [&] { return generation_ != generation || aborted_; })) {
+      std::string missing;
+      for (int r = 0; r < size_; ++r)
+        if (!present_[static_cast<std::size_t>(r)])
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      time_out(rank, op, "rank(s) " + missing);
+    }
     if (generation_ == generation) throw_if_aborted(rank, op);
   }
 
@@ -98,7 +118,8 @@ class LocalGroup {
   void recv(int to, int from, void* data, std::size_t bytes) {
     std::unique_lock lock(mutex_);
     Pair& pair = pairs_[{from, to}];
-    changed_.wait(lock, [&] { return !pair.queue.empty() || aborted_; });
+    if (!changed_.wait_for(lock, timeout_, [&] { return !pair.queue.empty() || aborted_; }))
+      time_out(to, "recv", "rank " + std::to_string(from) + "'s message");
     throw_if_aborted(to, "recv");
     auto& message = pair.queue.front();
     if (message.size() != bytes) {
@@ -127,7 +148,7 @@ class LocalGroup {
   std::shared_ptr<LocalGroup> split_group(std::uint64_t split, int color, int members) {
     std::lock_guard lock(mutex_);
     auto& group = splits_[{split, color}];
-    if (!group) group = std::make_shared<LocalGroup>(members);
+    if (!group) group = std::make_shared<LocalGroup>(members, timeout_);
     return group;
   }
   std::uint64_t generation() {
@@ -141,15 +162,33 @@ class LocalGroup {
     std::vector<std::vector<unsigned char>> spare;
   };
 
+  // With the lock held: gives up on `awaited`, aborts the group, raises.
+  [[noreturn]] void time_out(int rank, const char* op, const std::string& awaited) {
+    const std::string what = "LocalComm " + std::string(op) + " on rank " + std::to_string(rank) +
+                             " of " + std::to_string(size_) + " timed out";
+    if (!aborted_) {
+      aborted_ = true;
+      abort_message_ = "rank " + std::to_string(rank) + "'s " + op + " timed out waiting for " +
+                       awaited;
+      changed_.notify_all();
+    }
+    LOOM_FAIL(what, " after ", timeout_.count(), " s waiting for ", awaited,
+              ": that rank's thread returned, hangs or made different calls. A rank that "
+              "legitimately takes longer between collectives needs a larger timeout "
+              "(LOOM_COLLECTIVE_TIMEOUT, in seconds)");
+  }
+
   void throw_if_aborted(int rank, const char* op) const {
     if (aborted_)
       LOOM_FAIL("LocalComm ", op, " on rank ", rank, " of ", size_, " stopped: ", abort_message_);
   }
 
   int size_;
+  Timeout timeout_;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<Slot> slots_;
+  std::vector<bool> present_;  // which ranks wait at the barrier now
   int arrived_ = 0;
   std::uint64_t generation_ = 0;
   bool aborted_ = false;
@@ -163,9 +202,12 @@ class LocalGroup {
 class LocalComm {
  public:
   // n communicators of one group, one per worker thread (rank i = element i).
-  static std::vector<LocalComm> create(int n) {
+  // A call waits at most `timeout` for the other ranks.
+  static std::vector<LocalComm> create(int n, Timeout timeout = collective_timeout()) {
     LOOM_CHECK(n >= 1, "LocalComm::create(", n, "): a group needs at least one rank");
-    auto group = std::make_shared<detail::LocalGroup>(n);
+    LOOM_CHECK(timeout.count() > 0.0, "LocalComm::create: the timeout must be positive, got ",
+               timeout.count(), " s");
+    auto group = std::make_shared<detail::LocalGroup>(n, timeout);
     std::vector<LocalComm> ranks;
     for (int r = 0; r < n; ++r) ranks.push_back(LocalComm(group, r));
     return ranks;
@@ -173,6 +215,7 @@ class LocalComm {
 
   int rank() const { return rank_; }
   int size() const { return group_->size(); }
+  Timeout timeout() const { return group_->timeout(); }
   std::string describe() const {
     return "LocalComm rank " + std::to_string(rank_) + " of " + std::to_string(size());
   }
