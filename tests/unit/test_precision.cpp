@@ -75,20 +75,23 @@ TEST_CASE("precision: rounding to fp16 and bf16, ties to even, overflow and subn
   }
 }
 
-TEST_CASE("precision: a bf16 network rounds its weights and each layer's output") {
+TEST_CASE("precision: a bf16 network rounds its input, its weights and each layer's output") {
   const auto data = head(fashion().test, 32);
   Model<Logistic, float> reduced(3), reference(3);
   reduced.set_precision(Precision::bf16);
-  // The same layer in fp32 with bf16 weights, its output rounded.
+  // The same layer in fp32 with bf16 weights and input, its output rounded.
   for (float& w : reference.parameters()) w = round_to_bf16(w);
+  auto input = copy(data.images);
+  round_to(Precision::bf16, input.data(), input.size());
+  REQUIRE(input != copy(data.images));  // the pixels are not all on bf16's grid
   const float* got = reduced.forward(data.images.data(), 32);
-  const float* want = reference.forward(data.images.data(), 32);
+  const float* want = reference.forward(input.data(), 32);
   for (std::size_t i = 0; i < 320; ++i) REQUIRE(same_bits(got[i], round_to_bf16(want[i])));
   // The master weights are untouched.
   Model<Logistic, float> fresh(3);
   test::require_equal(reduced.parameters(), fresh.parameters(), "fp32 master weights");
 
-  SECTION("gradients passed back are rounded too") {
+  SECTION("gradients passed back are rounded too, the loss gradient first") {
     Model<Mlp, float> mlp(4);
     mlp.set_precision(Precision::bf16);
     mlp.forward(data.images.data(), 32);
@@ -98,6 +101,19 @@ TEST_CASE("precision: a bf16 network rounds its weights and each layer's output"
     mlp.backward(0, false, dx.data());
     for (const float g : mlp.gradients()) REQUIRE(same_bits(g, round_to_bf16(g)));
     for (const float g : dx) REQUIRE(same_bits(g, round_to_bf16(g)));
+
+    // The one layer's backward reads the loss gradient where the loss wrote
+    // it, and leaves it there: rounded.
+    SoftmaxCrossEntropy::evaluate<float>(reduced.forward(data.images.data(), 32),
+                                         data.labels.data(), 32, 10, 32,
+                                         reduced.output_gradient());
+    const auto loss_gradient = copy({reduced.output_gradient(), 320});
+    std::size_t off_grid = 0;
+    for (const float g : loss_gradient) off_grid += !same_bits(g, round_to_bf16(g));
+    REQUIRE(off_grid > 0);
+    reduced.backward(0, false, dx.data());
+    for (std::size_t i = 0; i < 320; ++i)
+      REQUIRE(same_bits(reduced.output_gradient()[i], round_to_bf16(loss_gradient[i])));
   }
 }
 
@@ -311,4 +327,67 @@ TEST_CASE("precision: accumulated micro-batches add their rounded gradients in f
     off_grid += !same_bits(sum[i], round_to_bf16(sum[i]));
   }
   REQUIRE(off_grid > 0);  // the sum is fp32's, not bf16's
+}
+
+TEST_CASE("precision: a Residual block rounds its body's layers as the network rounds its own") {
+  // The block against its body run as a network of its own: the body's
+  // every output and passed-back gradient rounded, then the block's sum.
+  using Block = Sequential<Input<784>, Residual<Linear<16>, ReLU, Linear<784>>>;
+  using Body = Sequential<Input<784>, Linear<16>, ReLU, Linear<784>>;
+  const auto data = head(fashion().test, 8);
+  const float* x = data.images.data();
+  Model<Block, float> block(6);
+  Model<Body, float> body(6);
+  REQUIRE(block.parameters().size() == body.parameters().size());
+  std::ranges::copy(block.parameters(), body.parameters().begin());
+  block.set_precision(Precision::bf16);
+  body.set_precision(Precision::bf16);
+
+  const float* y = block.forward(x, 8, 0, {.training = true});
+  const float* inner = body.forward(x, 8, 0, {.training = true});
+  for (std::size_t k = 0; k < 8 * 784; ++k)
+    REQUIRE(same_bits(y[k], round_to_bf16(inner[k] + round_to_bf16(x[k]))));
+
+  // d(0.5 |y|^2)/dy = y, already on bf16's grid.
+  std::ranges::copy_n(y, 8 * 784, block.output_gradient());
+  std::ranges::copy_n(y, 8 * 784, body.output_gradient());
+  std::vector<float> dx_block(8 * 784), dx_body(8 * 784);
+  block.backward(0, false, dx_block.data());
+  body.backward(0, false, dx_body.data());
+  test::require_equal(block.gradients(), body.gradients(), "weight gradients");
+  for (std::size_t k = 0; k < 8 * 784; ++k)
+    REQUIRE(same_bits(dx_block[k], round_to_bf16(y[k] + dx_body[k])));
+
+  SECTION("a projection's output and input gradient are rounded before the body's are added") {
+    using Projected = Sequential<Input<784>, Residual<Linear<16>, ReLU, Linear<32>>>;
+    using Narrow = Sequential<Input<784>, Linear<16>, ReLU, Linear<32>>;
+    using Shortcut = Sequential<Input<784>, Linear<32>>;
+    Model<Projected, float> projected(7);
+    Model<Narrow, float> narrow(7);
+    Model<Shortcut, float> shortcut(7);
+    const auto params = projected.parameters();
+    const std::size_t split = narrow.parameters().size();
+    REQUIRE(params.size() == split + shortcut.parameters().size());
+    std::ranges::copy(params.first(split), narrow.parameters().begin());
+    std::ranges::copy(params.subspan(split), shortcut.parameters().begin());
+    projected.set_precision(Precision::fp16);
+    narrow.set_precision(Precision::fp16);
+    shortcut.set_precision(Precision::fp16);
+
+    const float* got = projected.forward(x, 8, 0, {.training = true});
+    const float* a = narrow.forward(x, 8, 0, {.training = true});
+    const float* b = shortcut.forward(x, 8, 0, {.training = true});
+    std::vector<float> out(got, got + 8 * 32);
+    for (std::size_t k = 0; k < 8 * 32; ++k) REQUIRE(same_bits(out[k], round_to_fp16(b[k] + a[k])));
+
+    for (auto* g : {projected.output_gradient(), narrow.output_gradient(),
+                    shortcut.output_gradient()})
+      std::ranges::copy(out, g);
+    std::vector<float> dx(8 * 784), dx_narrow(8 * 784), dx_shortcut(8 * 784);
+    projected.backward(0, false, dx.data());
+    narrow.backward(0, false, dx_narrow.data());
+    shortcut.backward(0, false, dx_shortcut.data());
+    for (std::size_t k = 0; k < 8 * 784; ++k)
+      REQUIRE(same_bits(dx[k], round_to_fp16(dx_shortcut[k] + dx_narrow[k])));
+  }
 }

@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "../core/meta.hpp"
+#include "../core/precision.hpp"
 #include "../core/rng.hpp"
 #include "../core/shape.hpp"
 
@@ -45,6 +46,9 @@ struct LayerContext {
   Pass pass;
   T* state = nullptr;  // the layer's state_count elements (running statistics)
   T* saved = nullptr;  // saved x n elements, kept from the forward to its backward
+  // What a block's inner layers round their outputs and gradients to, as
+  // the network rounds its own layers' (net/model.hpp's set_precision).
+  Precision precision = Precision::fp32;
 };
 
 // Spec wrapper produced by the fusion pass: Layer followed by Activation, run as one.

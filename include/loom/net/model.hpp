@@ -273,10 +273,18 @@ class Model {
     s.input = input;
     s.batch = n;
     s.pass = pass;
-    if (precision_ != Precision::fp32 && weights_stale_) {
-      std::ranges::copy(params_, compute_params_.begin());
-      round_to(precision_, compute_params_.data(), compute_params_.size());
-      weights_stale_ = false;
+    if (precision_ != Precision::fp32) {
+      if (weights_stale_) {
+        std::ranges::copy(params_, compute_params_.begin());
+        round_to(precision_, compute_params_.data(), compute_params_.size());
+        weights_stale_ = false;
+      }
+      // The first layer reads the input rounded, as a GPU's converts it.
+      if (s.rounded_input.size() < capacity_ * input_size)
+        s.rounded_input.resize(capacity_ * input_size);
+      std::copy_n(input, n * input_size, s.rounded_input.data());
+      round_to(precision_, s.rounded_input.data(), n * input_size);
+      s.input = s.rounded_input.data();
     }
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
@@ -333,10 +341,11 @@ class Model {
   std::span<const T> parameters() const { return params_; }
 
   // The precision forward and backward compute in: with bf16 or fp16 the
-  // weights each layer uses, its outputs and the gradients it passes back
-  // (of its input and of its weights) are rounded to it, as the GPU's
-  // reduced-precision kernels store them; the parameters, their gradients'
-  // sums and the optimizer stay fp32.
+  // network's input, the weights each layer uses, its outputs, the loss
+  // gradient and the gradients each layer passes back (of its input and of
+  // its weights) are rounded to it, as the GPU's reduced-precision kernels
+  // hold them; the parameters, their gradients' sums and the optimizer stay
+  // fp32.
   void set_precision(Precision precision) {
     if (precision == precision_) return;
     precision_ = precision;
@@ -478,17 +487,23 @@ class Model {
     Pass pass;
     std::array<T*, layer_count> outputs{};
     std::array<T*, layer_count> saved{};
+    std::vector<T> rounded_input;  // a reduced precision's copy of the input
   };
 
   template <std::size_t I>
   LayerContext<T> context(const Slot& s) {
-    return {s.pass, state_.data() + detail::list_info<executed>::state_offsets[I], s.saved[I]};
+    return {s.pass, state_.data() + detail::list_info<executed>::state_offsets[I], s.saved[I],
+            precision_};
   }
 
   template <class OnLayerDone>
   void backward_slot(std::size_t slot, bool accumulate, T* input_gradient, OnLayerDone&& done) {
     LOOM_CHECK(!slots_.empty() && slots_[slot].batch > 0, "Model::backward called before forward");
     const Slot& s = slots_[slot];
+    // The loss gradient, as bf16 logits would get it (a later stage's is
+    // rounded already: rounding again changes nothing).
+    if (precision_ != Precision::fp32)
+      round_to(precision_, grad_buffers_[0], s.batch * output_size);
     int current = 0;
     static_for_reverse<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;

@@ -189,7 +189,8 @@ struct Bind<Residual<Ls...>, In, Index>
     using L = type_at_t<I, body>;
     return {context.pass, context.state + info::state_offsets[I],
             context.saved + n * (detail::body_offsets<body>::offsets[I] +
-                                 (L::in_place ? 0 : L::output_shape::size))};
+                                 (L::in_place ? 0 : L::output_shape::size)),
+            context.precision};
   }
 
   // For the diagnosis of a non-finite step (net/model.hpp): visit(index,
@@ -231,12 +232,16 @@ struct Bind<Residual<Ls...>, In, Index>
       detail::run_forward<L, T>(params + info::param_offsets[i], input<i>(x, context.saved, n),
                                 output<i>(x, context.saved, n), body_work, n,
                                 body_context<i>(context, n));
+      if constexpr (!L::in_place)
+        round_to(context.precision, output<i>(x, context.saved, n), n * L::output_shape::size);
     });
+    // The sum is rounded by the network, as any layer's output.
     const T* body_out = output<body_count - 1>(x, context.saved, n);
     if constexpr (identity) {
       for (std::size_t k = 0; k < n * Out::size; ++k) y[k] = body_out[k] + x[k];
     } else {
       shortcut::template forward<T>(params + body_params, x, y, body_work, n);
+      round_to(context.precision, y, n * Out::size);
       for (std::size_t k = 0; k < n * Out::size; ++k) y[k] += body_out[k];
     }
   }
@@ -253,6 +258,7 @@ struct Bind<Residual<Ls...>, In, Index>
       // The projection has no activation, so its output (passed as dy) is not read.
       shortcut::template backward<T>(params + body_params, x, dy, dy, dx,
                                      dparams + body_params, body_work, n, accumulate);
+      if (dx != nullptr) round_to(context.precision, dx, n * In::size);
     }
     std::copy_n(dy, n * Out::size, gradients[0]);
     int current = 0;
@@ -264,6 +270,9 @@ struct Bind<Residual<Ls...>, In, Index>
                                  output<i>(x, context.saved, n), gradients[current], layer_dx,
                                  dparams + info::param_offsets[i], body_work, n, accumulate,
                                  body_context<i>(context, n));
+      // Weight gradients are rounded by the network, the whole block's at once.
+      if constexpr (!L::in_place)
+        if (layer_dx != nullptr) round_to(context.precision, layer_dx, n * L::input_shape::size);
       if (!L::in_place) current = 1 - current;
     });
     if (dx != nullptr)
