@@ -1,9 +1,14 @@
 // Issue 8 on the GPU: Adam and AdamW, clipping by global norm, and
 // checkpoints (save, load, exact resume; across backends) against the CPU
-// backend, on real Fashion-MNIST batches, FP32 without TF32 on both sides.
+// backend, on real Fashion-MNIST batches, FP32 without TF32 on both sides;
+// bf16 on tensor cores against the CPU's bf16 emulation.
 #include <loom/loom.hpp>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
+#include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -62,7 +67,214 @@ void cpu_adam_steps(std::vector<float>& w, std::vector<float> g, std::vector<flo
                     .weight_decay = o.weight_decay, .decoupled = decoupled, .t = t});
 }
 
+using Mlp = Sequential<Input<1, 28, 28>, Flatten, Linear<64>, ReLU, Linear<10>>;
+// BatchNorm, a Residual block with an identity shortcut and one with a
+// strided 1 x 1 projection, global pooling.
+using SmallResNet =
+    Sequential<Input<1, 28, 28>, Conv2d<8, 3, 1, 1>, BatchNorm2d, ReLU,
+               Residual<Conv2d<8, 3, 1, 1>, BatchNorm2d, ReLU, Conv2d<8, 3, 1, 1>, BatchNorm2d>,
+               ReLU, Residual<Conv2d<16, 3, 2, 1>, ReLU, Conv2d<16, 3, 1, 1>>, ReLU,
+               GlobalAvgPool, Linear<10>>;
+
+std::vector<float> copy_of(std::span<const float> values) { return {values.begin(), values.end()}; }
+
+double l1_distance(std::span<const float> a, std::span<const float> b) {
+  REQUIRE(a.size() == b.size());
+  double sum = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) sum += std::abs(static_cast<double>(a[i]) - b[i]);
+  return sum;
+}
+
+// A bf16 network trained on a GPU and on CPU devices (and, for contrast, in
+// fp32 on CPU devices) from the same seed on the same batches.
+template <class Net, class Policy = SingleDevice>
+void bf16_follows_cpu(std::size_t samples, const SGD::Options& sgd, double loss_epsilon,
+                      test::Tolerance weights) {
+  const auto part = head(fashion().train, samples);
+  const FitOptions fit{.epochs = 1, .batch_size = 64, .seed = 3};
+  std::vector<StepInfo> cpu_steps, gpu_steps, fp32_steps;
+  Trainer<Net> cpu_bf16(devices::cpu(1), sgd, {.seed = 6, .precision = Precision::bf16});
+  cpu_bf16.fit(part, fit, Record{&cpu_steps});
+  Trainer<Net> cpu_fp32(devices::cpu(1), sgd, {.seed = 6});
+  cpu_fp32.fit(part, fit, Record{&fp32_steps});
+  Trainer<Net, Policy> gpu_bf16(one_gpu(), sgd, {.seed = 6, .precision = Precision::bf16});
+  gpu_bf16.fit(part, fit, Record{&gpu_steps});
+  same_steps(gpu_steps, cpu_steps, loss_epsilon);
+  const auto gpu = gpu_bf16.model().parameters();
+  test::require_close(gpu, cpu_bf16.model().parameters(), weights, "weights after an epoch");
+  // bf16 is in effect: it changes every gradient a little, while the two
+  // backends' roundings part only where a sum lands near a bf16 tie, so the
+  // GPU is much nearer the CPU's bf16 run than its fp32 one.
+  const double to_bf16 = l1_distance(gpu, cpu_bf16.model().parameters());
+  const double to_fp32 = l1_distance(gpu, cpu_fp32.model().parameters());
+  INFO("L1 distance to the CPU's bf16 run " << to_bf16 << ", to its fp32 run " << to_fp32);
+  REQUIRE(to_bf16 < 0.5 * to_fp32);
+}
+
 }  // namespace
+
+TEST_CASE("cuda bf16: the rounding kernels round as the CPU's emulation does, bit for bit") {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> values{0.0f,  -0.0f,  1.0f,     1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f,
+                            1.0f + 0x1p-11f, 65504.0f, 65519.0f, 65520.0f, -7e4f,
+                            0x1p-24f, 0x1p-25f, 3 * 0x1p-25f, 0x1p-130f, -0x1p-140f,
+                            std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                            inf, -inf, std::numeric_limits<float>::quiet_NaN()};
+  // Every exponent and many mantissas: random bit patterns.
+  std::mt19937 bits(42);
+  for (int i = 0; i < 200000; ++i) values.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(bits())));
+  const auto source = test::to_device(values);
+  for (const Precision p : {Precision::bf16, Precision::fp16}) {
+    INFO(precision_name(p));
+    gpu::DeviceBuffer<float> rounded(values.size(), "test rounded");
+    gpu::round_copy(p, source.data(), rounded.data(), values.size(), nullptr);
+    auto in_place = test::to_device(values);
+    gpu::round_values(p, in_place.data(), values.size(), nullptr);
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = test::to_host(rounded);
+    REQUIRE(test::to_host(in_place) == got);
+    REQUIRE(test::to_host(source) == values);  // round_copy leaves its source alone
+    std::size_t nans = 0;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const float want = p == Precision::bf16 ? round_to_bf16(values[i]) : round_to_fp16(values[i]);
+      if (std::isnan(want)) {
+        REQUIRE(std::isnan(got[i]));
+        ++nans;
+        continue;
+      }
+      INFO("value " << i << ": " << values[i]);
+      REQUIRE(std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want));
+    }
+    REQUIRE(nans > 0);
+  }
+}
+
+TEST_CASE("cuda bf16: a GEMM on bf16 tensor cores is exact for bf16 operands, up to fp32 sums") {
+  // LeNet's fc1 shape: a batch of 64 images' 800 features by 500 outputs.
+  constexpr std::size_t m = 64, k = 800, n = 500;
+  const auto images = head(fashion().test, 64).images;  // 64 x 784 real pixels
+  std::vector<float> a(m * k), b(n * k);
+  for (std::size_t i = 0; i < m * k; ++i) a[i] = images[(i / k) * 784 + i % k % 784];
+  b = test::random_vector<float>(n * k, 9, -0.05, 0.05);
+  std::vector<float> a16 = a, b16 = b;
+  round_to(Precision::bf16, a16.data(), a16.size());
+  round_to(Precision::bf16, b16.data(), b16.size());
+  // The exact products of the bf16 operands, summed in double.
+  const auto reference = [&](const std::vector<float>& x, const std::vector<float>& w) {
+    std::vector<double> out(m * n);
+    for (std::size_t i = 0; i < m; ++i)
+      for (std::size_t j = 0; j < n; ++j) {
+        double sum = 0.0;
+        for (std::size_t q = 0; q < k; ++q) sum += static_cast<double>(x[i * k + q]) * w[j * k + q];
+        out[i * n + j] = sum;
+      }
+    return out;
+  };
+  const auto exact = reference(a16, b16);
+  gpu::BlasLt lt;
+  gpu::GemmOptions options;
+  options.allow_bf16 = true;
+  gpu::GemmPlan plan(lt, {.trans_a = false, .trans_b = true, .m = m, .n = n, .k = k, .lda = k,
+                          .ldb = k, .ldc = n},
+                     gpu::Epilogue::none, options);
+  REQUIRE_THAT(plan.describe(), Catch::Contains(", bf16)"));
+  gpu::DeviceBuffer<std::byte> workspace(std::max<std::size_t>(plan.workspace_bytes(), 1),
+                                         "test workspace");
+  const auto run = [&](const std::vector<float>& x, const std::vector<float>& w) {
+    const auto dx = test::to_device(x);
+    const auto dw = test::to_device(w);
+    gpu::DeviceBuffer<float> dc(m * n, "test C");
+    plan.run({.a = dx.data(), .b = dw.data(), .c = dc.data(), .workspace = workspace.data(),
+              .workspace_bytes = plan.workspace_bytes()});
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
+    return test::to_host(dc);
+  };
+  // The sums reach about 4 (|x| <= 2.03, |w| <= 0.05); fp32 sums of 800
+  // terms are good to well under 1e-3 there.
+  const auto from_bf16 = run(a16, b16);
+  double worst = 0.0;
+  for (std::size_t i = 0; i < m * n; ++i) worst = std::max(worst, std::abs(from_bf16[i] - exact[i]));
+  REQUIRE(worst < 1e-3);
+  // fp32 operands are converted to bf16 inside, so the result is far from
+  // the fp32 product (the bf16 operands' is 0.0104 away at most on these
+  // data, measured on the CPU in double): the tensor cores are bf16's.
+  const auto from_fp32 = run(a, b);
+  const auto fp32_exact = reference(a, b);
+  double converted = 0.0, apart = 0.0;
+  for (std::size_t i = 0; i < m * n; ++i) {
+    converted = std::max(converted, std::abs(from_fp32[i] - fp32_exact[i]));
+    apart = std::max(apart, std::abs(fp32_exact[i] - exact[i]));
+  }
+  REQUIRE(apart > 5e-3);
+  REQUIRE(converted > 10 * worst);
+}
+
+TEMPLATE_TEST_CASE("cuda bf16: one step's weight gradients are the CPU emulation's, nearly all "
+                   "bit for bit", "", LeNet, Mlp, SmallResNet) {
+  // SGD with lr 1 and nothing else: each weight moves by its gradient,
+  // w - g, the same float operation on both sides. The GPU rounds where the
+  // CPU does, so its gradients part from the CPU's only where a sum summed
+  // in another order lands on the other side of a bf16 tie.
+  const auto data = head(fashion().train, 64);
+  Model<TestType, float> cpu(7);
+  cpu.set_precision(Precision::bf16);
+  const float* logits = cpu.forward(data.images.data(), 64, 0, {.training = true});
+  SoftmaxCrossEntropy::evaluate<float>(logits, data.labels.data(), 64, 10, 64,
+                                       cpu.output_gradient());
+  cpu.backward();
+  auto want = copy_of(cpu.parameters());
+  const auto g = cpu.gradients();
+  for (std::size_t i = 0; i < want.size(); ++i) want[i] -= g[i];
+
+  const Model<TestType, float> initial(7);
+  gpu::DeviceModel<TestType> device(initial, 64, SGD::Options{.lr = 1.0f},
+                                    {.precision = Precision::bf16});
+  const auto images = test::to_device(data.images);
+  const auto labels = test::to_device(data.labels);
+  device.train_step(images.data(), labels.data(), 64);
+  Model<TestType, float> after(0);
+  device.copy_parameters_to(after);
+  const auto got = after.parameters();
+  std::size_t same = 0, moved = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    same += std::bit_cast<std::uint32_t>(got[i]) == std::bit_cast<std::uint32_t>(want[i]);
+    moved += g[i] != 0.0f;
+  }
+  INFO(same << " of " << want.size() << " weights bit for bit, " << moved << " moved");
+  REQUIRE(moved > want.size() / 2);
+  REQUIRE(same >= want.size() * 9 / 10);
+  // The rest are a bf16 step of the gradient apart at most.
+  test::require_close(got, want, {1e-4, 1e-2}, "weights after one step");
+}
+
+TEST_CASE("cuda trainer: bf16 LeNet on a GPU follows the CPU's bf16 emulation") {
+  bf16_follows_cpu<LeNet>(640, {.lr = 0.05f, .momentum = 0.9f}, 1e-2, {1e-3, 1e-2});
+}
+
+TEST_CASE("cuda trainer: a bf16 MLP under DataParallel on an NCCL rank follows the CPU") {
+  bf16_follows_cpu<Mlp, DataParallel<>>(640, {.lr = 0.1f}, 1e-2, {1e-3, 1e-2});
+}
+
+TEST_CASE("cuda trainer: a bf16 ResNet (BatchNorm, residual blocks) on a GPU follows the CPU") {
+  bf16_follows_cpu<SmallResNet>(640, {.lr = 0.05f, .momentum = 0.9f}, 1e-2, {2e-3, 2e-2});
+}
+
+TEST_CASE("cuda trainer: fp16 on GPUs, and bf16 of pipelines on GPUs, are refused") {
+  const auto part = head(fashion().train, 128);
+  Trainer<LeNet> fp16(one_gpu(), {.lr = 0.01f}, {.precision = Precision::fp16});
+  REQUIRE_THROWS_WITH(fp16.fit(part, {.epochs = 1, .batch_size = 64}),
+                      Catch::Contains("fp16 runs on CPU devices only so far") &&
+                          Catch::Contains("bf16 needs none and runs on GPUs"));
+  const std::vector<Device> two(2, devices::gpus().front());
+  Trainer<LeNet, ModelSplit<Balanced<2>>> split(two, {.lr = 0.01f}, {.precision = Precision::bf16});
+  REQUIRE_THROWS_WITH(split.fit(part, {.epochs = 1, .batch_size = 64}),
+                      Catch::Contains("bf16 of ModelSplit") &&
+                          Catch::Contains("on GPUs is not supported yet"));
+  Model<LeNet, float> host(1);
+  REQUIRE_THROWS_WITH((gpu::DeviceModel<LeNet>(host, 64, SGD::Options{.lr = 0.01f},
+                                               {.precision = Precision::fp16})),
+                      Catch::Contains("DeviceModel: fp16 on GPUs is not built yet"));
+}
 
 TEST_CASE("cuda optimizers: Adam and AdamW updates, clipped or not, equal the CPU's") {
   constexpr std::size_t n = 100003;  // not a multiple of the block size

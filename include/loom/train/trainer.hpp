@@ -55,6 +55,8 @@ struct TrainerOptions {
   // master weights; fp16 scales the loss dynamically (`loss_scaling`),
   // skipping the steps whose gradients overflow. A step that overflows even
   // at the minimum scale is a non-finite step (FitOptions::on_nonfinite).
+  // CPU devices emulate both; on GPUs bf16 runs on tensor cores
+  // (SingleDevice and DataParallel; backend/cuda/precision.cuh), fp16 not yet.
   Precision precision = Precision::fp32;
   LossScaling loss_scaling{};
 };
@@ -299,9 +301,12 @@ class Trainer {
     LOOM_CHECK(!on_gpu() || options.on_nonfinite == NonFinite::raise, "fit: skipping "
                "non-finite steps (FitOptions::on_nonfinite = NonFinite::skip) runs on CPU "
                "devices only so far; on GPUs a non-finite loss raises");
-    LOOM_CHECK(!on_gpu() || options_.precision == Precision::fp32, "fit: ",
-               precision_name(options_.precision), " runs on CPU devices only so far (the CUDA "
-               "backend computes in fp32, or TF32 with TrainerOptions::allow_tf32)");
+    LOOM_CHECK(!on_gpu() || options_.precision != Precision::fp16, "fit: fp16 runs on CPU "
+               "devices only so far (its dynamic loss scaling is not built for GPUs; bf16 needs "
+               "none and runs on GPUs under SingleDevice and DataParallel)");
+    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy> || options_.precision == Precision::fp32,
+               "fit: bf16 of ", Policy::name, " on GPUs is not supported yet (SingleDevice and "
+               "DataParallel on GPUs run bf16)");
     if constexpr (is_pipelined<Policy>) {
       if (on_gpu()) gpu_split(options.batch_size);
     } else if (on_gpu()) {
@@ -908,6 +913,7 @@ class Trainer {
             loom::gpu::DeviceModelOptions{
                 .graphs = options_.cuda_graphs,
                 .allow_tf32 = options_.allow_tf32,
+                .precision = options_.precision,
                 .data_parallel = nccl_.empty() ? nullptr : &nccl_[r],
                 .bucket_bytes = bucket_bytes(),
                 .gradient_accumulation = keep_accumulation});

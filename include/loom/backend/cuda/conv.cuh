@@ -62,7 +62,8 @@ class Dnn {
 struct ConvOptions {
   // Off: FP32 convolutions run on FMA kernels (CUDNN_FMA_MATH), so results
   // match the CPU backend to FP32 rounding. On: cuDNN may pick TF32 tensor-op
-  // kernels (inputs rounded to a 10-bit mantissa), faster on Ampere and later.
+  // kernels (inputs rounded to a 10-bit mantissa), faster on Ampere and later;
+  // never ones that convert the data to fp16.
   bool allow_tensor_ops = false;
   // Forward uses IMPLICIT_PRECOMP_GEMM whenever cuDNN offers it for the shape,
   // even when its heuristic ranks another algorithm faster, so that
@@ -340,7 +341,9 @@ class Convolution {
   // The first acceptable entry of the heuristic's list: deterministic ones
   // first (the preferred algorithm, if any, before them), then any. Without
   // tensor ops the descriptor stays on FMA math and entries reporting a
-  // tensor-op math type are skipped. workspace_of(algo) sets up the
+  // tensor-op math type are skipped. With them, entries that would convert
+  // the fp32 data to fp16 (ALLOW_CONVERSION) are skipped too: fp16's range
+  // ends at 65504, TF32's and bf16's are fp32's. workspace_of(algo) sets up the
   // direction's descriptor for the entry and returns its exact workspace, or
   // nothing when cuDNN refuses the algorithm.
   template <class Perf, class WorkspaceOf>
@@ -353,9 +356,8 @@ class Convolution {
         if (pass == 0 && !(deterministic && preferred && entry.algo == *preferred)) continue;
         if (pass == 1 && !deterministic) continue;
         if (entry.status != CUDNN_STATUS_SUCCESS) continue;
-        const bool tensor_op = entry.mathType == CUDNN_TENSOR_OP_MATH ||
-                               entry.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
-        if (tensor_op && !options.allow_tensor_ops) continue;
+        if (entry.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) continue;
+        if (entry.mathType == CUDNN_TENSOR_OP_MATH && !options.allow_tensor_ops) continue;
         const cudnnMathType_t math = options.allow_tensor_ops ? entry.mathType : CUDNN_FMA_MATH;
         const std::optional<std::size_t> bytes = workspace_of(entry.algo, math);
         if (!bytes || *bytes > options.workspace_limit) continue;

@@ -121,6 +121,10 @@ struct GemmOptions {
   std::size_t alignment_bytes = 16;
   // TF32 inputs (CUBLAS_COMPUTE_32F_FAST_TF32): faster, ~1e-3 relative error.
   bool allow_tf32 = false;
+  // bf16 inputs on bf16 tensor cores (CUBLAS_COMPUTE_32F_FAST_16BF), fp32
+  // accumulation and output: exact for operands that already hold bf16
+  // values (a bf16 network's, backend/cuda/precision.cuh). Wins over allow_tf32.
+  bool allow_bf16 = false;
 };
 
 // The pointers and scalars of one run. Pointers an epilogue does not use
@@ -184,8 +188,9 @@ class GemmPlan {
            const GemmOptions& options = {})
       : handle_(lt.get()), shape_(shape), epilogue_(epilogue), options_(options) {
     validate();
-    const cublasComputeType_t compute =
-        options.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const cublasComputeType_t compute = options.allow_bf16   ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                        : options.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                             : CUBLAS_COMPUTE_32F;
     cublasLtMatmulDesc_t desc = nullptr;
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, compute, CUDA_R_32F));
     desc_.reset(desc);
@@ -221,7 +226,8 @@ class GemmPlan {
     s << "loom::gpu::GemmPlan(trans_a=" << shape_.trans_a << ", trans_b=" << shape_.trans_b
       << ", m=" << shape_.m << ", n=" << shape_.n << ", k=" << shape_.k << ", lda=" << shape_.lda
       << ", ldb=" << shape_.ldb << ", ldc=" << shape_.ldc
-      << ", epilogue=" << epilogue_name(epilogue_) << ")";
+      << ", epilogue=" << epilogue_name(epilogue_)
+      << (options_.allow_bf16 ? ", bf16" : options_.allow_tf32 ? ", tf32" : "") << ")";
     return s.str();
   }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "../../comm/nccl_comm.hpp"
+#include "../../core/precision.hpp"
 #include "conv.cuh"
 #include "gemm.hpp"
 #include "stream.hpp"
@@ -31,6 +32,13 @@ struct DevicePass {
   std::uint64_t seed = 0;
   std::uint64_t step = 0;
   std::uint64_t first_sample = 0;  // the first sample's index in the step's global batch
+};
+
+// What a layer's GEMMs and convolutions may do with their fp32 operands.
+enum class TensorMath {
+  fp32,  // FMA math: results match the CPU backend to fp32 rounding
+  tf32,  // TF32 tensor cores (operands rounded to a 10-bit mantissa)
+  bf16,  // a bf16 network (precision.cuh): GEMMs on bf16 tensor cores, convolutions on TF32 ones
 };
 
 namespace detail {
@@ -60,6 +68,9 @@ struct LayerCall {
   // SyncBatchNorm under data parallelism: sums statistics over the ranks
   // (null: this device's batch is the whole batch).
   comm::NcclComm* replicas = nullptr;
+  // What a Residual block rounds its inner layers' outputs and gradients
+  // to (the owner rounds its own layers').
+  Precision precision = Precision::fp32;
 };
 
 }  // namespace detail

@@ -21,6 +21,13 @@
 // the device (LossTotals); a non-finite loss halts the totals and makes every
 // later update a no-op, so the weights stay those of the last good step until
 // the host reads the totals and reports it.
+//
+// bf16 (DeviceModelOptions::precision) keeps the buffers fp32 and rounds
+// what the CPU backend's emulation rounds (precision.cuh): each step first
+// rounds the fp32 master weights into a copy the layers compute with, and
+// its input batch (in place, in its slot); the loss gradient, and each
+// layer's output, weight gradients and passed-back gradient are rounded as
+// they are made. The optimizer updates the master weights.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,6 +59,7 @@
 #include "layers.cuh"
 #include "../../parallel/buckets.hpp"
 #include "pool.cuh"
+#include "precision.cuh"
 #include "recurrent.cuh"
 #include "optimizer.cuh"
 #include "softmax_xent.cuh"
@@ -67,6 +75,9 @@ struct DeviceModelOptions {
   // TF32 tensor-core math for GEMMs and convolutions: faster, inputs rounded
   // to a 10-bit mantissa. Off, results match the CPU backend to FP32 rounding.
   bool allow_tf32 = false;
+  // fp32, or bf16 on tensor cores (see the file comment; allow_tf32 is then
+  // moot). fp16 needs dynamic loss scaling, which the GPU does not do yet.
+  Precision precision = Precision::fp32;
   // Data parallelism: this model is one rank of `data_parallel` (which must
   // outlive it). Each step then sums the ranks' loss statistics before it
   // decides to update, and all-reduces the gradients in buckets of about
@@ -286,19 +297,24 @@ class LayerRunner {
 
  public:
   LayerRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
-              bool allow_tf32)
+              TensorMath math)
       : batch_(batch) {
-    if constexpr (!std::is_void_v<Kernel>) {
-      kernel_ = std::make_unique<Kernel>(context, batch, library_limit, allow_tf32);
+    const bool tensor_cores = math != TensorMath::fp32;
+    if constexpr (L::kind == "residual") {
+      kernel_ = std::make_unique<Kernel>(context, batch, library_limit, math);
+    } else if constexpr (!std::is_void_v<Kernel>) {
+      // Their GEMMs (recurrent.cuh) take TF32 when tensor cores are allowed.
+      kernel_ = std::make_unique<Kernel>(context, batch, library_limit, tensor_cores);
     } else if constexpr (L::kind == "conv") {
       conv_ = std::make_unique<Convolution>(
           context.dnn, L::geometry(batch), out_channels,
-          ConvOptions{.allow_tensor_ops = allow_tf32, .workspace_limit = library_limit});
+          ConvOptions{.allow_tensor_ops = tensor_cores, .workspace_limit = library_limit});
     } else if constexpr (L::kind == "linear") {
       constexpr std::size_t in = L::in_features;
       GemmOptions options;
       options.max_workspace_bytes = std::min(options.max_workspace_bytes, library_limit);
-      options.allow_tf32 = allow_tf32;
+      options.allow_tf32 = math == TensorMath::tf32;
+      options.allow_bf16 = math == TensorMath::bf16;
       const Epilogue forward = L::activation != Act::relu ? Epilogue::bias
                                : WritesMask              ? Epilogue::relu_aux_bias
                                                          : Epilogue::relu_bias;
@@ -475,7 +491,9 @@ constexpr std::size_t device_saved_floats(std::size_t n) {
 // saved tensors sit in the block's saved area (device_saved_floats' layout),
 // y = body(x) + shortcut(x); backward runs the projection (or copies dy),
 // then the body in reverse over two gradient buffers at the start of the
-// scratch, and adds the body's input gradient.
+// scratch, and adds the body's input gradient. In a reduced precision the
+// body's outputs and passed-back gradients, and the projection's, are
+// rounded as the CPU rounds them (net/residual.hpp).
 template <class L>
 class ResidualRunner {
   using Body = typename L::body;
@@ -490,14 +508,12 @@ class ResidualRunner {
 
  public:
   ResidualRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
-                 bool allow_tf32)
+                 TensorMath math)
       : batch_(batch),
-        body_(make_body(context, batch, library_limit, allow_tf32,
-                        std::make_index_sequence<count>{})) {
+        body_(make_body(context, batch, library_limit, math, std::make_index_sequence<count>{})) {
     if constexpr (!L::identity)
       shortcut_ = std::make_unique<Shortcut>(
-          context, batch, limit_for(Shortcut::fixed_bytes(batch), batch, library_limit),
-          allow_tf32);
+          context, batch, limit_for(Shortcut::fixed_bytes(batch), batch, library_limit), math);
   }
 
   // Two gradient buffers, then the largest of the body's and projection's needs.
@@ -510,7 +526,12 @@ class ResidualRunner {
   }
 
   void forward(const LayerCall& c) {
-    static_for<count>([&](auto i) { std::get<i>(body_).forward(body_call<i>(c)); });
+    static_for<count>([&](auto i) {
+      using B = type_at_t<i, Body>;
+      std::get<i>(body_).forward(body_call<i>(c));
+      if constexpr (!B::in_place)
+        round_values(c.precision, output<i>(c), batch_ * B::output_shape::size, c.stream);
+    });
     const float* body_out = output<count - 1>(c);
     const std::size_t out = batch_ * L::output_shape::size;
     if constexpr (L::identity) {
@@ -518,7 +539,9 @@ class ResidualRunner {
                                       c.stream));
     } else {
       shortcut_->forward(shortcut_call(c));
+      round_values(c.precision, c.y, out, c.stream);
     }
+    // The sum is rounded by the owner, as any layer's output.
     add_into(c.y, body_out, out, c.stream);
   }
 
@@ -537,6 +560,8 @@ class ResidualRunner {
       s.dy = c.dy;
       s.dx = c.dx;
       shortcut_->backward(s);
+      if (c.dx != nullptr)
+        round_values(c.precision, c.dx, batch_ * L::input_shape::size, c.stream);
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(gradients[0], c.dy,
                                     batch_ * L::output_shape::size * sizeof(float),
@@ -548,6 +573,10 @@ class ResidualRunner {
       b.dy = gradients[current];
       b.dx = i == 0 && c.dx == nullptr ? nullptr : gradients[1 - current];
       std::get<i>(body_).backward(b);
+      // The block's weight gradients are rounded by the owner, all at once.
+      if constexpr (!B::in_place)
+        if (b.dx != nullptr)
+          round_values(c.precision, b.dx, batch_ * B::input_shape::size, c.stream);
       if (!B::in_place) current = 1 - current;
     });
     if (c.dx != nullptr) add_into(c.dx, gradients[current], batch_ * L::input_shape::size, c.stream);
@@ -572,11 +601,10 @@ class ResidualRunner {
   }
   template <std::size_t... I>
   static Runners make_body(DeviceContext& context, std::size_t n, std::size_t library_limit,
-                           bool allow_tf32, std::index_sequence<I...>) {
+                           TensorMath math, std::index_sequence<I...>) {
     return Runners{std::tuple_element_t<I, Runners>(
         context, n,
-        limit_for(std::tuple_element_t<I, Runners>::fixed_bytes(n), n, library_limit),
-        allow_tf32)...};
+        limit_for(std::tuple_element_t<I, Runners>::fixed_bytes(n), n, library_limit), math)...};
   }
 
   template <std::size_t I>
@@ -608,6 +636,7 @@ class ResidualRunner {
     b.training = c.training;
     b.pass = c.pass;
     b.replicas = c.replicas;
+    b.precision = c.precision;
     return b;
   }
   template <std::size_t I>
@@ -653,8 +682,8 @@ class PlanCache {
   using Runners =
       typename runners<List, std::make_index_sequence<List::size>, InputGradient>::type;
 
-  PlanCache(DeviceContext& context, std::size_t max_batch, bool allow_tf32)
-      : context_(context), max_batch_(max_batch), allow_tf32_(allow_tf32) {
+  PlanCache(DeviceContext& context, std::size_t max_batch, TensorMath math)
+      : context_(context), max_batch_(max_batch), math_(math) {
     auto first = make(max_batch, false, std::make_index_sequence<List::size>{});
     static_for<List::size>(
         [&](auto i) { scratch_bytes_ = std::max(scratch_bytes_, std::get<i>(*first).scratch_bytes()); });
@@ -687,12 +716,12 @@ class PlanCache {
   template <std::size_t... I>
   std::unique_ptr<Runners> make(std::size_t n, bool planned, std::index_sequence<I...>) {
     return std::unique_ptr<Runners>(new Runners{std::tuple_element_t<I, Runners>(
-        context_, n, library_limit<I>(n, planned), allow_tf32_)...});
+        context_, n, library_limit<I>(n, planned), math_)...});
   }
 
   DeviceContext& context_;
   std::size_t max_batch_;
-  bool allow_tf32_;
+  TensorMath math_;
   std::size_t scratch_bytes_ = 0;
   std::map<std::size_t, std::unique_ptr<Runners>> plans_;
 };
@@ -720,7 +749,10 @@ class DeviceModel {
         optimizer_(optimizer),
         options_(options),
         graphs_(options.graphs),
-        plans_(context_, checked_batch(max_batch), options.allow_tf32),
+        plans_(context_, checked_batch(max_batch, options),
+               options.precision == Precision::bf16 ? TensorMath::bf16
+               : options.allow_tf32                 ? TensorMath::tf32
+                                                    : TensorMath::fp32),
         scratch_bytes_(plans_.scratch_bytes()),
         loss_(max_batch),
         snapshots_(2) {
@@ -728,6 +760,7 @@ class DeviceModel {
 
     arena_ = std::make_unique<DeviceArena>(plan_bytes(), owner);
     params_ = arena_->take<float>(layout::total);
+    if (reduced()) compute_params_ = arena_->take<float>(layout::total);
     grads_ = arena_->take<float>(layout::total);
     moments_[0] = arena_->take<float>(layout::total);
     if (optimizer.buffers() > 1) moments_[1] = arena_->take<float>(layout::total);
@@ -938,14 +971,22 @@ class DeviceModel {
   static constexpr std::size_t largest_activation() {
     return ::loom::detail::list_info<executed>::largest_activation;
   }
-  static std::size_t checked_batch(std::size_t max_batch) {
+  static std::size_t checked_batch(std::size_t max_batch, const DeviceModelOptions& options) {
     LOOM_CHECK(max_batch >= 1, "DeviceModel: the largest batch must be at least 1 sample");
+    LOOM_CHECK(options.precision != Precision::fp16, "DeviceModel: fp16 on GPUs is not built yet "
+               "(it needs dynamic loss scaling on the device); bf16 needs none, and fp16 runs "
+               "emulated on CPU devices");
     return max_batch;
   }
+  bool reduced() const { return options_.precision != Precision::fp32; }
+  // The weights the layers compute with: the master weights, or their
+  // rounded copy.
+  const float* compute_weights() const { return reduced() ? compute_params_ : params_; }
   Plan& plan(std::size_t n) { return plans_.get(n); }
 
   std::size_t plan_bytes() const {
-    std::size_t bytes = (2 + optimizer_.buffers()) * DeviceArena::padded_bytes<float>(layout::total);
+    std::size_t bytes = (2 + optimizer_.buffers() + (reduced() ? 1 : 0)) *
+                        DeviceArena::padded_bytes<float>(layout::total);
     bytes += DeviceArena::padded_bytes<UpdateScalars>(1) + DeviceArena::padded_bytes<double>(1) +
              DeviceArena::padded_bytes<unsigned char>(norm_scratch_bytes_);
     bytes += DeviceArena::padded_bytes<LossTotals>(1) +
@@ -1052,9 +1093,17 @@ class DeviceModel {
     const std::size_t n = s.n, global_n = s.global;
     const std::int32_t* labels = inputs_[slot].labels;
     if (n > 0) {
-      forward(*p, inputs_[slot].images, train);
+      // Rounded at every step: the master weights change with each update,
+      // and the host may replace them between steps. Rounding the input
+      // again (a slot stepped on twice) changes nothing.
+      if (reduced()) {
+        round_copy(options_.precision, params_, compute_params_, layout::total, stream());
+        round_values(options_.precision, inputs_[slot].images, n * sample_size, stream());
+      }
+      forward(*p, inputs_[slot].images, n, train);
       softmax_xent_async(output<layer_count - 1>(), labels, n, classes, s.group,
                          train ? grad_buffers_[0] : nullptr, loss_, stream());
+      if (train) round_values(options_.precision, grad_buffers_[0], n * classes, stream());
     }
     if (auto* comm = options_.data_parallel) {
       kernels::local_loss_stats<<<1, 1, 0, stream()>>>(loss_.loss_sum(), loss_.correct(),
@@ -1163,8 +1212,8 @@ class DeviceModel {
       c.state = state_ + ::loom::detail::list_info<executed>::state_offsets[I];
     c.saved = saved_[I];
     if constexpr (L::syncs) c.replicas = options_.data_parallel;
-    c.weights = params_ + layout::offsets.weight[I];
-    c.bias = params_ + layout::offsets.bias[I];
+    c.weights = compute_weights() + layout::offsets.weight[I];
+    c.bias = compute_weights() + layout::offsets.bias[I];
     c.dweights = grads_ + layout::offsets.weight[I];
     c.dbias = grads_ + layout::offsets.bias[I];
     c.x = input_of<I>();
@@ -1177,16 +1226,27 @@ class DeviceModel {
     c.scratch = scratch_;
     c.scratch_bytes = scratch_bytes_;
     c.stream = stream();
+    c.precision = options_.precision;
     return c;
   }
 
-  void forward(Plan& p, const float* images, bool training) {
+  void forward(Plan& p, const float* images, std::size_t n, bool training) {
     input_ = images;
-    static_for<layer_count>([&](auto i) { std::get<i>(p).forward(call<i>(training)); });
+    static_for<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      std::get<i>(p).forward(call<i>(training));
+      if constexpr (!L::in_place)
+        round_values(options_.precision, output<i>(), n * L::output_shape::size, stream());
+    });
   }
 
+  // A layer's weight gradients (its whole device block: the gaps are zero)
+  // and passed-back gradient are rounded before done(i) hands them on.
+  // Where layer I applies layer I-1's ReLU derivative, its GEMM summed layer
+  // I-1's bias gradient before the rounding: it is summed again from the
+  // rounded gradient, as the CPU sums it, and rounded with layer I-1's block.
   template <class OnLayerDone>
-  void backward(Plan& p, std::size_t, OnLayerDone&& done) {
+  void backward(Plan& p, std::size_t n, OnLayerDone&& done) {
     int current = 0;
     static_for_reverse<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
@@ -1194,6 +1254,17 @@ class DeviceModel {
       c.dy = grad_buffers_[current];
       if constexpr (detail::needs_input_gradient<executed, i>()) c.dx = grad_buffers_[1 - current];
       std::get<i>(p).backward(c);
+      if (reduced()) {
+        if constexpr (L::param_count > 0)
+          round_values(options_.precision, grads_ + layout::offsets.weight[i], layout::sizes[i],
+                       stream());
+        if constexpr (!L::in_place)
+          if (c.dx != nullptr)
+            round_values(options_.precision, c.dx, n * L::input_shape::size, stream());
+        if constexpr (detail::applies_previous_drelu<executed, i>())
+          bias_act_backward_nchw<Act::identity>(c.dx, c.dx, c.dx, c.previous_dbias, n,
+                                                L::input_shape::size, 1, false, stream());
+      }
       if (!L::in_place) current = 1 - current;
       done(std::size_t{i});
     });
@@ -1242,6 +1313,7 @@ class DeviceModel {
   double* stats_ = nullptr;  // loss, correct, bad-label flag: summed over the ranks
   float* accum_ = nullptr;   // gradients of an optimizer step's earlier batches
   float* params_ = nullptr;
+  float* compute_params_ = nullptr;  // params_ rounded to a reduced precision (else null)
   float* grads_ = nullptr;
   std::array<float*, 2> moments_{};  // SGD's velocity; Adam's exp_avg and exp_avg_sq
   UpdateScalars* update_ = nullptr;

@@ -243,7 +243,7 @@ class DeviceStage final : public DeviceStageBase {
       : device_(device),
         max_batch_(max_batch),
         sgd_(sgd),
-        plans_(context_, max_batch, allow_tf32),
+        plans_(context_, max_batch, allow_tf32 ? TensorMath::tf32 : TensorMath::fp32),
         loss_(max_batch),
         totals_host_(1),
         pinned_inputs_(First ? slots * max_batch * in_size : 0),
@@ -594,7 +594,8 @@ class PipelineEngine {
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings, const Pass& pass = {.training = true}) {
     LOOM_CHECK(settings.max_grad_norm == 0.0f && settings.precision == Precision::fp32,
-               Policy::name, ": gradient clipping and bf16/fp16 run on CPU devices only so far");
+               Policy::name, " on GPUs: gradient clipping and bf16/fp16 are not supported yet "
+               "(SingleDevice and DataParallel on GPUs clip and run bf16)");
     const float lr = settings.lr;
     LOOM_CHECK(n <= max_batch_, Policy::name, ": a batch of ", n, " samples; planned for ",
                max_batch_);
@@ -621,7 +622,8 @@ class PipelineEngine {
 
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
                          Precision precision = Precision::fp32) {
-    LOOM_CHECK(precision == Precision::fp32, Policy::name, ": bf16/fp16 run on CPU devices only so far");
+    LOOM_CHECK(precision == Precision::fp32, Policy::name, " on GPUs: bf16/fp16 are not supported "
+               "yet (SingleDevice and DataParallel on GPUs run bf16)");
     crew_.run({.kind = JobKind::evaluate, .n = std::min(batch, max_batch_), .dataset = &dataset});
     const LossTotals t = total();
     if (t.halted == halt_bad_label)
