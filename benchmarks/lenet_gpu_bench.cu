@@ -5,6 +5,9 @@
 // in the format of benchmarks/pytorch/lenet.py, so scripts/gpu-check sets
 // them side by side. Each step starts with a device-to-device copy of its
 // batch into the model's input slot (~3 MB at batch 1024), counted in the time.
+// With --precision bf16 the same steps in bf16 (tensor cores; fp32 master
+// weights) make "lenet_train_step_bf16" lines, paired in the same run with
+// the fp32 step ("library":"loom-fp32") and PyTorch's autocast peer.
 //
 // Then DataParallel on the GPUs: one epoch through the Trainer (batches
 // staged from host memory) with DataParallel<> on GPU 0 (one NCCL rank: the
@@ -14,8 +17,11 @@
 // with both stages on GPU 0, each on its own streams ("loom-model-split"),
 // and Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>, its 4 ranks on GPU 0
 // ("loom-hybrid": the cost of the grid and of summing the stage copies).
+#include <algorithm>
 #include <iostream>
 #include <loom/backend/cuda/model.cuh>
+#include <string>
+#include <vector>
 
 #include "gpu_bench.cuh"
 #include "lenet_bench.hpp"
@@ -23,7 +29,7 @@
 namespace {
 
 nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
-                       const loom::bench::Options& options) {
+                       const loom::bench::Options& options, loom::Precision precision) {
   loom::bench::check_batch(batch, train.count);
   const std::size_t batches = train.count / batch;
   const std::size_t sample = train.sample_size();
@@ -35,7 +41,8 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
                              labels.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
   loom::Model<loom::bench::LeNet, float> initial(0);
   loom::gpu::DeviceModel<loom::bench::LeNet> model(initial, batch,
-                                                   {.lr = 0.01f, .momentum = 0.9f});
+                                                   loom::SGD::Options{.lr = 0.01f, .momentum = 0.9f},
+                                                   {.precision = precision});
   LOOM_CUDA_CHECK(cudaDeviceSynchronize());
   const auto times =
       loom::bench::time_gpu_steps(model.stream(), options.warmup, options.steps, [&](int s) {
@@ -44,7 +51,8 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
       });
   loom::bench::require_trained(model, "lenet_gpu_bench");
   const auto n = static_cast<double>(batch);
-  return {{"benchmark", "lenet_train_step"},
+  const bool fp32 = precision == loom::Precision::fp32;
+  return {{"benchmark", fp32 ? "lenet_train_step" : "lenet_train_step_bf16"},
           {"library", "loom"},
           {"backend", "cuda"},
           {"batch", batch},
@@ -56,7 +64,7 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
           {"graphs", model.graphs()},
           {"data", "fashion-mnist"},
           {"device", loom::bench::gpu_name()},
-          {"precision", "fp32"}};
+          {"precision", std::string(loom::precision_name(precision))}};
 }
 
 template <class Policy>
@@ -94,11 +102,24 @@ int main(int argc, char** argv) {
   options.steps = 200;
   options.warmup = 20;
   loom::bench::add_options(app, options);
+  std::vector<std::string> precisions{"fp32"};
+  app.add_option("--precision", precisions, "fp32, bf16 or both (bf16 is timed with fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  const bool bf16 = std::ranges::find(precisions, "bf16") != precisions.end();
   try {
     const auto train = loom::data::fashion_mnist(options.data_dir).train;
-    for (const std::size_t batch : options.batches)
-      std::cout << measure(train, batch, options).dump() << std::endl;
+    for (const std::size_t batch : options.batches) {
+      const auto fp32 = measure(train, batch, options, loom::Precision::fp32);
+      std::cout << fp32.dump() << std::endl;
+      if (!bf16) continue;
+      std::cout << measure(train, batch, options, loom::Precision::bf16).dump() << std::endl;
+      auto peer = fp32;
+      peer["benchmark"] = "lenet_train_step_bf16";
+      peer["library"] = "loom-fp32";
+      std::cout << peer.dump() << std::endl;
+    }
     for (const std::size_t batch : options.batches) {
       std::cout << fit_epoch<loom::DataParallel<>>(train, batch, "loom").dump() << std::endl;
       std::cout << fit_epoch<loom::SingleDevice>(train, batch, "loom-single-device").dump()

@@ -1,5 +1,5 @@
-// An MLP of 4 x (Linear 4096 + ReLU) trained at batch 8192 on one GPU, FP32
-// and TF32: how close loom's whole training step (11 GEMMs with their
+// An MLP of 4 x (Linear 4096 + ReLU) trained at batch 8192 on one GPU, FP32,
+// TF32 and bf16 (tensor cores, fp32 master weights): how close loom's whole training step (11 GEMMs with their
 // epilogues, the loss, the update) comes to the cuBLASLt GEMM peak measured in
 // the same run. The peak is the best of the step's three GEMM layouts
 // (forward X W^T, weight gradient dZ^T X, input gradient dZ W) timed alone,
@@ -12,8 +12,10 @@
 // rate if every step FLOP ran at peak speed), so loom / cublaslt-peak is
 // the fraction of peak. The data are normally distributed random numbers: no
 // data set has 4096 features (the time does not depend on the values, and
-// none is zero).
+// none is zero). bf16's rows also carry the fp32 step of the same run
+// ("library":"loom-fp32"): the speed-up bf16 brings.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <loom/backend/cuda/model.cuh>
@@ -48,7 +50,7 @@ double gemm_flops_per_step(std::size_t batch) {
 }
 
 // The best of the three GEMM layouts of a step, alone, in TFLOP/s.
-double gemm_peak_tflops(std::size_t batch, bool tf32, const Options& options,
+double gemm_peak_tflops(std::size_t batch, const std::string& precision, const Options& options,
                         loom::gpu::DeviceBuffer<float>& a, loom::gpu::DeviceBuffer<float>& b,
                         loom::gpu::DeviceBuffer<float>& c) {
   using loom::gpu::GemmShape;
@@ -63,7 +65,8 @@ double gemm_peak_tflops(std::size_t batch, bool tf32, const Options& options,
   double best = 0.0;
   for (const auto& shape : shapes) {
     loom::gpu::GemmOptions gemm_options;
-    gemm_options.allow_tf32 = tf32;
+    gemm_options.allow_tf32 = precision == "tf32";
+    gemm_options.allow_bf16 = precision == "bf16";
     loom::gpu::GemmPlan plan(lt, shape, loom::gpu::Epilogue::none, gemm_options);
     loom::gpu::DeviceBuffer<unsigned char> workspace(std::max<std::size_t>(plan.workspace_bytes(), 1),
                                                      "GEMM peak workspace");
@@ -96,8 +99,13 @@ void fill_slots(Model& model, const loom::gpu::DeviceBuffer<float>& images,
   }
 }
 
-std::vector<nlohmann::json> measure(const std::string& precision, const Options& options) {
+// fp32_ms: the fp32 step's median from the same run (0: not measured), a
+// "loom-fp32" peer for the bf16 rows.
+std::vector<nlohmann::json> measure(const std::string& precision, const Options& options,
+                                    double& loom_ms, double fp32_ms) {
   const bool tf32 = precision == "tf32";
+  const loom::Precision compute =
+      precision == "bf16" ? loom::Precision::bf16 : loom::Precision::fp32;
   const std::size_t batch = options.batch;
   // Two batches, alternated, so no step reads the same input twice in a row.
   std::vector<float> host(2 * batch * width);
@@ -117,11 +125,10 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
   const double step_flops = gemm_flops_per_step(batch);
   std::vector<nlohmann::json> lines;
   const std::string name = "mlp_4x4096_" + precision;
-  double loom_ms = 0.0;
   {
     loom::Model<Mlp, float> initial(0);
     loom::gpu::DeviceModel<Mlp> model(initial, batch, {.lr = 1e-3f, .momentum = 0.9f},
-                                      {.allow_tf32 = tf32});
+                                      {.allow_tf32 = tf32, .precision = compute});
     fill_slots(model, images, labels, batch);
     const auto times = loom::bench::time_gpu_steps(
         model.stream(), options.warmup, options.steps,
@@ -139,6 +146,15 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
                      {"precision", precision},
                      {"data", "random"},
                      {"device", loom::bench::gpu_name()}});
+    if (compute != loom::Precision::fp32 && fp32_ms > 0.0)
+      lines.push_back({{"benchmark", name},
+                       {"library", "loom-fp32"},
+                       {"batch", batch},
+                       {"median_step_ms", fp32_ms},
+                       {"images_per_s", 1000.0 * static_cast<double>(batch) / fp32_ms},
+                       {"precision", "fp32"},
+                       {"data", "random"},
+                       {"device", loom::bench::gpu_name()}});
   }
   {
     // The same step as one NCCL rank of DataParallel (gradient buckets
@@ -149,7 +165,9 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
     auto ranks = loom::comm::NcclComm::create_local({device});
     loom::Model<Mlp, float> initial(0);
     loom::gpu::DeviceModel<Mlp> model(initial, batch, {.lr = 1e-3f, .momentum = 0.9f},
-                                      {.allow_tf32 = tf32, .data_parallel = &ranks.front()});
+                                      {.allow_tf32 = tf32,
+                                       .precision = compute,
+                                       .data_parallel = &ranks.front()});
     fill_slots(model, images, labels, batch);
     const auto times =
         loom::bench::time_gpu_steps(model.stream(), options.warmup, options.steps, [&](int s) {
@@ -178,7 +196,7 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
                              cudaMemcpyDeviceToDevice));
   LOOM_CUDA_CHECK(cudaMemcpy(b.data(), images.data(), std::min(b.size(), images.size()) * sizeof(float),
                              cudaMemcpyDeviceToDevice));
-  const double peak = gemm_peak_tflops(batch, tf32, options, a, b, c);
+  const double peak = gemm_peak_tflops(batch, precision, options, a, b, c);
   const double peak_ms = step_flops / peak / 1e9;
   lines.push_back({{"benchmark", name},
                    {"library", "cublaslt-peak"},
@@ -208,13 +226,21 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", options.warmup, "untimed steps first")
       ->check(CLI::Range(0, 100000))
       ->capture_default_str();
-  app.add_option("--precision", options.precisions, "fp32, tf32 or both")
-      ->check(CLI::IsMember({"fp32", "tf32"}))
+  app.add_option("--precision", options.precisions,
+                 "fp32, tf32, bf16 (tensor cores, fp32 master weights), any of them")
+      ->check(CLI::IsMember({"fp32", "tf32", "bf16"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    for (const auto& precision : options.precisions)
-      for (const auto& line : measure(precision, options)) std::cout << line.dump() << std::endl;
+    // fp32 first, so that bf16's rows carry it as their peer.
+    std::ranges::stable_sort(options.precisions, {}, [](const std::string& p) { return p != "fp32"; });
+    double fp32_ms = 0.0;
+    for (const auto& precision : options.precisions) {
+      double loom_ms = 0.0;
+      for (const auto& line : measure(precision, options, loom_ms, fp32_ms))
+        std::cout << line.dump() << std::endl;
+      if (precision == "fp32") fp32_ms = loom_ms;
+    }
   } catch (const loom::Error& error) {
     std::cerr << error.what() << '\n';
     return 1;

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch peer of loom's GPU LeNet benchmark: training-step throughput of the
-same network on one GPU, FP32 with TF32 off, the data already in GPU memory.
+same network on one GPU, FP32 with TF32 off, the data already in GPU memory;
+with --precision bf16 also under torch.autocast to bfloat16 (fp32 weights and
+optimizer, as loom's bf16), as the benchmark "lenet_train_step_bf16".
 
 Prints one JSON line per mode and batch size in the format of
 benchmarks/lenet_bench.hpp, so scripts/gpu-check can divide loom's figure by
@@ -56,6 +58,8 @@ def parse_args(argv):
                              "\"data\":\"random\") when they are missing (default: %(default)s)")
     parser.add_argument("--mode", nargs="+", choices=["eager", "compile"],
                         default=["eager", "compile"], help="default: %(default)s")
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
+                        help="default: %(default)s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check-data", action="store_true",
                         help="read the data set, print one JSON line about it and exit "
@@ -149,9 +153,12 @@ def lenet(nn):
         nn.Linear(500, 10))
 
 
-def make_step(torch, model, optimizer, mode):
+def make_step(torch, model, optimizer, mode, precision):
     """One training step: forward, cross-entropy, backward, SGD update."""
     def forward_loss(x, y):
+        if precision == "bf16":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return torch.nn.functional.cross_entropy(model(x), y)
         return torch.nn.functional.cross_entropy(model(x), y)
 
     def update():
@@ -170,13 +177,13 @@ def make_step(torch, model, optimizer, mode):
     return step
 
 
-def measure(torch, images, labels, batch, mode, args, device_name, data_kind):
+def measure(torch, images, labels, batch, mode, precision, args, device_name, data_kind):
     torch.manual_seed(args.seed)
     if hasattr(torch, "_dynamo"):
         torch._dynamo.reset()  # no graphs or dynamic-shape decisions from another batch size
     model = lenet(torch.nn).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = make_step(torch, model, optimizer, mode)
+    step = make_step(torch, model, optimizer, mode, precision)
     batches = images.shape[0] // batch
 
     def run(s):
@@ -203,7 +210,7 @@ def measure(torch, images, labels, batch, mode, args, device_name, data_kind):
     # included, which the per-step median leaves out.
     mean = starts[0].elapsed_time(stops[-1]) / args.steps
     emit({
-        "benchmark": "lenet_train_step",
+        "benchmark": "lenet_train_step" + ("" if precision == "fp32" else "_" + precision),
         "library": f"pytorch-{mode}",
         "backend": "cuda",
         "batch": batch,
@@ -215,7 +222,7 @@ def measure(torch, images, labels, batch, mode, args, device_name, data_kind):
         "warmup_s": warmup_s,
         "data": data_kind,
         "device": device_name,
-        "precision": "fp32",
+        "precision": precision,
         "torch": torch.__version__,
     })
 
@@ -275,9 +282,11 @@ def main(argv):
         labels = torch.randint(0, 10, (count,), device=device, generator=generator)
     device_name = torch.cuda.get_device_name(device)
 
-    for mode in args.mode:
-        for batch in args.batch:
-            measure(torch, images, labels, batch, mode, args, device_name, data_kind)
+    for precision in args.precision:
+        for mode in args.mode:
+            for batch in args.batch:
+                measure(torch, images, labels, batch, mode, precision, args, device_name,
+                        data_kind)
     return 0
 
 
