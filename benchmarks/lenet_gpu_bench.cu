@@ -5,9 +5,10 @@
 // in the format of benchmarks/pytorch/lenet.py, so scripts/gpu-check sets
 // them side by side. Each step starts with a device-to-device copy of its
 // batch into the model's input slot (~3 MB at batch 1024), counted in the time.
-// With --precision bf16 the same steps in bf16 (tensor cores; fp32 master
-// weights) make "lenet_train_step_bf16" lines, paired in the same run with
-// the fp32 step ("library":"loom-fp32") and PyTorch's autocast peer.
+// With --precision bf16 (or fp16) the same steps in bf16 (fp16, its loss
+// scaled on the device; tensor cores, fp32 master weights) make
+// "lenet_train_step_bf16" ("_fp16") lines, paired in the same run with the
+// fp32 step ("library":"loom-fp32") and PyTorch's autocast peer.
 //
 // Then DataParallel on the GPUs: one epoch through the Trainer (batches
 // staged from host memory) with DataParallel<> on GPU 0 (one NCCL rank: the
@@ -52,7 +53,8 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
   loom::bench::require_trained(model, "lenet_gpu_bench");
   const auto n = static_cast<double>(batch);
   const bool fp32 = precision == loom::Precision::fp32;
-  return {{"benchmark", fp32 ? "lenet_train_step" : "lenet_train_step_bf16"},
+  return {{"benchmark", fp32 ? std::string("lenet_train_step")
+                             : "lenet_train_step_" + std::string(loom::precision_name(precision))},
           {"library", "loom"},
           {"backend", "cuda"},
           {"batch", batch},
@@ -103,22 +105,25 @@ int main(int argc, char** argv) {
   options.warmup = 20;
   loom::bench::add_options(app, options);
   std::vector<std::string> precisions{"fp32"};
-  app.add_option("--precision", precisions, "fp32, bf16 or both (bf16 is timed with fp32)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+  app.add_option("--precision", precisions,
+                 "fp32, bf16, fp16, any of them (bf16 and fp16 are timed with fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  const bool bf16 = std::ranges::find(precisions, "bf16") != precisions.end();
   try {
     const auto train = loom::data::fashion_mnist(options.data_dir).train;
     for (const std::size_t batch : options.batches) {
       const auto fp32 = measure(train, batch, options, loom::Precision::fp32);
       std::cout << fp32.dump() << std::endl;
-      if (!bf16) continue;
-      std::cout << measure(train, batch, options, loom::Precision::bf16).dump() << std::endl;
-      auto peer = fp32;
-      peer["benchmark"] = "lenet_train_step_bf16";
-      peer["library"] = "loom-fp32";
-      std::cout << peer.dump() << std::endl;
+      for (const auto precision : {loom::Precision::bf16, loom::Precision::fp16}) {
+        const std::string name(loom::precision_name(precision));
+        if (std::ranges::find(precisions, name) == precisions.end()) continue;
+        std::cout << measure(train, batch, options, precision).dump() << std::endl;
+        auto peer = fp32;
+        peer["benchmark"] = "lenet_train_step_" + name;
+        peer["library"] = "loom-fp32";
+        std::cout << peer.dump() << std::endl;
+      }
     }
     for (const std::size_t batch : options.batches) {
       std::cout << fit_epoch<loom::DataParallel<>>(train, batch, "loom").dump() << std::endl;

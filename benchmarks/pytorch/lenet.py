@@ -2,7 +2,9 @@
 """PyTorch peer of loom's GPU LeNet benchmark: training-step throughput of the
 same network on one GPU, FP32 with TF32 off, the data already in GPU memory;
 with --precision bf16 also under torch.autocast to bfloat16 (fp32 weights and
-optimizer, as loom's bf16), as the benchmark "lenet_train_step_bf16".
+optimizer, as loom's bf16), as the benchmark "lenet_train_step_bf16"; with
+fp16 under autocast to float16 with a GradScaler (dynamic loss scaling, as
+loom's fp16), as "lenet_train_step_fp16".
 
 Prints one JSON line per mode and batch size in the format of
 benchmarks/lenet_bench.hpp, so scripts/gpu-check can divide loom's figure by
@@ -58,7 +60,7 @@ def parse_args(argv):
                              "\"data\":\"random\") when they are missing (default: %(default)s)")
     parser.add_argument("--mode", nargs="+", choices=["eager", "compile"],
                         default=["eager", "compile"], help="default: %(default)s")
-    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"],
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"], default=["fp32"],
                         help="default: %(default)s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check-data", action="store_true",
@@ -155,23 +157,34 @@ def lenet(nn):
 
 def make_step(torch, model, optimizer, mode, precision):
     """One training step: forward, cross-entropy, backward, SGD update."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
     def forward_loss(x, y):
-        if precision == "bf16":
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+        if dtype is not None:
+            with torch.autocast("cuda", dtype=dtype):
                 return torch.nn.functional.cross_entropy(model(x), y)
         return torch.nn.functional.cross_entropy(model(x), y)
 
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+
     def update():
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
 
     if mode == "compile":
         # Static shapes: one graph per batch size, as a fixed-size loom Model is.
         forward_loss = torch.compile(forward_loss, dynamic=False)
-        update = torch.compile(update, dynamic=False)
+        # GradScaler's step reads its overflow flag on the host: left eager.
+        if scaler is None:
+            update = torch.compile(update, dynamic=False)
 
     def step(x, y):
         optimizer.zero_grad(set_to_none=True)
-        forward_loss(x, y).backward()
+        loss = forward_loss(x, y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
         update()
 
     return step

@@ -55,8 +55,9 @@ struct TrainerOptions {
   // master weights; fp16 scales the loss dynamically (`loss_scaling`),
   // skipping the steps whose gradients overflow. A step that overflows even
   // at the minimum scale is a non-finite step (FitOptions::on_nonfinite).
-  // CPU devices emulate both; on GPUs bf16 runs on tensor cores
-  // (SingleDevice and DataParallel; backend/cuda/precision.cuh), fp16 not yet.
+  // CPU devices emulate both; on GPUs both run on tensor cores, the loss
+  // scale kept on the device (SingleDevice and DataParallel;
+  // backend/cuda/precision.cuh, loss_scaling.cuh).
   Precision precision = Precision::fp32;
   LossScaling loss_scaling{};
 };
@@ -301,12 +302,10 @@ class Trainer {
     LOOM_CHECK(!on_gpu() || options.on_nonfinite == NonFinite::raise, "fit: skipping "
                "non-finite steps (FitOptions::on_nonfinite = NonFinite::skip) runs on CPU "
                "devices only so far; on GPUs a non-finite loss raises");
-    LOOM_CHECK(!on_gpu() || options_.precision != Precision::fp16, "fit: fp16 runs on CPU "
-               "devices only so far (its dynamic loss scaling is not built for GPUs; bf16 needs "
-               "none and runs on GPUs under SingleDevice and DataParallel)");
     LOOM_CHECK(!on_gpu() || !is_pipelined<Policy> || options_.precision == Precision::fp32,
-               "fit: bf16 of ", Policy::name, " on GPUs is not supported yet (SingleDevice and "
-               "DataParallel on GPUs run bf16)");
+               "fit: ", precision_name(options_.precision), " of ", Policy::name,
+               " on GPUs is not supported yet (SingleDevice and DataParallel on GPUs run bf16 "
+               "and fp16)");
     if constexpr (is_pipelined<Policy>) {
       if (on_gpu()) gpu_split(options.batch_size);
     } else if (on_gpu()) {
@@ -682,6 +681,9 @@ class Trainer {
       optimizer.set_lr(resume ? image.lr : base_lr_);
     };
     put(model_, optimizer_);
+    // Before push_to_gpu, which hands fp16's scale to the GPUs.
+    scaler_.restore(image.loss_scale, image.good_steps);
+    skipped_steps_ = image.skipped_steps;
     if constexpr (is_data_parallel<Policy>)
       if (!on_gpu())
         for (std::size_t r = 0; r < engine_->local_replicas(); ++r)
@@ -704,8 +706,6 @@ class Trainer {
     steps_ = image.steps;
     options_.seed = image.seed;  // Dropout's masks go on as they would have
     batches_ = image.batches;
-    scaler_.restore(image.loss_scale, image.good_steps);
-    skipped_steps_ = image.skipped_steps;
     nonfinite_steps_ = image.nonfinite_steps;
     resume_ = resume && image.position.epoch > 0 ? std::optional(image.position) : std::nullopt;
     resume_fit_ = resume ? image.fit : std::nullopt;
@@ -756,6 +756,7 @@ class Trainer {
       for (auto& replica : gpus_) {
         replica.use();
         push_optimizer(*replica.model);
+        push_scaler(*replica.model);
       }
     }
 #endif
@@ -858,6 +859,14 @@ class Trainer {
       model.copy_optimizer_from(b, optimizer_.buffer(b));
     model.set_optimizer_steps(optimizer_.steps());
   }
+  // fp16: the host's loss scale (a fresh one's, or a checkpoint's) onto a
+  // DeviceModel, which keeps it from then on; report() brings it back here.
+  void push_scaler(loom::gpu::DeviceModel<Net>& model) {
+    if (options_.precision == Precision::fp16)
+      model.set_loss_scale({.scale = scaler_.scale(),
+                            .good_steps = scaler_.good_steps(),
+                            .skipped_steps = skipped_steps_});
+  }
   void pull_optimizer(loom::gpu::DeviceModel<Net>& model) {
     for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
       model.copy_optimizer_to(b, optimizer_.buffer(b));
@@ -914,13 +923,16 @@ class Trainer {
                 .graphs = options_.cuda_graphs,
                 .allow_tf32 = options_.allow_tf32,
                 .precision = options_.precision,
+                .loss_scaling = options_.loss_scaling,
                 .data_parallel = nccl_.empty() ? nullptr : &nccl_[r],
                 .bucket_bytes = bucket_bytes(),
                 .gradient_accumulation = keep_accumulation});
-        if (!gpus_.empty())
+        if (!gpus_.empty()) {
           replica.model->copy_state_from(*gpus_[r].model);
-        else
+        } else {
           push_optimizer(*replica.model);
+          push_scaler(*replica.model);
+        }
         replica.stager = std::make_unique<loom::gpu::BatchStager>(
             replica.model->max_batch(), Net::input_shape::size, replica.model->input_slots());
         made.push_back(std::move(replica));
@@ -997,6 +1009,11 @@ class Trainer {
                Callbacks&... callbacks) {
     const std::size_t k = options.accumulation_steps;
     auto& replicas = gpu_replicas(options.batch_size, k > 1);
+    const bool fp16 = options_.precision == Precision::fp16;
+    // Adam's update depends on its step number, which a step skipped for
+    // an fp16 overflow does not take, and only the device knows whether it
+    // did: with fp16, each step is reported before the next is enqueued.
+    const bool report_each_step = fp16 && !std::is_same_v<Optimizer, SGD>;
     for (auto& replica : replicas) {
       replica.use();
       replica.model->set_max_grad_norm(options.max_grad_norm);
@@ -1038,15 +1055,28 @@ class Trainer {
       // unreported: save() refuses then (the device is past the position).
       const auto report = [&](int slot, std::size_t batches) {
         const auto totals = wait_gpu_totals(slot);
+        // fp16: the scale as the device left it after this step.
+        loom::gpu::LossScaleState scaling{.scale = scaler_.scale()};
+        if (fp16) scaling = replicas.front().model->loss_scale(slot);
         try {
-          check_totals(totals, epoch, step.step + 1);
+          check_totals(totals, epoch, step.step + 1, scaling.scale);
         } catch (...) {
           rewind();
           throw;
         }
+        if (fp16) {
+          scaler_.restore(scaling.scale, scaling.good_steps);
+          skipped_steps_ = scaling.skipped_steps;
+          step.skipped = scaling.overflowed != 0;
+          // The update was counted when enqueued; the device skipped it
+          // (the CPU's optimizer never takes a skipped step).
+          if (step.skipped)
+            for (auto& replica : replicas)
+              replica.model->set_optimizer_steps(replica.model->optimizer_steps() - 1);
+        }
         gpu_unreported_ -= batches;
         reported_batches += batches;
-        reported_updates += 1;
+        reported_updates += step.skipped ? 0 : 1;
         steps_ += 1;
         step.step += 1;
         const std::size_t samples = base.samples + static_cast<std::size_t>(totals.samples);
@@ -1080,7 +1110,7 @@ class Trainer {
       // still being reported, completes.
       while (loader.next(batch)) {
         if (pending >= 0 && groups.at_step_start() &&
-            (needs_state_at_step(callbacks, steps_ + 1) || ...))
+            (report_each_step || (needs_state_at_step(callbacks, steps_ + 1) || ...)))
           report(std::exchange(pending, -1), pending_batches);
         if (stop_.get() && groups.at_step_start()) break;
         // A callback changed the weights through model(): the GPUs take them now.
@@ -1170,7 +1200,17 @@ class Trainer {
     return {totals.loss, static_cast<std::size_t>(totals.correct)};
   }
 
-  void check_totals(const loom::gpu::LossTotals& totals, int epoch, std::size_t step) const {
+  // loss_scale: fp16's, which the device leaves as it was at a halt.
+  void check_totals(const loom::gpu::LossTotals& totals, int epoch, std::size_t step,
+                    float loss_scale) const {
+    // The CPU's words (handle_nonfinite), without the first non-finite
+    // gradient, which the device does not look for, and without
+    // NonFinite::skip, which GPUs do not take yet.
+    if (totals.halted == loom::gpu::halt_gradient_overflow)
+      LOOM_FAIL("the gradients became non-finite at epoch ", epoch, ", step ", step,
+                " under a finite loss, even at fp16's minimum loss scale ",
+                detail::number_text(loss_scale), " (LossScaling::min_scale); the weights are "
+                "kept from the step before. Lower the learning rate or check the input data");
     if (totals.halted == loom::gpu::halt_nonfinite_loss)
       LOOM_FAIL("the training loss became ", loss_text(totals.halt_loss), " at epoch ", epoch,
                 ", step ", step,

@@ -125,6 +125,9 @@ struct GemmOptions {
   // accumulation and output: exact for operands that already hold bf16
   // values (a bf16 network's, backend/cuda/precision.cuh). Wins over allow_tf32.
   bool allow_bf16 = false;
+  // The same on fp16 tensor cores (CUBLAS_COMPUTE_32F_FAST_16F), for an fp16
+  // network's operands. Wins over allow_tf32; not to be set with allow_bf16.
+  bool allow_fp16 = false;
 };
 
 // The pointers and scalars of one run. Pointers an epilogue does not use
@@ -189,6 +192,7 @@ class GemmPlan {
       : handle_(lt.get()), shape_(shape), epilogue_(epilogue), options_(options) {
     validate();
     const cublasComputeType_t compute = options.allow_bf16   ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                        : options.allow_fp16 ? CUBLAS_COMPUTE_32F_FAST_16F
                                         : options.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
                                                              : CUBLAS_COMPUTE_32F;
     cublasLtMatmulDesc_t desc = nullptr;
@@ -227,7 +231,11 @@ class GemmPlan {
       << ", m=" << shape_.m << ", n=" << shape_.n << ", k=" << shape_.k << ", lda=" << shape_.lda
       << ", ldb=" << shape_.ldb << ", ldc=" << shape_.ldc
       << ", epilogue=" << epilogue_name(epilogue_)
-      << (options_.allow_bf16 ? ", bf16" : options_.allow_tf32 ? ", tf32" : "") << ")";
+      << (options_.allow_bf16   ? ", bf16"
+          : options_.allow_fp16 ? ", fp16"
+          : options_.allow_tf32 ? ", tf32"
+                                : "")
+      << ")";
     return s.str();
   }
 
@@ -306,6 +314,8 @@ class GemmPlan {
     const std::size_t al = options_.alignment_bytes;
     LOOM_CHECK(al >= sizeof(float) && (al & (al - 1)) == 0, describe(), ": alignment_bytes ", al,
                " must be a power of two of at least ", sizeof(float));
+    LOOM_CHECK(!(options_.allow_bf16 && options_.allow_fp16), describe(),
+               ": allow_bf16 and allow_fp16 are both set; a network computes in one of them");
   }
 
   void pick_algorithm() {

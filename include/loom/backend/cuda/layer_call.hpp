@@ -39,6 +39,7 @@ enum class TensorMath {
   fp32,  // FMA math: results match the CPU backend to fp32 rounding
   tf32,  // TF32 tensor cores (operands rounded to a 10-bit mantissa)
   bf16,  // a bf16 network (precision.cuh): GEMMs on bf16 tensor cores, convolutions on TF32 ones
+  fp16,  // an fp16 network: GEMMs on fp16 tensor cores, convolutions on TF32 ones
 };
 
 namespace detail {

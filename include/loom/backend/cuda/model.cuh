@@ -22,18 +22,22 @@
 // later update a no-op, so the weights stay those of the last good step until
 // the host reads the totals and reports it.
 //
-// bf16 (DeviceModelOptions::precision) keeps the buffers fp32 and rounds
-// what the CPU backend's emulation rounds (precision.cuh): each step first
-// rounds the fp32 master weights into a copy the layers compute with, and
-// its input batch (in place, in its slot); the loss gradient, and each
+// bf16 and fp16 (DeviceModelOptions::precision) keep the buffers fp32 and
+// round what the CPU backend's emulation rounds (precision.cuh): each step
+// first rounds the fp32 master weights into a copy the layers compute with,
+// and its input batch (in place, in its slot); the loss gradient, and each
 // layer's output, weight gradients and passed-back gradient are rounded as
-// they are made. The optimizer updates the master weights.
+// they are made. The optimizer updates the master weights. fp16 scales the
+// loss gradient by a scale kept on the device and unscales the gradients
+// before the update, skipping it (running statistics included) when they
+// overflowed (loss_scaling.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cstddef>
 #include <cmath>
 #include <cstdint>
@@ -57,6 +61,7 @@
 #include "graph.hpp"
 #include "layer_call.hpp"
 #include "layers.cuh"
+#include "loss_scaling.cuh"
 #include "../../parallel/buckets.hpp"
 #include "pool.cuh"
 #include "precision.cuh"
@@ -75,9 +80,10 @@ struct DeviceModelOptions {
   // TF32 tensor-core math for GEMMs and convolutions: faster, inputs rounded
   // to a 10-bit mantissa. Off, results match the CPU backend to FP32 rounding.
   bool allow_tf32 = false;
-  // fp32, or bf16 on tensor cores (see the file comment; allow_tf32 is then
-  // moot). fp16 needs dynamic loss scaling, which the GPU does not do yet.
+  // fp32, or bf16 or fp16 on tensor cores (see the file comment; allow_tf32
+  // is then moot). fp16 scales the loss dynamically by `loss_scaling`.
   Precision precision = Precision::fp32;
+  LossScaling loss_scaling{};
   // Data parallelism: this model is one rank of `data_parallel` (which must
   // outlive it). Each step then sums the ranks' loss statistics before it
   // decides to update, and all-reduces the gradients in buckets of about
@@ -315,6 +321,7 @@ class LayerRunner {
       options.max_workspace_bytes = std::min(options.max_workspace_bytes, library_limit);
       options.allow_tf32 = math == TensorMath::tf32;
       options.allow_bf16 = math == TensorMath::bf16;
+      options.allow_fp16 = math == TensorMath::fp16;
       const Epilogue forward = L::activation != Act::relu ? Epilogue::bias
                                : WritesMask              ? Epilogue::relu_aux_bias
                                                          : Epilogue::relu_bias;
@@ -749,13 +756,16 @@ class DeviceModel {
         optimizer_(optimizer),
         options_(options),
         graphs_(options.graphs),
-        plans_(context_, checked_batch(max_batch, options),
-               options.precision == Precision::bf16 ? TensorMath::bf16
-               : options.allow_tf32                 ? TensorMath::tf32
-                                                    : TensorMath::fp32),
+        plans_(context_, checked_batch(max_batch),
+               options.precision == Precision::bf16   ? TensorMath::bf16
+               : options.precision == Precision::fp16 ? TensorMath::fp16
+               : options.allow_tf32                   ? TensorMath::tf32
+                                                      : TensorMath::fp32),
         scratch_bytes_(plans_.scratch_bytes()),
         loss_(max_batch),
-        snapshots_(2) {
+        scaler_(options.loss_scaling),
+        snapshots_(2),
+        scale_snapshots_(2) {
     const std::string owner = "DeviceModel on cuda:" + std::to_string(current_device());
 
     arena_ = std::make_unique<DeviceArena>(plan_bytes(), owner);
@@ -770,7 +780,14 @@ class DeviceModel {
     totals_ = arena_->take<LossTotals>(1);
     stats_ = arena_->take<double>(3);
     pass_ = arena_->take<DevicePass>(1);
-    if constexpr (state_count > 0) state_ = arena_->take<float>(state_count);
+    if (fp16()) {
+      scale_state_ = arena_->take<LossScaleState>(1);
+      skip_ = arena_->take<int>(1);
+    }
+    if constexpr (state_count > 0) {
+      state_ = arena_->take<float>(state_count);
+      if (fp16()) kept_state_ = arena_->take<float>(state_count);
+    }
     if (options.gradient_accumulation) {
       accum_ = arena_->take<float>(layout::total);
       LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layout::total * sizeof(float), stream()));
@@ -795,6 +812,7 @@ class DeviceModel {
     copy_running_state(initial.state().data(), cudaMemcpyHostToDevice);
     set_pass({});
     set_lr(optimizer.lr);
+    if (fp16()) set_loss_scale({.scale = options.loss_scaling.initial_scale});
     reset_totals();
     if (auto* comm = options.data_parallel) {
       buckets_ = plan_buckets(options.bucket_bytes);
@@ -880,9 +898,32 @@ class DeviceModel {
                "DeviceModel: max_grad_norm must be a finite number >= 0, got ", max_norm);
     max_norm_ = max_norm;
   }
+  // fp16: the loss scale and its counters every later step starts from
+  // (enqueued; a checkpoint's, say), brought within LossScaling's bounds as
+  // LossScaler::restore brings them.
+  void set_loss_scale(const LossScaleState& state) {
+    LOOM_CHECK(fp16(), "DeviceModel: a loss scale is fp16's; this model computes in ",
+               precision_name(options_.precision));
+    scaler_.restore(state.scale, state.good_steps);
+    scale_value_ = {.scale = scaler_.scale(),
+                    .good_steps = state.good_steps,
+                    .skipped_steps = state.skipped_steps};
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_state_, &scale_value_, sizeof(LossScaleState),
+                                    cudaMemcpyHostToDevice, stream()));
+  }
+  // fp16: the scale as the last step enqueued on `slot` left it, once
+  // wait_totals(slot) returned (`overflowed`: that step's update was skipped).
+  LossScaleState loss_scale(int slot) {
+    check_slot(slot);
+    LOOM_CHECK(fp16(), "DeviceModel: a loss scale is fp16's; this model computes in ",
+               precision_name(options_.precision));
+    return scale_snapshots_.data()[slot];
+  }
   const DeviceOptimizer& optimizer() const { return optimizer_; }
   // Optimizer steps enqueued (Adam's bias corrections count them; a step
-  // halted on the device counts too, and halts every later one).
+  // halted on the device counts too, and halts every later one; so does
+  // one that fp16 skipped for an overflow, until the owner, who learns it
+  // from loss_scale(slot), takes it back with set_optimizer_steps).
   std::uint64_t optimizer_steps() const { return updates_; }
   void set_optimizer_steps(std::uint64_t steps) { updates_ = steps; }
 
@@ -957,6 +998,9 @@ class DeviceModel {
     if constexpr (state_count > 0)
       LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, other.state_, state_count * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream()));
+    if (fp16() && other.fp16())
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_state_, other.scale_state_, sizeof(LossScaleState),
+                                      cudaMemcpyDeviceToDevice, stream()));
     // `other` may be destroyed as soon as this returns.
     context_.stream.synchronize();
   }
@@ -971,14 +1015,12 @@ class DeviceModel {
   static constexpr std::size_t largest_activation() {
     return ::loom::detail::list_info<executed>::largest_activation;
   }
-  static std::size_t checked_batch(std::size_t max_batch, const DeviceModelOptions& options) {
+  static std::size_t checked_batch(std::size_t max_batch) {
     LOOM_CHECK(max_batch >= 1, "DeviceModel: the largest batch must be at least 1 sample");
-    LOOM_CHECK(options.precision != Precision::fp16, "DeviceModel: fp16 on GPUs is not built yet "
-               "(it needs dynamic loss scaling on the device); bf16 needs none, and fp16 runs "
-               "emulated on CPU devices");
     return max_batch;
   }
   bool reduced() const { return options_.precision != Precision::fp32; }
+  bool fp16() const { return options_.precision == Precision::fp16; }
   // The weights the layers compute with: the master weights, or their
   // rounded copy.
   const float* compute_weights() const { return reduced() ? compute_params_ : params_; }
@@ -991,7 +1033,10 @@ class DeviceModel {
              DeviceArena::padded_bytes<unsigned char>(norm_scratch_bytes_);
     bytes += DeviceArena::padded_bytes<LossTotals>(1) +
              DeviceArena::padded_bytes<double>(3) + DeviceArena::padded_bytes<DevicePass>(1);
-    if constexpr (state_count > 0) bytes += DeviceArena::padded_bytes<float>(state_count);
+    if (fp16())
+      bytes += DeviceArena::padded_bytes<LossScaleState>(1) + DeviceArena::padded_bytes<int>(1);
+    if constexpr (state_count > 0)
+      bytes += (fp16() ? 2 : 1) * DeviceArena::padded_bytes<float>(state_count);
     if (options_.gradient_accumulation) bytes += DeviceArena::padded_bytes<float>(layout::total);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
@@ -1092,6 +1137,12 @@ class DeviceModel {
     const int slot = s.slot;
     const std::size_t n = s.n, global_n = s.global;
     const std::int32_t* labels = inputs_[slot].labels;
+    // fp16: an overflowed step is skipped, and the running statistics its
+    // forward passes moved go back to those of its start.
+    if constexpr (state_count > 0)
+      if (fp16() && train && !s.accumulate)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(kept_state_, state_, state_count * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream()));
     if (n > 0) {
       // Rounded at every step: the master weights change with each update,
       // and the host may replace them between steps. Rounding the input
@@ -1102,7 +1153,8 @@ class DeviceModel {
       }
       forward(*p, inputs_[slot].images, n, train);
       softmax_xent_async(output<layer_count - 1>(), labels, n, classes, s.group,
-                         train ? grad_buffers_[0] : nullptr, loss_, stream());
+                         train ? grad_buffers_[0] : nullptr, loss_, stream(),
+                         fp16() ? &scale_state_->scale : nullptr);
       if (train) round_values(options_.precision, grad_buffers_[0], n * classes, stream());
     }
     if (auto* comm = options_.data_parallel) {
@@ -1146,14 +1198,24 @@ class DeviceModel {
         } else if (s.accumulate) {
           add_into(grads_, accum_, layout::total, stream());
         }
+        // fp16: unscaled (the all-reduce summed scaled gradients, as the
+        // CPU's replicas do) and checked before the norm and the update.
+        if (fp16())
+          unscale_and_update(grads_, layout::total, scale_state_, rule_, totals_, skip_, stream());
         if (s.clip)
           squared_norm(grads_, layout::total, norm_, norm_scratch_, norm_scratch_bytes_, stream());
         optimizer_update(optimizer_, params_, grads_, moments_[0], moments_[1], layout::total,
-                         update_, s.clip ? norm_ : nullptr, &totals_->halted, stream());
+                         update_, s.clip ? norm_ : nullptr, fp16() ? skip_ : &totals_->halted,
+                         stream());
+        if constexpr (state_count > 0)
+          if (fp16()) copy_if_set(skip_, kept_state_, state_, state_count, stream());
       }
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(snapshots_.data() + slot, totals_, sizeof(LossTotals),
                                     cudaMemcpyDeviceToHost, stream()));
+    if (fp16())
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_snapshots_.data() + slot, scale_state_,
+                                      sizeof(LossScaleState), cudaMemcpyDeviceToHost, stream()));
   }
 
   // Bucket b's gradients are final on the compute stream: the communication
@@ -1292,6 +1354,13 @@ class DeviceModel {
     if (totals.halted == halt_nonfinite_loss)
       LOOM_FAIL("the training loss became ", loss_text(totals.halt_loss),
                 "; the weights are kept from the step before");
+    if (totals.halted == halt_gradient_overflow) {
+      char scale[32];
+      const auto end = std::to_chars(scale, scale + sizeof scale, options_.loss_scaling.min_scale).ptr;
+      LOOM_FAIL("the gradients became non-finite under a finite loss, even at fp16's minimum "
+                "loss scale ", std::string_view(scale, end - scale), " (LossScaling::min_scale); "
+                "the weights are kept from the step before");
+    }
     return {totals.loss, static_cast<std::size_t>(totals.correct)};
   }
 
@@ -1304,7 +1373,10 @@ class DeviceModel {
   std::size_t scratch_bytes_ = 0;
   std::unique_ptr<DeviceArena> arena_;
   SoftmaxXentWorkspace loss_;
+  LossScaler scaler_;  // checks LossScaling's options, and bounds set_loss_scale's
+  LossScaleRule rule_ = LossScaleRule::from(options_.loss_scaling);
   PinnedBuffer<LossTotals> snapshots_;  // one per input slot
+  PinnedBuffer<LossScaleState> scale_snapshots_;  // fp16's, one per input slot
   std::array<Event, 2> done_;
   Stream comm_stream_;
   std::vector<GradientBucket> buckets_;
@@ -1327,6 +1399,10 @@ class DeviceModel {
   DevicePass* pass_ = nullptr;
   DevicePass pass_value_;  // the source of the last set_pass copy (pageable: read on return)
   float* state_ = nullptr;  // running statistics, the CPU Model's order
+  float* kept_state_ = nullptr;  // fp16: state_ at the step's start
+  LossScaleState* scale_state_ = nullptr;  // fp16's
+  LossScaleState scale_value_;  // the source of the last set_loss_scale copy (pageable)
+  int* skip_ = nullptr;  // fp16: the step's update is skipped (halted or overflowed)
   std::array<float*, layer_count> saved_{};
   LossTotals* totals_ = nullptr;
   std::array<float*, layer_count> outputs_{};

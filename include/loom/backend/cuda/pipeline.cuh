@@ -595,7 +595,7 @@ class PipelineEngine {
                            const StepSettings& settings, const Pass& pass = {.training = true}) {
     LOOM_CHECK(settings.max_grad_norm == 0.0f && settings.precision == Precision::fp32,
                Policy::name, " on GPUs: gradient clipping and bf16/fp16 are not supported yet "
-               "(SingleDevice and DataParallel on GPUs clip and run bf16)");
+               "(SingleDevice and DataParallel on GPUs clip and run bf16 and fp16)");
     const float lr = settings.lr;
     LOOM_CHECK(n <= max_batch_, Policy::name, ": a batch of ", n, " samples; planned for ",
                max_batch_);
@@ -623,7 +623,7 @@ class PipelineEngine {
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
                          Precision precision = Precision::fp32) {
     LOOM_CHECK(precision == Precision::fp32, Policy::name, " on GPUs: bf16/fp16 are not supported "
-               "yet (SingleDevice and DataParallel on GPUs run bf16)");
+               "yet (SingleDevice and DataParallel on GPUs run bf16 and fp16)");
     crew_.run({.kind = JobKind::evaluate, .n = std::min(batch, max_batch_), .dataset = &dataset});
     const LossTotals t = total();
     if (t.halted == halt_bad_label)

@@ -22,8 +22,9 @@ constexpr unsigned full_mask = 0xffffffffu;
 
 template <class T>
 __global__ void softmax_xent(const T* logits, const std::int32_t* labels, std::size_t batch,
-                             std::size_t classes, T grad_scale, T* dlogits, double* row_loss,
-                             int* row_correct, unsigned long long* first_bad_row) {
+                             std::size_t classes, T global_batch, const float* loss_scale,
+                             T* dlogits, double* row_loss, int* row_correct,
+                             unsigned long long* first_bad_row) {
   const std::size_t warps = blockDim.x / 32;
   const std::size_t row = static_cast<std::size_t>(blockIdx.x) * warps + threadIdx.x / 32;
   const unsigned lane = threadIdx.x % 32;
@@ -67,6 +68,8 @@ __global__ void softmax_xent(const T* logits, const std::int32_t* labels, std::s
     row_correct[row] = best_index == static_cast<std::size_t>(label) ? 1 : 0;
   }
   if (dlogits == nullptr) return;
+  // cpu::softmax_xent's factor, loss_scale / global_batch, in T.
+  const T grad_scale = (loss_scale != nullptr ? T(*loss_scale) : T(1)) / global_batch;
   for (std::size_t c = lane; c < classes; c += 32) {
     const T p = exp(x[c] - best - log_total);
     dlogits[row * classes + c] =
@@ -90,7 +93,14 @@ struct LossTotals {
   double halt_loss = 0.0;          // that batch's loss sum
 };
 
-enum Halt : int { halt_none = 0, halt_nonfinite_loss = 1, halt_bad_label = 2 };
+// halt_gradient_overflow: fp16's scaled gradients overflowed at the
+// minimum loss scale (loss_scaling.cuh), where backing off cannot help.
+enum Halt : int {
+  halt_none = 0,
+  halt_nonfinite_loss = 1,
+  halt_bad_label = 2,
+  halt_gradient_overflow = 3,
+};
 
 namespace kernels {
 
@@ -157,6 +167,20 @@ inline __global__ void accumulate_global_loss(const double* stats,
 
 }  // namespace kernels
 
+class SoftmaxXentWorkspace;
+
+// Enqueues the kernel and the reductions only (no host wait, nothing copied
+// from the host), so a CUDA graph can capture it: the sums land in
+// ws.loss_sum()/ws.correct(), a label outside [0, classes) in ws.bad_row().
+// dlogits (optional) receives d(mean loss over global_batch)/d(logits),
+// times *loss_scale when that device scalar is given (fp16's loss scaling:
+// read when the kernel runs, so a captured step takes each step's scale).
+template <class T>
+void softmax_xent_async(const T* logits, const std::int32_t* labels, std::size_t batch,
+                        std::size_t classes, std::size_t global_batch, T* dlogits,
+                        SoftmaxXentWorkspace& ws, cudaStream_t stream,
+                        const float* loss_scale = nullptr);
+
 // Buffers for up to `max_batch` rows, allocated once, so a step allocates nothing.
 class SoftmaxXentWorkspace {
  public:
@@ -184,7 +208,8 @@ class SoftmaxXentWorkspace {
 
   template <class T>
   friend void softmax_xent_async(const T*, const std::int32_t*, std::size_t, std::size_t,
-                                 std::size_t, T*, SoftmaxXentWorkspace&, cudaStream_t);
+                                 std::size_t, T*, SoftmaxXentWorkspace&, cudaStream_t,
+                                 const float*);
 
  private:
   std::size_t max_batch_;
@@ -196,14 +221,10 @@ class SoftmaxXentWorkspace {
   DeviceBuffer<unsigned char> temp_;
 };
 
-// Enqueues the kernel and the reductions only (no host wait, nothing copied
-// from the host), so a CUDA graph can capture it: the sums land in
-// ws.loss_sum()/ws.correct(), a label outside [0, classes) in ws.bad_row().
-// dlogits (optional) receives d(mean loss over global_batch)/d(logits).
 template <class T>
 void softmax_xent_async(const T* logits, const std::int32_t* labels, std::size_t batch,
                         std::size_t classes, std::size_t global_batch, T* dlogits,
-                        SoftmaxXentWorkspace& ws, cudaStream_t stream) {
+                        SoftmaxXentWorkspace& ws, cudaStream_t stream, const float* loss_scale) {
   LOOM_CHECK(batch >= 1 && batch <= ws.max_batch_, "softmax_xent: ", batch,
              " rows but the workspace holds 1 to ", ws.max_batch_);
   // All ones: "no bad row" (atomicMin keeps the first bad one).
@@ -211,7 +232,7 @@ void softmax_xent_async(const T* logits, const std::int32_t* labels, std::size_t
   constexpr unsigned threads = 256;  // 8 rows per block
   const auto blocks = static_cast<unsigned>((batch + threads / 32 - 1) / (threads / 32));
   kernels::softmax_xent<T><<<blocks, threads, 0, stream>>>(
-      logits, labels, batch, classes, T(1) / static_cast<T>(global_batch), dlogits,
+      logits, labels, batch, classes, static_cast<T>(global_batch), loss_scale, dlogits,
       ws.row_loss_.data(), ws.row_correct_.data(), ws.bad_row_.data());
   LOOM_CUDA_LAUNCH_CHECK("softmax_xent");
   std::size_t bytes = ws.temp_.size();
