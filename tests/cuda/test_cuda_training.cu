@@ -126,7 +126,8 @@ void reduced_follows_cpu(Precision precision, std::size_t samples, const SGD::Op
 
 // LeNet's first loss gradients (up to 1/64 of a batch of 64) overflow fp16
 // at 2^24 and 2^23: steps are skipped until the scale has come down, and it
-// grows again after four good steps, to overflow again.
+// grows again after four good steps, to overflow again (unit/test_precision.cpp
+// checks that this course skips and grows on the CPU).
 constexpr LossScaling overflowing{.initial_scale = 0x1p24f, .growth_interval = 4};
 
 // One step (SGD, lr 1) of a network on 64 real images: the CPU emulation's
@@ -311,17 +312,6 @@ TEST_CASE("cuda trainer: an fp16 ResNet's skipped steps keep its running statist
                                    {2e-3, 2e-2}, overflowing);
 }
 
-TEST_CASE("cuda trainer: the overflowing scale does skip steps on the CPU (the tests above need "
-          "it to)") {
-  // Checked apart, so that a change of LeNet's gradients that ends the
-  // overflows names itself.
-  Trainer<LeNet> cpu(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f},
-                     {.seed = 6, .precision = Precision::fp16, .loss_scaling = overflowing});
-  cpu.fit(head(fashion().train, 1280), {.epochs = 1, .batch_size = 64, .seed = 3});
-  REQUIRE(cpu.skipped_steps() >= 3);
-  REQUIRE(cpu.skipped_steps() < 20);
-}
-
 TEST_CASE("cuda trainer: fp16 overflowing at its minimum scale raises the CPU's error, weights "
           "kept") {
   const test::TempDir dir;
@@ -468,15 +458,20 @@ TEST_CASE("cuda optimizers: Adam and AdamW updates, clipped or not, equal the CP
   }
 }
 
-TEST_CASE("cuda trainer: AdamW with clipping on a GPU follows the CPU trainer, step by step") {
+TEMPLATE_TEST_CASE("cuda trainer: AdamW with clipping on GPUs follows the CPU trainer, step by "
+                   "step", "", SingleDevice, ModelSplit<Balanced<2>>) {
   const auto part = head(fashion().train, 1000);  // 15 batches of 64, then 40
   const AdamW::Options adamw{.lr = 1e-3f, .weight_decay = 0.01f};
-  // Small enough that every step clips.
+  // Small enough that every step clips (ModelSplit: the stages' squared
+  // norms must be summed).
   const FitOptions fit{.epochs = 2, .batch_size = 64, .seed = 5, .max_grad_norm = 0.5f};
   std::vector<StepInfo> cpu_steps, gpu_steps;
   Trainer<LeNet, SingleDevice, AdamW> cpu_trainer(devices::cpu(1), adamw, {.seed = 4});
   cpu_trainer.fit(part, fit, Record{&cpu_steps});
-  Trainer<LeNet, SingleDevice, AdamW> gpu_trainer(one_gpu(), adamw, {.seed = 4});
+  // ModelSplit's stages share the one GPU.
+  const std::vector<Device> gpus(std::max<std::size_t>(TestType::devices_needed, 1),
+                                 devices::gpus().front());
+  Trainer<LeNet, TestType, AdamW> gpu_trainer(gpus, adamw, {.seed = 4});
   gpu_trainer.fit(part, fit, Record{&gpu_steps});
   REQUIRE(gpu_steps.size() == 32);
   same_steps(gpu_steps, cpu_steps, 1e-3);
@@ -487,14 +482,21 @@ TEST_CASE("cuda trainer: AdamW with clipping on a GPU follows the CPU trainer, s
                       {1e-3, 1e-2}, "weights after 2 epochs");
 }
 
-TEST_CASE("cuda trainer: SGD with momentum, clipped by global norm on a GPU, follows the CPU") {
+TEMPLATE_TEST_CASE("cuda trainer: SGD with momentum, clipped by global norm on GPUs, follows "
+                   "the CPU", "", SingleDevice, ModelSplit<Balanced<2>>,
+                   (Hybrid<2, ModelSplit<Balanced<2>>>)) {
+  // ModelSplit and Hybrid: the stages' squared norms (after Hybrid's copies
+  // are summed) make one global norm; each stage clipping by its own would
+  // end elsewhere. Their stages share the one GPU.
   const auto part = head(fashion().train, 640);
   const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 1e-4f};
   const FitOptions fit{.epochs = 1, .batch_size = 64, .seed = 5, .max_grad_norm = 0.25f};
   std::vector<StepInfo> cpu_steps, gpu_steps;
   Trainer<LeNet> cpu_trainer(devices::cpu(1), sgd, {.seed = 4});
   cpu_trainer.fit(part, fit, Record{&cpu_steps});
-  Trainer<LeNet> gpu_trainer(one_gpu(), sgd, {.seed = 4});
+  const std::vector<Device> gpus(std::max<std::size_t>(TestType::devices_needed, 1),
+                                 devices::gpus().front());
+  Trainer<LeNet, TestType> gpu_trainer(gpus, sgd, {.seed = 4});
   gpu_trainer.fit(part, fit, Record{&gpu_steps});
   same_steps(gpu_steps, cpu_steps, 1e-3);
   const auto gpu_weights = gpu_trainer.model().parameters();
@@ -641,14 +643,56 @@ TEST_CASE("cuda trainer: save() while the GPU runs the next step is a loom::Erro
                       "weights through the file");
 }
 
-TEST_CASE("cuda ModelSplit: Adam and checkpoints on GPUs are refused, naming what works") {
-  const std::vector<Device> two(2, devices::gpus().front());
-  REQUIRE_THROWS_WITH((Trainer<LeNet, ModelSplit<Balanced<2>>, AdamW>(two, {.lr = 1e-3f})),
-                      Catch::Contains("on GPUs trains with SGD only so far"));
-  Trainer<LeNet, ModelSplit<Balanced<2>>> split(two, {.lr = 0.01f});
+TEST_CASE("cuda ModelSplit: a checkpoint saved on GPUs mid-epoch resumes on GPUs and on CPU "
+          "devices") {
   const test::TempDir dir;
-  REQUIRE_THROWS_WITH(split.save(dir.file("s.safetensors")),
-                      Catch::Contains("on GPUs are not supported yet"));
+  const auto path = dir.file("split.safetensors");
+  const auto part = head(fashion().train, 640);  // 10 steps an epoch
+  const AdamW::Options adamw{.lr = 2e-3f};
+  const FitOptions fit{.epochs = 2, .batch_size = 64, .seed = 9, .max_grad_norm = 1.0f};
+  const std::vector<Device> two(2, devices::gpus().front());
+  using Split = Trainer<LeNet, ModelSplit<Balanced<2>>, AdamW>;
+  std::vector<StepInfo> whole_steps;
+  Split whole(two, adamw, {.seed = 3});
+  whole.fit(part, fit, Record{&whole_steps});
+
+  Split first(two, adamw, {.seed = 3});
+  callbacks::Checkpoint checkpoint({.path = path, .every_steps = 13, .every_epoch = false,
+                                    .at_end = false});
+  first.fit(part, fit, checkpoint, test::StopAfter{13});
+  REQUIRE(checkpoint.saves == 1);
+  REQUIRE(first.optimizer().steps() == 13);  // save() brought the stages' state to the host
+  const std::vector<StepInfo> tail(whole_steps.begin() + 13, whole_steps.end());
+
+  // Loaded before its first fit: the stages that fit makes start from it.
+  std::vector<StepInfo> gpu_steps;
+  Split second(two, adamw, {.seed = 3});
+  second.load(path);
+  REQUIRE(second.optimizer().steps() == 13);
+  second.fit(part, fit, Record{&gpu_steps});
+  same_steps(gpu_steps, tail, 1e-5);
+  test::require_close(second.model().parameters(), whole.model().parameters(), {1e-6, 1e-5},
+                      "weights at the end, resumed on GPUs against uninterrupted");
+
+  // Loaded into stages that have gone on 7 steps past it: their weights,
+  // moments and step count go back to step 13's.
+  const auto end = copy_of(whole.model().parameters());
+  std::vector<StepInfo> again_steps;
+  whole.load(path);
+  whole.fit(part, fit, Record{&again_steps});
+  same_steps(again_steps, tail, 1e-5);
+  test::require_close(whole.model().parameters(), end, {1e-6, 1e-5},
+                      "weights at the end, resumed into stages that had moved on");
+
+  std::vector<StepInfo> cpu_steps;
+  Trainer<LeNet, SingleDevice, AdamW> cpu(devices::cpu(1), adamw, {.seed = 3});
+  cpu.load(path);
+  cpu.fit(part, fit, Record{&cpu_steps});
+  same_steps(cpu_steps, tail, 1e-3);
+  // Adam at lr 2e-3: a near-zero gradient's weight may move by up to lr a
+  // step either way on the two backends.
+  test::require_close(cpu.model().parameters(), end, {2e-3, 2e-2},
+                      "weights at the end, resumed on a CPU device");
 }
 
 LOOM_CUDA_TEST_MAIN

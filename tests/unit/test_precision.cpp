@@ -240,6 +240,26 @@ TEST_CASE("precision: fp16 skips the steps whose scaled gradients overflow, back
   }
 }
 
+TEST_CASE("precision: LeNet's fp16 scale from 2^24, growing every 4 good steps, skips and grows") {
+  // The course the GPU's fp16 tests (cuda/test_cuda_training.cu,
+  // `overflowing`) follow step by step: it must both skip and grow.
+  using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
+                           MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
+  std::vector<float> scales;
+  std::vector<bool> skipped;
+  Trainer<LeNet> trainer(devices::cpu(1), {.lr = 0.05f, .momentum = 0.9f},
+                         {.seed = 6,
+                          .precision = Precision::fp16,
+                          .loss_scaling = {.initial_scale = 0x1p24f, .growth_interval = 4}});
+  trainer.fit(head(fashion().train, 1280), {.epochs = 1, .batch_size = 64, .seed = 3},
+              RecordScale{&scales, &skipped});
+  REQUIRE(scales.size() == 20);
+  REQUIRE(skipped.front());  // 2^24 / 64 is beyond fp16's 65504
+  REQUIRE(trainer.skipped_steps() >= 3);
+  REQUIRE(trainer.skipped_steps() < 20);
+  REQUIRE(std::ranges::adjacent_find(scales, std::less<>{}) != scales.end());  // it grew
+}
+
 TEST_CASE("precision: an fp16 step that overflows at min_scale is a non-finite step") {
   // This network's gradients overflow fp16 from a scale of about 2^17: with
   // the scale bounded below by 2^28, the third step overflows at the bound.

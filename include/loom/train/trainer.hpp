@@ -220,12 +220,7 @@ class Trainer {
     for (const auto& device : devices_) {
       LOOM_CHECK(device.kind == devices_.front().kind, "devices ", devices_.front().name(), " and ",
                  device.name(), " are of different kinds; give one kind");
-#if defined(__CUDACC__)
-      LOOM_CHECK(device.kind == Device::Kind::cpu || (std::is_same_v<Optimizer, SGD>) ||
-                     !is_pipelined<Policy>,
-                 "device ", device.name(), ": ", Policy::name, " on GPUs trains with SGD only so "
-                 "far (SingleDevice and DataParallel on GPUs take Adam and AdamW too)");
-#else
+#if !defined(__CUDACC__)
       LOOM_CHECK(device.kind == Device::Kind::cpu, "device ", device.name(),
                  " needs the CUDA backend: compile with nvcc to use GPUs");
 #endif
@@ -296,9 +291,6 @@ class Trainer {
         options.drop_last ? loader.batches_per_epoch() * options.batch_size : train.count;
     stop_.set(false);
 #if defined(__CUDACC__)
-    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy> || options.max_grad_norm == 0.0f,
-               "fit: gradient clipping (FitOptions::max_grad_norm) of ", Policy::name,
-               " on GPUs is not supported yet (SingleDevice and DataParallel on GPUs clip)");
     LOOM_CHECK(!on_gpu() || options.on_nonfinite == NonFinite::raise, "fit: skipping "
                "non-finite steps (FitOptions::on_nonfinite = NonFinite::skip) runs on CPU "
                "devices only so far; on GPUs a non-finite loss raises");
@@ -572,10 +564,6 @@ class Trainer {
   // under any policy and device count. Across MPI processes every process
   // calls it (the stages' parts are gathered) and rank 0 writes.
   void save(const std::filesystem::path& path) {
-    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy>, "Trainer::save: checkpoints of ",
-               Policy::name, " on GPUs are not supported yet (each stage keeps its optimizer "
-               "state on its GPU); train on CPU devices, or SingleDevice or DataParallel on GPUs, "
-               "to checkpoint");
     LOOM_CHECK(gpu_unreported_ == 0, "Trainer::save: called while the GPU runs a step that "
                "fit() has not reported (the GPU runs a step ahead of the callbacks, and a fit "
                "that failed may leave one behind); save from callbacks::Checkpoint, at an "
@@ -586,9 +574,12 @@ class Trainer {
     Model<Net, float>* model = &model_;
     if constexpr (is_data_parallel<Policy>)
       if (!on_gpu()) model = &engine_->model();
+    // A pipeline on GPUs made by no fit yet: model_ and optimizer_ hold all.
+    bool gather = false;
     if constexpr (is_pipelined<Policy>) {
       scatter_if_changed();  // weights edited through model() count
-      pipeline_->gather(model_);
+      gather = split_ready();
+      if (gather) with_split([&](auto& engine) { engine.gather(model_); });
     }
     image.parameters.assign(model->parameters().begin(), model->parameters().end());
     image.state.assign(model->state().begin(), model->state().end());
@@ -596,17 +587,25 @@ class Trainer {
     for (std::size_t b = 0; b < optimizer.buffer_count(); ++b) {
       image.buffer_names.emplace_back(optimizer.buffer_name(b));
       if constexpr (is_pipelined<Policy>) {
-        image.buffers.emplace_back(Net::parameter_count, 0.0f);
-        pipeline_->gather_optimizer(b, image.buffers.back().data());
-      } else {
-        image.buffers.emplace_back(optimizer.buffer(b).begin(), optimizer.buffer(b).end());
+        if (gather) {
+          image.buffers.emplace_back(Net::parameter_count, 0.0f);
+          with_split([&](auto& e) { e.gather_optimizer(b, image.buffers.back().data()); });
+          continue;
+        }
       }
+      image.buffers.emplace_back(optimizer.buffer(b).begin(), optimizer.buffer(b).end());
     }
     image.optimizer = Optimizer::name;
-    if constexpr (is_pipelined<Policy>)
-      image.optimizer_steps = pipeline_->optimizer_steps();
-    else
-      image.optimizer_steps = optimizer.steps();
+    image.optimizer_steps = optimizer.steps();
+    if constexpr (is_pipelined<Policy>) {
+      if (gather) {
+        image.optimizer_steps = with_split([](auto& e) { return e.optimizer_steps(); });
+        // optimizer() shows the stages' state, as it shows a GPU's after save().
+        for (std::size_t b = 0; b < image.buffers.size(); ++b)
+          std::ranges::copy(image.buffers[b], optimizer_.buffer(b).begin());
+        optimizer_.set_steps(image.optimizer_steps);
+      }
+    }
     for (const auto& [name, value] : optimizer_.options().hyperparameters())
       image.optimizer_options.emplace_back(name, value);
     image.lr = optimizer_.options().lr;
@@ -647,9 +646,6 @@ class Trainer {
   // it); without, it starts a fit of its own, with its own options, from the
   // checkpoint's weights and optimizer state.
   void load(const std::filesystem::path& path, bool resume = true) {
-    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy>, "Trainer::load: checkpoints of ",
-               Policy::name, " on GPUs are not supported yet; load on CPU devices, or under "
-               "SingleDevice or DataParallel on GPUs");
     std::vector<std::string> names;
     for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
       names.emplace_back(optimizer_.buffer_name(b));
@@ -689,12 +685,17 @@ class Trainer {
         for (std::size_t r = 0; r < engine_->local_replicas(); ++r)
           put(engine_->replica_model(r), engine_->replica_optimizer(r));
     push_to_gpu();
+    // A pipeline on GPUs made by a later fit starts from model_ and optimizer_.
     if constexpr (is_pipelined<Policy>) {
-      pipeline_->scatter(model_);
-      for (std::size_t b = 0; b < image.buffers.size(); ++b)
-        pipeline_->scatter_optimizer(b, image.buffers[b].data());
-      pipeline_->set_optimizer_steps(image.optimizer_steps);
-      host_changed_ = false;
+      if (split_ready()) {
+        with_split([&](auto& engine) {
+          engine.scatter(model_);
+          for (std::size_t b = 0; b < image.buffers.size(); ++b)
+            engine.scatter_optimizer(b, image.buffers[b].data());
+          engine.set_optimizer_steps(image.optimizer_steps);
+        });
+        host_changed_ = false;
+      }
     }
     if (resume) {
       base_lr_ = image.base_lr;
@@ -842,15 +843,6 @@ class Trainer {
   };
 
   int gpu_world() const { return nccl_.empty() ? 1 : nccl_.front().size(); }
-
-  // The CUDA pipeline's optimizer is SGD (the constructor refuses others
-  // for pipelines on GPUs); a trainer with another one still compiles under nvcc.
-  SGD::Options gpu_sgd_options() const {
-    if constexpr (std::is_same_v<Optimizer, SGD>)
-      return optimizer_.options();
-    else
-      LOOM_FAIL(Policy::name, " on GPUs trains with SGD only so far");
-  }
 
   // The host's optimizer state (a fresh one's zeros, or a checkpoint's)
   // onto a DeviceModel, or the device's back here (for a checkpoint).
@@ -1364,13 +1356,22 @@ class Trainer {
   void gpu_split(std::size_t batch) {
     if constexpr (is_pipelined<Policy>) {
       if (gpu_pipeline_ && gpu_pipeline_->max_batch() >= batch) return;
-      // The old stages hand over weights and momentum; weights changed
-      // through model() since follow (scatter_if_changed).
-      if (!gpu_pipeline_) host_changed_ = false;  // the new stages start from model_
+      // The old stages hand over weights and optimizer state; weights
+      // changed through model() since follow (scatter_if_changed). The
+      // first stages start from model_ and optimizer_ (a fresh optimizer's
+      // zeros, or a loaded checkpoint's state).
+      const bool first = !gpu_pipeline_;
+      if (first) host_changed_ = false;
       auto made = std::make_unique<GpuPipeline>(
-          devices_, model_, gpu_sgd_options(), options_.schedule, options_.allow_tf32,
+          devices_, model_, loom::gpu::DeviceOptimizer::from(optimizer_.options()),
+          options_.schedule, options_.allow_tf32,
           std::max(batch, gpu_pipeline_ ? gpu_pipeline_->max_batch() : std::size_t{1}),
           gpu_pipeline_.get());
+      if (first) {
+        for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
+          made->scatter_optimizer(b, optimizer_.buffer(b).data());
+        made->set_optimizer_steps(optimizer_.steps());
+      }
       gpu_pipeline_ = std::move(made);
     }
   }

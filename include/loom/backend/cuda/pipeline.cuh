@@ -12,7 +12,11 @@
 // The loss is the last stage's (on the device, LossTotals); at the end of an
 // optimizer step the host reads it, and every stage updates, or none when it
 // is not finite (fit then raises with the epoch and step). Gradients of a
-// step's micro-batches are summed into an accumulator; the update reads it.
+// step's micro-batches are summed into an accumulator; the update reads it,
+// with any of the optimizers DeviceModel takes (SGD, Adam, AdamW). Clipping
+// by global norm sums the stages' squared norms on the host (each stage's
+// is one reduction on its GPU) and hands every stage the total, so all
+// scale by the factor one device would.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -208,7 +213,15 @@ class DeviceStageBase {
   virtual void loss(std::size_t slot, std::size_t n, std::size_t group, bool train) = 0;
   // first_of_step: the step's first backward (overwrites the accumulator).
   virtual void backward(std::size_t slot, std::size_t n, bool first_of_step) = 0;
-  virtual void update(float lr) = 0;
+  // The step's update of the accumulated gradients, with optimizer step
+  // `scalars`' (update_scalars); clip_squares >= 0: the whole network's
+  // squared gradient norm, to clip by scalars.max_norm first.
+  virtual void update(const UpdateScalars& scalars, double clip_squares) = 0;
+  // The squared norm of the accumulated gradients (waits for the stream).
+  virtual double squared_norm() = 0;
+  // Optimizer buffer b (SGD's velocity; Adam's exp_avg, exp_avg_sq) to or
+  // from the stage's slice of a host buffer in the Model's order (waits).
+  virtual void copy_optimizer(std::size_t b, float* host, cudaMemcpyKind kind) = 0;
   // The step's micro-batches' gradients, summed (Hybrid sums it over copies).
   virtual float* accumulator() = 0;
   virtual void zero_accumulator() = 0;
@@ -220,7 +233,7 @@ class DeviceStageBase {
   virtual void copy_state_from(DeviceStageBase& other) = 0;
   virtual void synchronize() = 0;
   virtual float* parameters_on_device() = 0;
-  virtual float* velocity_on_device() = 0;
+  virtual float* optimizer_on_device(std::size_t b) = 0;
   virtual float* running_state_on_device() = 0;
   virtual std::size_t device_parameters() const = 0;
 };
@@ -239,18 +252,23 @@ class DeviceStage final : public DeviceStageBase {
 
   // Made with `device` current.
   DeviceStage(int device, std::span<const float> weights, std::span<const float> state,
-              SGD::Options sgd, std::size_t max_batch, std::size_t slots, bool allow_tf32)
+              const DeviceOptimizer& optimizer, std::size_t max_batch, std::size_t slots,
+              bool allow_tf32)
       : device_(device),
         max_batch_(max_batch),
-        sgd_(sgd),
+        optimizer_(optimizer),
         plans_(context_, max_batch, allow_tf32 ? TensorMath::tf32 : TensorMath::fp32),
         loss_(max_batch),
         totals_host_(1),
+        norm_host_(1),
         pinned_inputs_(First ? slots * max_batch * in_size : 0),
         pinned_labels_(slots * max_batch),
         slot_done_(slots),
         staged_(slots) {
-    std::size_t bytes = 4 * DeviceArena::padded_bytes<float>(layout::total) +
+    std::size_t bytes = (3 + optimizer.buffers()) * DeviceArena::padded_bytes<float>(layout::total) +
+                        DeviceArena::padded_bytes<UpdateScalars>(1) +
+                        DeviceArena::padded_bytes<double>(1) +
+                        DeviceArena::padded_bytes<unsigned char>(norm_scratch_bytes_) +
                         DeviceArena::padded_bytes<LossTotals>(1) +
                         2 * DeviceArena::padded_bytes<float>(max_batch * largest_activation()) +
                         DeviceArena::padded_bytes<float>(max_batch * in_size) +
@@ -263,7 +281,11 @@ class DeviceStage final : public DeviceStageBase {
     params_ = arena_->take<float>(layout::total);
     grads_ = arena_->take<float>(layout::total);
     accum_ = arena_->take<float>(layout::total);
-    velocity_ = arena_->take<float>(layout::total);
+    for (std::size_t b = 0; b < optimizer.buffers(); ++b)
+      moments_[b] = arena_->take<float>(layout::total);
+    update_ = arena_->take<UpdateScalars>(1);
+    norm_ = arena_->take<double>(1);
+    norm_scratch_ = arena_->take<unsigned char>(norm_scratch_bytes_);
     totals_ = arena_->take<LossTotals>(1);
     for (auto& buffer : grad_buffers_) buffer = arena_->take<float>(max_batch * largest_activation());
     input_gradient_ = arena_->take<float>(max_batch * in_size);
@@ -283,8 +305,9 @@ class DeviceStage final : public DeviceStageBase {
           s.saved[i] = arena_->take<float>(detail::device_saved_floats<L>(max_batch));
       });
     }
-    for (float* buffer : {params_, grads_, accum_, velocity_})
-      LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
+    for (float* buffer : {params_, grads_, accum_, moments_[0], moments_[1]})
+      if (buffer != nullptr)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
     LOOM_CUDA_CHECK(cudaMemsetAsync(totals_, 0, sizeof(LossTotals), stream()));
     copy_parameters(const_cast<float*>(weights.data()), cudaMemcpyHostToDevice);
     copy_running_state(const_cast<float*>(state.data()), cudaMemcpyHostToDevice);
@@ -370,9 +393,37 @@ class DeviceStage final : public DeviceStageBase {
       add_into(accum_, grads_, layout::total, stream());
   }
 
-  void update(float lr) override {
-    sgd_update(params_, accum_, velocity_, layout::total, lr, sgd_.momentum, sgd_.weight_decay,
-               sgd_.nesterov, stream());
+  void update(const UpdateScalars& scalars, double clip_squares) override {
+    // From pageable memory: each copy has read its source when it returns.
+    if (!(scalars == update_value_)) {
+      update_value_ = scalars;
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(update_, &update_value_, sizeof(UpdateScalars),
+                                      cudaMemcpyHostToDevice, stream()));
+    }
+    const bool clip = clip_squares >= 0.0;
+    if (clip) {
+      norm_value_ = clip_squares;
+      LOOM_CUDA_CHECK(
+          cudaMemcpyAsync(norm_, &norm_value_, sizeof(double), cudaMemcpyHostToDevice, stream()));
+    }
+    optimizer_update(optimizer_, params_, accum_, moments_[0], moments_[1], layout::total, update_,
+                     clip ? norm_ : nullptr, nullptr, stream());
+  }
+
+  double squared_norm() override {
+    ::loom::gpu::squared_norm(accum_, layout::total, norm_, norm_scratch_, norm_scratch_bytes_,
+                              stream());
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(double),
+                                    cudaMemcpyDeviceToHost, stream()));
+    context_.stream.synchronize();
+    return norm_host_.data()[0];
+  }
+
+  void copy_optimizer(std::size_t b, float* host, cudaMemcpyKind kind) override {
+    LOOM_CHECK(b < optimizer_.buffers(), "ModelSplit stage: ", optimizer_.name(), " has ",
+               optimizer_.buffers(), " buffer(s), not ", b + 1);
+    detail::copy_parameters<executed>(moments_[b], host, kind, stream());
+    context_.stream.synchronize();
   }
 
   float* accumulator() override { return accum_; }
@@ -406,15 +457,16 @@ class DeviceStage final : public DeviceStageBase {
     LOOM_CUDA_CHECK(cudaStreamSynchronize(other.stream()));
     LOOM_CUDA_CHECK(cudaMemcpyAsync(params_, other.parameters_on_device(),
                                     layout::total * sizeof(float), cudaMemcpyDefault, stream()));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(velocity_, other.velocity_on_device(),
-                                    layout::total * sizeof(float), cudaMemcpyDefault, stream()));
+    for (std::size_t b = 0; b < optimizer_.buffers(); ++b)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(moments_[b], other.optimizer_on_device(b),
+                                      layout::total * sizeof(float), cudaMemcpyDefault, stream()));
     if constexpr (state_count > 0)
       LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, other.running_state_on_device(),
                                       state_count * sizeof(float), cudaMemcpyDefault, stream()));
     context_.stream.synchronize();  // `other` may go when this returns
   }
   float* parameters_on_device() override { return params_; }
-  float* velocity_on_device() override { return velocity_; }
+  float* optimizer_on_device(std::size_t b) override { return moments_[b]; }
   float* running_state_on_device() override { return state_; }
   std::size_t device_parameters() const override { return layout::total; }
 
@@ -504,19 +556,26 @@ class DeviceStage final : public DeviceStageBase {
 
   int device_;
   std::size_t max_batch_;
-  SGD::Options sgd_;
+  DeviceOptimizer optimizer_;
   DeviceContext context_;
   Stream copy_stream_;
   detail::PlanCache<executed, !First> plans_;
   SoftmaxXentWorkspace loss_;
   PinnedBuffer<LossTotals> totals_host_;
+  PinnedBuffer<double> norm_host_;  // squared_norm()'s
   PinnedBuffer<float> pinned_inputs_;         // per slot (the first stage)
   PinnedBuffer<std::int32_t> pinned_labels_;  // per slot (the last stage's are read)
   std::unique_ptr<DeviceArena> arena_;
   float* params_ = nullptr;
   float* grads_ = nullptr;
   float* accum_ = nullptr;  // the step's micro-batches' gradients, summed
-  float* velocity_ = nullptr;
+  std::array<float*, 2> moments_{};  // SGD's velocity; Adam's exp_avg and exp_avg_sq
+  UpdateScalars* update_ = nullptr;
+  UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
+  double* norm_ = nullptr;  // squared norms: the stage's, then the whole network's for the update
+  double norm_value_ = 0.0;  // the source of the last copy into norm_ (pageable)
+  std::size_t norm_scratch_bytes_ = ::loom::gpu::squared_norm_bytes(layout::total);
+  unsigned char* norm_scratch_ = nullptr;
   float* state_ = nullptr;  // running statistics, the stage's slice of the Model's order
   LossTotals* totals_ = nullptr;
   std::array<float*, 2> grad_buffers_{};
@@ -530,8 +589,7 @@ class DeviceStage final : public DeviceStageBase {
 
 // The pipelines of one process's GPUs: ModelSplit (one pipeline, stage k on
 // devices[k]) or Hybrid (Policy::replicas pipelines: rank w = replica w / S,
-// stage w % S on devices[w]). A GPU may hold several ranks. SGD only, like
-// the rest of the CUDA backend.
+// stage w % S on devices[w]). A GPU may hold several ranks.
 //
 // Hybrid sums each stage's accumulated gradients over its copies after the
 // step's last backward: replica 0's copy (the leader) adds the others' in
@@ -550,12 +608,15 @@ class PipelineEngine {
   static constexpr std::size_t classes = Net::output_shape::size;
 
   // Planned for global batches of up to max_batch samples; `previous` (same
-  // network and devices, planned smaller) hands over weights and momentum.
+  // network, devices and optimizer, planned smaller) hands over weights and
+  // optimizer state, else it starts at zero (scatter_optimizer sets another).
   PipelineEngine(const std::vector<Device>& devices, const Model<Net, float>& initial,
-                 SGD::Options sgd, PipelineSchedule schedule, bool allow_tf32,
+                 const DeviceOptimizer& optimizer, PipelineSchedule schedule, bool allow_tf32,
                  std::size_t max_batch, PipelineEngine* previous = nullptr)
       : schedule_(schedule),
         max_batch_(max_batch),
+        optimizer_(optimizer),
+        updates_(previous != nullptr ? previous->updates_ : 0),
         crew_(Policy::name, devices::hardware_threads()) {
     if (schedule_.micro_batches == 0) schedule_.micro_batches = Policy::schedule.micro_batches;
     if constexpr (replicas > 1)
@@ -566,7 +627,7 @@ class PipelineEngine {
       LOOM_CHECK(devices.size() == stages, Policy::name, " has ", stages, " stages but ",
                  devices.size(), " GPUs were given (a GPU may be named more than once)");
     try {
-      make_stages(devices, initial, sgd, allow_tf32, previous);
+      make_stages(devices, initial, allow_tf32, previous);
       crew_.start(
           ranks, [this](std::size_t w, const Job& job) { work(w, job); },
           [this](std::size_t, const std::string& why) {
@@ -593,10 +654,8 @@ class PipelineEngine {
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings, const Pass& pass = {.training = true}) {
-    LOOM_CHECK(settings.max_grad_norm == 0.0f && settings.precision == Precision::fp32,
-               Policy::name, " on GPUs: gradient clipping and bf16/fp16 are not supported yet "
-               "(SingleDevice and DataParallel on GPUs clip and run bf16 and fp16)");
-    const float lr = settings.lr;
+    LOOM_CHECK(settings.precision == Precision::fp32, Policy::name, " on GPUs: bf16/fp16 are not "
+               "supported yet (SingleDevice and DataParallel on GPUs run bf16 and fp16)");
     LOOM_CHECK(n <= max_batch_, Policy::name, ": a batch of ", n, " samples; planned for ",
                max_batch_);
     crew_.run({.kind = JobKind::train,
@@ -616,7 +675,17 @@ class PipelineEngine {
                 " is outside the network's ", classes, " classes");
     if (t.halted == halt_nonfinite_loss) return {t.halt_loss, 0};  // no stage updates
     if constexpr (replicas > 1) crew_.run({.kind = JobKind::reduce});
-    crew_.run({.kind = JobKind::update, .settings = {.lr = lr}});
+    // Read by the update jobs (the crew's run orders the writes before them).
+    clip_squares_ = -1.0;
+    if (settings.max_grad_norm > 0.0f) {
+      // Replica 0's stages hold the sums (Hybrid reduced them there).
+      crew_.run({.kind = JobKind::norm});
+      clip_squares_ = 0.0;
+      for (const double squares : stage_squares_) clip_squares_ += squares;
+    }
+    scalars_ = update_scalars(optimizer_, settings.lr, updates_ + 1, settings.max_grad_norm);
+    crew_.run({.kind = JobKind::update});
+    updates_ += 1;
     return {t.loss, static_cast<std::size_t>(t.correct)};
   }
 
@@ -642,6 +711,25 @@ class PipelineEngine {
                                      cudaMemcpyDeviceToHost);
     }
   }
+  // Optimizer buffer b of the whole network into `whole` (replica 0's
+  // stages: the copies are equal), or every stage's slice from it.
+  void gather_optimizer(std::size_t b, float* whole) {
+    for (std::size_t k = 0; k < stages; ++k) {
+      LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
+      stages_[k]->copy_optimizer(b, whole + offsets_[k], cudaMemcpyDeviceToHost);
+    }
+  }
+  void scatter_optimizer(std::size_t b, const float* whole) {
+    for (std::size_t w = 0; w < ranks; ++w) {
+      LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
+      stages_[w]->copy_optimizer(b, const_cast<float*>(whole) + offsets_[w % stages],
+                                 cudaMemcpyHostToDevice);
+    }
+  }
+  // Optimizer steps taken (Adam's bias corrections count them).
+  std::uint64_t optimizer_steps() const { return updates_; }
+  void set_optimizer_steps(std::uint64_t steps) { updates_ = steps; }
+
   void scatter(const Model<Net, float>& whole) {
     for (std::size_t w = 0; w < ranks; ++w) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
@@ -655,7 +743,7 @@ class PipelineEngine {
   }
 
  private:
-  enum class JobKind { train, evaluate, reduce, update };
+  enum class JobKind { train, evaluate, reduce, norm, update };
   using Job = ::loom::detail::EngineJob<JobKind>;
 
   // Hybrid: what the copies of one stage share for their reduction.
@@ -670,7 +758,7 @@ class PipelineEngine {
   static std::size_t link(std::size_t r, std::size_t k) { return r * (stages - 1) + k; }
 
   void make_stages(const std::vector<Device>& devices, const Model<Net, float>& initial,
-                   SGD::Options sgd, bool allow_tf32, PipelineEngine* previous) {
+                   bool allow_tf32, PipelineEngine* previous) {
     // Each replica pipelines its share of a batch.
     replica_batch_ = std::max<std::size_t>(1, batch_share(max_batch_, replicas, 0).count);
     const std::size_t micro =
@@ -692,7 +780,7 @@ class PipelineEngine {
         LOOM_CUDA_CHECK(cudaSetDevice(device));
         stages_[w] = std::make_unique<DeviceStage<StageNet, K == 0>>(
             device, initial.parameters().subspan(offset, StageNet::parameter_count),
-            initial.state().subspan(state_at, StageNet::state_count), sgd, most,
+            initial.state().subspan(state_at, StageNet::state_count), optimizer_, most,
             pipeline_in_flight(schedule_.kind, stages, K, micro), allow_tf32);
         if (previous != nullptr) stages_[w]->copy_state_from(*previous->stages_[w]);
       }
@@ -777,9 +865,12 @@ class PipelineEngine {
       case JobKind::reduce:
         if (replica_of(w) == 0) reduce(w, stage);
         break;
+      case JobKind::norm:
+        if (replica_of(w) == 0) stage_squares_[stage_of(w)] = stage.squared_norm();
+        break;
       case JobKind::update:
         if (replicas > 1 && replica_of(w) > 0) take_sum(w, stage);
-        stage.update(job.settings.lr);
+        stage.update(scalars_, clip_squares_);
         break;
     }
   }
@@ -957,6 +1048,14 @@ class PipelineEngine {
 
   PipelineSchedule schedule_;
   std::size_t max_batch_;
+  DeviceOptimizer optimizer_;
+  std::uint64_t updates_ = 0;  // optimizer steps taken
+  // The step's update, for the update jobs: its scalars, and the whole
+  // network's squared gradient norm when clipping (else -1), summed from
+  // replica 0's stages' (norm jobs) in stage order.
+  UpdateScalars scalars_{};
+  double clip_squares_ = -1.0;
+  std::array<double, stages> stage_squares_{};
   std::size_t replica_batch_ = 1;  // the most samples of a batch one replica takes
   std::vector<std::unique_ptr<DeviceStageBase>> stages_;  // by rank: replica * stages + stage
   std::vector<std::size_t> offsets_;  // where each stage's slice of the whole network's weights starts
