@@ -28,19 +28,6 @@ struct LossScaleState {
   unsigned long long skipped_steps = 0;  // updates skipped for an overflow, in all
 };
 
-// LossScaling's bounds and factors, by value into the update kernel.
-struct LossScaleRule {
-  float growth_factor = 2.0f;
-  float backoff_factor = 0.5f;
-  unsigned long long growth_interval = 2000;
-  float min_scale = 1.0f;
-  float max_scale = 0x1p24f;
-
-  static LossScaleRule from(const LossScaling& o) {
-    return {o.growth_factor, o.backoff_factor, o.growth_interval, o.min_scale, o.max_scale};
-  }
-};
-
 namespace kernels {
 
 // grads *= 1 / scale (the CPU's unscale_gradients: the same float
@@ -60,9 +47,10 @@ inline __global__ void unscale_gradients(float* grads, std::size_t count, LossSc
 }
 
 // One thread, after unscale_gradients: whether the update is skipped (a
-// halted step's, or an overflowed one's), and the next scale. A halted step
-// leaves the scale alone (the CPU raises before updating it).
-inline __global__ void update_loss_scale(LossScaleState* state, LossScaleRule rule,
+// halted step's, or an overflowed one's), and the next scale by `rule`
+// (passed by value). A halted step leaves the scale alone (the CPU raises
+// before updating it).
+inline __global__ void update_loss_scale(LossScaleState* state, LossScaling rule,
                                          LossTotals* totals, int* skip) {
   if (totals->halted != halt_none) {
     state->overflowed = 0;
@@ -101,7 +89,7 @@ inline __global__ void copy_if_set(const int* flag, const float* from, float* to
 // Enqueues unscaling `count` gradients by state->scale, flagging an
 // overflow in state->overflowed, then the scale's update and *skip.
 inline void unscale_and_update(float* grads, std::size_t count, LossScaleState* state,
-                               const LossScaleRule& rule, LossTotals* totals, int* skip,
+                               const LossScaling& rule, LossTotals* totals, int* skip,
                                cudaStream_t stream) {
   LOOM_CUDA_CHECK(cudaMemsetAsync(&state->overflowed, 0, sizeof(int), stream));
   if (count > 0) {

@@ -1201,7 +1201,8 @@ class DeviceModel {
         // fp16: unscaled (the all-reduce summed scaled gradients, as the
         // CPU's replicas do) and checked before the norm and the update.
         if (fp16())
-          unscale_and_update(grads_, layout::total, scale_state_, rule_, totals_, skip_, stream());
+          unscale_and_update(grads_, layout::total, scale_state_, options_.loss_scaling, totals_,
+                             skip_, stream());
         if (s.clip)
           squared_norm(grads_, layout::total, norm_, norm_scratch_, norm_scratch_bytes_, stream());
         optimizer_update(optimizer_, params_, grads_, moments_[0], moments_[1], layout::total,
@@ -1374,7 +1375,6 @@ class DeviceModel {
   std::unique_ptr<DeviceArena> arena_;
   SoftmaxXentWorkspace loss_;
   LossScaler scaler_;  // checks LossScaling's options, and bounds set_loss_scale's
-  LossScaleRule rule_ = LossScaleRule::from(options_.loss_scaling);
   PinnedBuffer<LossTotals> snapshots_;  // one per input slot
   PinnedBuffer<LossScaleState> scale_snapshots_;  // fp16's, one per input slot
   std::array<Event, 2> done_;
