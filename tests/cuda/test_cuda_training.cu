@@ -15,6 +15,7 @@
 #include "cuda_test.hpp"
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
+#include "nonfinite_test.hpp"
 #include "stop_after.hpp"
 #include "temp_dir.hpp"
 
@@ -410,6 +411,103 @@ TEST_CASE("cuda trainer: bf16 and fp16 of pipelines on GPUs are refused") {
                         Catch::Contains(std::string(precision_name(p)) + " of ModelSplit") &&
                             Catch::Contains("on GPUs is not supported yet"));
   }
+}
+
+TEST_CASE("cuda trainer: NonFinite::skip of ModelSplit on GPUs is refused") {
+  const auto part = head(fashion().train, 128);
+  const std::vector<Device> two(2, devices::gpus().front());
+  Trainer<LeNet, ModelSplit<Balanced<2>>> split(two, {.lr = 0.01f});
+  REQUIRE_THROWS_WITH(
+      split.fit(part, {.epochs = 1, .batch_size = 64, .on_nonfinite = NonFinite::skip}),
+      Catch::Contains("fit: skipping non-finite steps (FitOptions::on_nonfinite = "
+                      "NonFinite::skip) of ModelSplit on GPUs is not supported yet"));
+}
+
+// 256 unshuffled samples in batches of 64, a NaN pixel in step 2: with
+// NonFinite::skip the GPU skips the step the CPU skips, and the run goes
+// on as the CPU's does (weights, running statistics, the steps' losses).
+template <class Net, class Policy, class Optimizer>
+void skips_nan_step_as_cpu(const typename Optimizer::Options& options, test::Tolerance tolerance) {
+  auto bad = head(fashion().train, 256);
+  bad.images[(64 + 5) * 784 + 100] = std::numeric_limits<float>::quiet_NaN();
+  const FitOptions fit{
+      .epochs = 1, .batch_size = 64, .shuffle = false, .on_nonfinite = NonFinite::skip};
+  Trainer<Net, Policy, Optimizer> gpu(one_gpu(), options, {.seed = 2});
+  Trainer<Net, SingleDevice, Optimizer> cpu(devices::cpu(1), options, {.seed = 2});
+  std::vector<StepInfo> gpu_steps, cpu_steps;
+  gpu.fit(bad, fit, Record{&gpu_steps});
+  cpu.fit(bad, fit, Record{&cpu_steps});
+  REQUIRE(cpu.nonfinite_steps() == 1);
+  REQUIRE(gpu.nonfinite_steps() == 1);
+  REQUIRE(gpu_steps.size() == 4);
+  for (std::size_t i = 0; i < gpu_steps.size(); ++i) {
+    INFO("step " << i + 1);
+    REQUIRE(gpu_steps[i].skipped == cpu_steps[i].skipped);
+  }
+  REQUIRE(gpu_steps[1].nonfinite.starts_with("the training loss became nan at epoch 1, step 2"));
+  REQUIRE(std::isnan(gpu_steps[1].step_loss));
+  REQUIRE(gpu_steps[2].nonfinite.empty());
+  // The skipped step's batch leaves the epoch's mean (its samples count).
+  same_steps(gpu_steps, cpu_steps, 1e-4);
+  REQUIRE(gpu_steps.back().accuracy == Approx(cpu_steps.back().accuracy).margin(1.0 / 192));
+  test::require_close(gpu.model().parameters(), cpu.model().parameters(), tolerance, "weights");
+  test::require_close(gpu.model().state(), cpu.model().state(), tolerance, "running statistics");
+}
+
+TEST_CASE("cuda trainer: NonFinite::skip skips a NaN step as the CPU does (SGD, one GPU)") {
+  skips_nan_step_as_cpu<LeNet, SingleDevice, SGD>({.lr = 0.01f, .momentum = 0.9f}, {1e-5, 1e-3});
+}
+
+TEST_CASE("cuda trainer: NonFinite::skip keeps a ResNet's running statistics, as the CPU") {
+  skips_nan_step_as_cpu<SmallResNet, SingleDevice, SGD>({.lr = 0.05f, .momentum = 0.9f},
+                                                        {2e-5, 2e-3});
+}
+
+TEST_CASE("cuda DataParallel: NonFinite::skip with AdamW on an NCCL rank skips as the CPU") {
+  // Adam's bias corrections count the steps taken: the skipped one must not count.
+  skips_nan_step_as_cpu<Mlp, DataParallel<>, AdamW>({.lr = 1e-3f, .weight_decay = 0.01f},
+                                                    {1e-5, 1e-3});
+}
+
+// Gradients that overflow under a finite loss (nonfinite_test.hpp): the
+// update is skipped before it is made, as on the CPU.
+template <class Policy>
+void overflowing_gradients_on_gpu() {
+  const std::string expected =
+      "the gradients became non-finite at epoch 1, step 1 under a finite loss; the weights are "
+      "kept from the step before";
+  {
+    Trainer<test::OverflowingNet, Policy> trainer(one_gpu(), {.lr = 0.01f});
+    test::overflowing_gradient(trainer.model().parameters());
+    const auto before = copy_of(trainer.model().parameters());
+    REQUIRE_THAT(test::error_of(trainer, test::ones(64), {.batch_size = 64}),
+                 Catch::Contains(expected));
+    test::require_equal(trainer.model().parameters(), before, "weights after the error");
+  }
+  {
+    Trainer<test::OverflowingNet, Policy> trainer(one_gpu(), {.lr = 0.01f, .momentum = 0.9f});
+    test::overflowing_gradient(trainer.model().parameters());
+    const auto before = copy_of(trainer.model().parameters());
+    std::vector<StepInfo> steps;
+    trainer.fit(test::ones(192), {.batch_size = 64, .on_nonfinite = NonFinite::skip},
+                Record{&steps});
+    REQUIRE(trainer.nonfinite_steps() == 3);
+    REQUIRE(steps.size() == 3);
+    REQUIRE(steps[2].skipped);
+    REQUIRE(steps[2].nonfinite ==
+            "the gradients became non-finite at epoch 1, step 3 under a finite loss");
+    REQUIRE(std::isfinite(steps[2].step_loss));
+    REQUIRE(steps[2].loss == 0.0);  // no step counted
+    test::require_equal(trainer.model().parameters(), before, "weights after skipped steps");
+  }
+}
+
+TEST_CASE("cuda trainer: gradients that overflow under a finite loss raise or are skipped") {
+  overflowing_gradients_on_gpu<SingleDevice>();
+}
+
+TEST_CASE("cuda DataParallel: gradients that overflow under a finite loss raise or are skipped") {
+  overflowing_gradients_on_gpu<DataParallel<>>();
 }
 
 TEST_CASE("cuda optimizers: Adam and AdamW updates, clipped or not, equal the CPU's") {

@@ -84,8 +84,8 @@ struct FitOptions {
   // Clip each step's gradients to this global norm, over every layer,
   // replica and stage (PyTorch's clip_grad_norm_); 0: never.
   float max_grad_norm = 0.0f;
-  // A step whose loss or gradients are not finite (CPU devices; on GPUs a
-  // non-finite loss raises).
+  // A step whose loss or gradients are not finite (ModelSplit and Hybrid
+  // on GPUs raise either way).
   NonFinite on_nonfinite = NonFinite::raise;
 };
 
@@ -291,9 +291,10 @@ class Trainer {
         options.drop_last ? loader.batches_per_epoch() * options.batch_size : train.count;
     stop_.set(false);
 #if defined(__CUDACC__)
-    LOOM_CHECK(!on_gpu() || options.on_nonfinite == NonFinite::raise, "fit: skipping "
-               "non-finite steps (FitOptions::on_nonfinite = NonFinite::skip) runs on CPU "
-               "devices only so far; on GPUs a non-finite loss raises");
+    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy> || options.on_nonfinite == NonFinite::raise,
+               "fit: skipping non-finite steps (FitOptions::on_nonfinite = NonFinite::skip) of ",
+               Policy::name, " on GPUs is not supported yet (SingleDevice and DataParallel on "
+               "GPUs skip them)");
     LOOM_CHECK(!on_gpu() || !is_pipelined<Policy> || options_.precision == Precision::fp32,
                "fit: ", precision_name(options_.precision), " of ", Policy::name,
                " on GPUs is not supported yet (SingleDevice and DataParallel on GPUs run bf16 "
@@ -1002,13 +1003,16 @@ class Trainer {
     const std::size_t k = options.accumulation_steps;
     auto& replicas = gpu_replicas(options.batch_size, k > 1);
     const bool fp16 = options_.precision == Precision::fp16;
+    const bool skip_nonfinite = options.on_nonfinite == NonFinite::skip;
     // Adam's update depends on its step number, which a step skipped for
-    // an fp16 overflow does not take, and only the device knows whether it
-    // did: with fp16, each step is reported before the next is enqueued.
-    const bool report_each_step = fp16 && !std::is_same_v<Optimizer, SGD>;
+    // an fp16 overflow or a non-finite value does not take, and only the
+    // device knows whether it did: then each step is reported before the
+    // next is enqueued.
+    const bool report_each_step = (fp16 || skip_nonfinite) && !std::is_same_v<Optimizer, SGD>;
     for (auto& replica : replicas) {
       replica.use();
       replica.model->set_max_grad_norm(options.max_grad_norm);
+      replica.model->set_skip_nonfinite(skip_nonfinite);
     }
     const auto resumed = resume_position(identity, loader.batches_per_epoch());
     // A fit that failed may have left steps unreported; this one goes on
@@ -1043,6 +1047,11 @@ class Trainer {
         replica.use();
         replica.model->reset_totals();
       }
+      // Steps skipped as non-finite: their sums (the device's totals hold
+      // their finite batches') leave the epoch's loss and accuracy, as on
+      // the CPU; their samples stay in the count.
+      double skipped_loss = 0.0;
+      std::size_t skipped_correct = 0, skipped_samples = 0;
       // While its callbacks run, the batches enqueued after it are
       // unreported: save() refuses then (the device is past the position).
       const auto report = [&](int slot, std::size_t batches) {
@@ -1050,8 +1059,16 @@ class Trainer {
         // fp16: the scale as the device left it after this step.
         loom::gpu::LossScaleState scaling{.scale = scaler_.scale()};
         if (fp16) scaling = replicas.front().model->loss_scale(slot);
+        nonfinite_.clear();
         try {
           check_totals(totals, epoch, step.step + 1, scaling.scale);
+          if (totals.skipped != loom::gpu::skipped_none)
+            handle_nonfinite(totals.skipped == loom::gpu::skipped_loss ? totals.skipped_loss : 0.0,
+                             {}, epoch, step.step + 1, options.on_nonfinite,
+                             fp16 && totals.skipped == loom::gpu::skipped_gradients
+                                 ? min_scale_note(scaling.scale)
+                                 : std::string(),
+                             true);
         } catch (...) {
           rewind();
           throw;
@@ -1059,29 +1076,42 @@ class Trainer {
         if (fp16) {
           scaler_.restore(scaling.scale, scaling.good_steps);
           skipped_steps_ = scaling.skipped_steps;
-          step.skipped = scaling.overflowed != 0;
-          // The update was counted when enqueued; the device skipped it
-          // (the CPU's optimizer never takes a skipped step).
-          if (step.skipped)
-            for (auto& replica : replicas)
-              replica.model->set_optimizer_steps(replica.model->optimizer_steps() - 1);
         }
+        const bool nonfinite = !nonfinite_.empty();
+        step.skipped = scaling.overflowed != 0 || nonfinite;
+        step.nonfinite = nonfinite_;
+        // The update was counted when enqueued; the device skipped it
+        // (the CPU's optimizer never takes a skipped step).
+        if (step.skipped)
+          for (auto& replica : replicas)
+            replica.model->set_optimizer_steps(replica.model->optimizer_steps() - 1);
         gpu_unreported_ -= batches;
         reported_batches += batches;
         reported_updates += step.skipped ? 0 : 1;
         steps_ += 1;
         step.step += 1;
         const std::size_t samples = base.samples + static_cast<std::size_t>(totals.samples);
-        const double loss_sum = base.loss_sum + totals.loss;
-        const std::size_t correct = base.correct + static_cast<std::size_t>(totals.correct);
+        double loss_sum = base.loss_sum + totals.loss - skipped_loss;
+        std::size_t correct =
+            base.correct + static_cast<std::size_t>(totals.correct) - skipped_correct;
         step.step_samples = samples - step.samples;
         const auto step_n = static_cast<double>(std::max<std::size_t>(1, step.step_samples));
-        step.step_loss = (loss_sum - position_.loss_sum) / step_n;
+        step.step_loss = totals.skipped == loom::gpu::skipped_loss
+                             ? totals.skipped_loss / step_n
+                             : (loss_sum - position_.loss_sum) / step_n;
         step.step_accuracy = static_cast<double>(correct - position_.correct) / step_n;
+        if (nonfinite) {
+          skipped_loss += loss_sum - position_.loss_sum;
+          skipped_correct += correct - position_.correct;
+          skipped_samples += step.step_samples;
+          loss_sum = position_.loss_sum;
+          correct = position_.correct;
+        }
         step.samples = samples;
-        const auto all = static_cast<double>(std::max<std::size_t>(1, samples));
-        step.loss = loss_sum / all;
-        step.accuracy = static_cast<double>(correct) / all;
+        const auto counted =
+            static_cast<double>(std::max<std::size_t>(1, samples - skipped_samples));
+        step.loss = loss_sum / counted;
+        step.accuracy = static_cast<double>(correct) / counted;
         step.seconds = seconds_since(start);
         position_.batches += batches;
         position_.steps = step.step;
@@ -1193,21 +1223,16 @@ class Trainer {
   }
 
   // loss_scale: fp16's, which the device leaves as it was at a halt.
+  // Raises the CPU's words (handle_nonfinite), without the first
+  // non-finite output or gradient, which the device does not look for.
   void check_totals(const loom::gpu::LossTotals& totals, int epoch, std::size_t step,
-                    float loss_scale) const {
-    // The CPU's words (handle_nonfinite), without the first non-finite
-    // gradient, which the device does not look for, and without
-    // NonFinite::skip, which GPUs do not take yet.
+                    float loss_scale) {
     if (totals.halted == loom::gpu::halt_gradient_overflow)
-      LOOM_FAIL("the gradients became non-finite at epoch ", epoch, ", step ", step,
-                " under a finite loss, even at fp16's minimum loss scale ",
-                detail::number_text(loss_scale), " (LossScaling::min_scale); the weights are "
-                "kept from the step before. Lower the learning rate or check the input data");
+      handle_nonfinite(0.0, {}, epoch, step, NonFinite::raise, min_scale_note(loss_scale));
+    if (totals.halted == loom::gpu::halt_nonfinite_gradients)
+      handle_nonfinite(0.0, {}, epoch, step, NonFinite::raise, {}, true);
     if (totals.halted == loom::gpu::halt_nonfinite_loss)
-      LOOM_FAIL("the training loss became ", loss_text(totals.halt_loss), " at epoch ", epoch,
-                ", step ", step,
-                "; the weights are kept from the step before. Lower the learning rate or check "
-                "the input data");
+      handle_nonfinite(totals.halt_loss, {}, epoch, step, NonFinite::raise);
     if (totals.halted == loom::gpu::halt_bad_label && totals.bad_row == ~0ull)
       LOOM_FAIL("a label in step ", step, " of epoch ", epoch, " is outside the network's ",
                 classes, " classes (in another rank's share of the batch)");
@@ -1314,9 +1339,7 @@ class Trainer {
                      std::size_t step, NonFinite on_nonfinite) {
     if (options_.precision != Precision::fp16) return;
     if (sums.overflowed && scaler_.at_min_scale()) {
-      handle_nonfinite(sums.loss, spot, epoch, step, on_nonfinite,
-                       ", even at fp16's minimum loss scale " + detail::number_text(scaler_.scale()) +
-                           " (LossScaling::min_scale)");
+      handle_nonfinite(sums.loss, spot, epoch, step, on_nonfinite, min_scale_note(scaler_.scale()));
       return;
     }
     scaler_.update(sums.overflowed);
@@ -1379,12 +1402,14 @@ class Trainer {
 
   // After a step that every device skipped when its loss or gradients
   // were not finite (`spot`: where first, when a device looked;
-  // `scale_note`: the words for fp16's overflow at its minimum scale):
+  // `scale_note`: the words for fp16's overflow at its minimum scale;
+  // `gradients_bad`: a GPU found them non-finite without a spot):
   // raises, or (NonFinite::skip) counts it and says why in nonfinite_.
   // False for a finite step.
   bool handle_nonfinite(double loss, const NonFiniteSpot& spot, int epoch, std::size_t step,
-                        NonFinite on_nonfinite, const std::string& scale_note = {}) {
-    if (std::isfinite(loss) && !spot && scale_note.empty()) return false;
+                        NonFinite on_nonfinite, const std::string& scale_note = {},
+                        bool gradients_bad = false) {
+    if (std::isfinite(loss) && !spot && scale_note.empty() && !gradients_bad) return false;
     const std::string what =
         (std::isfinite(loss) ? std::string("the gradients became non-finite")
                              : "the training loss became " + loss_text(loss)) +
@@ -1398,6 +1423,11 @@ class Trainer {
     nonfinite_steps_ += 1;
     nonfinite_ = what;
     return true;
+  }
+
+  static std::string min_scale_note(float scale) {
+    return ", even at fp16's minimum loss scale " + detail::number_text(scale) +
+           " (LossScaling::min_scale)";
   }
 
   void check_dataset(const data::Dataset& dataset, const char* what) const {

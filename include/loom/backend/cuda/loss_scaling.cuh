@@ -5,7 +5,9 @@
 // all-reduce) one pass divides the gradients by it again and flags an
 // overflow, and one thread updates it as LossScaler::update does, with the
 // same float arithmetic. An overflowed step's update is skipped; one at the
-// minimum scale halts the totals (halt_gradient_overflow), as the CPU raises.
+// minimum scale halts the totals (halt_gradient_overflow), as the CPU
+// raises, or is skipped as non-finite (Skipped) when such steps are.
+// fp32 and bf16 check their gradients with the same scan, unscaled.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,44 +32,75 @@ struct LossScaleState {
 
 namespace kernels {
 
-// grads *= 1 / scale (the CPU's unscale_gradients: the same float
-// reciprocal, then one product each); any non-finite result flags the step.
-inline __global__ void unscale_gradients(float* grads, std::size_t count, LossScaleState* state) {
-  const float inverse = 1.0f / state->scale;
+// Sets *flag when any of `count` gradients is not finite; with Unscale,
+// first multiplies each by 1 / state->scale (the CPU's unscale_gradients:
+// the same float reciprocal, then one product each).
+template <bool Unscale>
+__global__ void scan_gradients(float* grads, std::size_t count, const LossScaleState* state,
+                               int* flag) {
+  float inverse = 1.0f;
+  if constexpr (Unscale) inverse = 1.0f / state->scale;
   bool finite = true;
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride) {
-    const float g = grads[i] * inverse;
-    grads[i] = g;
+    float g = grads[i];
+    if constexpr (Unscale) {
+      g *= inverse;
+      grads[i] = g;
+    }
     finite = finite && isfinite(g);
   }
   // Every writer writes 1: no race on the value.
-  if (__syncthreads_or(finite ? 0 : 1) != 0 && threadIdx.x == 0) state->overflowed = 1;
+  if (__syncthreads_or(finite ? 0 : 1) != 0 && threadIdx.x == 0) *flag = 1;
 }
 
-// One thread, after unscale_gradients: whether the update is skipped (a
-// halted step's, or an overflowed one's), and the next scale by `rule`
-// (passed by value). A halted step leaves the scale alone (the CPU raises
-// before updating it).
+// A step whose loss went non-finite while non-finite steps are skipped
+// (LossTotals::skipped) or halted is skipped; so is one whose gradients
+// are not finite, and it then halts the totals or, when
+// *skip_nonfinite is set, is marked skipped for them (Skipped).
+inline __device__ bool skip_for_nonfinite(bool gradients_bad, int halt, const int* skip_nonfinite,
+                                          LossTotals* totals) {
+  if (totals->halted != halt_none || totals->skipped != skipped_none) return true;
+  if (!gradients_bad) return false;
+  if (*skip_nonfinite != 0)
+    totals->skipped = skipped_gradients;
+  else
+    totals->halted = halt;
+  return true;
+}
+
+// One thread, after scan_gradients<false> (fp32, bf16): whether the update
+// is skipped.
+inline __global__ void decide_update(const int* bad, const int* skip_nonfinite,
+                                     LossTotals* totals, int* skip) {
+  *skip = skip_for_nonfinite(*bad != 0, halt_nonfinite_gradients, skip_nonfinite, totals) ? 1 : 0;
+}
+
+// One thread, after scan_gradients<true> (fp16): whether the update is
+// skipped (a halted or non-finite step's, or an overflowed one's), and the
+// next scale by `rule` (passed by value). A step halted or skipped as
+// non-finite leaves the scale alone (the CPU raises or skips before
+// updating it); so does an overflow at the minimum scale, which no smaller
+// scale could avoid: the step's gradients count as non-finite.
 inline __global__ void update_loss_scale(LossScaleState* state, LossScaling rule,
-                                         LossTotals* totals, int* skip) {
-  if (totals->halted != halt_none) {
-    state->overflowed = 0;
-    *skip = 1;
+                                         const int* skip_nonfinite, LossTotals* totals,
+                                         int* skip) {
+  const bool overflowed = state->overflowed != 0;
+  state->overflowed = 0;
+  *skip = 1;
+  if (skip_for_nonfinite(overflowed && state->scale <= rule.min_scale, halt_gradient_overflow,
+                         skip_nonfinite, totals))
     return;
-  }
-  *skip = state->overflowed;
-  if (state->overflowed != 0) {
-    if (state->scale <= rule.min_scale) {
-      totals->halted = halt_gradient_overflow;
-      state->overflowed = 0;
-      return;
-    }
+  if (overflowed) {
+    state->overflowed = 1;
     state->scale = fmaxf(state->scale * rule.backoff_factor, rule.min_scale);
     state->good_steps = 0;
     state->skipped_steps += 1;
-  } else if (++state->good_steps >= rule.growth_interval) {
+    return;
+  }
+  *skip = 0;
+  if (++state->good_steps >= rule.growth_interval) {
     state->scale = fminf(state->scale * rule.growth_factor, rule.max_scale);
     state->good_steps = 0;
   }
@@ -89,16 +122,32 @@ inline __global__ void copy_if_set(const int* flag, const float* from, float* to
 // Enqueues unscaling `count` gradients by state->scale, flagging an
 // overflow in state->overflowed, then the scale's update and *skip.
 inline void unscale_and_update(float* grads, std::size_t count, LossScaleState* state,
-                               const LossScaling& rule, LossTotals* totals, int* skip,
-                               cudaStream_t stream) {
+                               const LossScaling& rule, const int* skip_nonfinite,
+                               LossTotals* totals, int* skip, cudaStream_t stream) {
   LOOM_CUDA_CHECK(cudaMemsetAsync(&state->overflowed, 0, sizeof(int), stream));
   if (count > 0) {
-    kernels::unscale_gradients<<<grid_blocks(count), block_threads, 0, stream>>>(grads, count,
-                                                                               state);
-    LOOM_CUDA_LAUNCH_CHECK("unscale_gradients");
+    kernels::scan_gradients<true><<<grid_blocks(count), block_threads, 0, stream>>>(
+        grads, count, state, &state->overflowed);
+    LOOM_CUDA_LAUNCH_CHECK("scan_gradients<true>");
   }
-  kernels::update_loss_scale<<<1, 1, 0, stream>>>(state, rule, totals, skip);
+  kernels::update_loss_scale<<<1, 1, 0, stream>>>(state, rule, skip_nonfinite, totals, skip);
   LOOM_CUDA_LAUNCH_CHECK("update_loss_scale");
+}
+
+// fp32 and bf16: enqueues checking `count` gradients (the CPU checks them
+// before every update too) and deciding *skip (bad: one int of scratch).
+inline void check_gradients(const float* grads, std::size_t count, int* bad,
+                            const int* skip_nonfinite, LossTotals* totals, int* skip,
+                            cudaStream_t stream) {
+  LOOM_CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(int), stream));
+  if (count > 0) {
+    // Read only: Unscale = false never writes the gradients.
+    kernels::scan_gradients<false><<<grid_blocks(count), block_threads, 0, stream>>>(
+        const_cast<float*>(grads), count, nullptr, bad);
+    LOOM_CUDA_LAUNCH_CHECK("scan_gradients<false>");
+  }
+  kernels::decide_update<<<1, 1, 0, stream>>>(bad, skip_nonfinite, totals, skip);
+  LOOM_CUDA_LAUNCH_CHECK("decide_update");
 }
 
 // Enqueues to[i] = from[i] for count floats when the device's *flag is set.

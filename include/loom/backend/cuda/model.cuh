@@ -18,9 +18,12 @@
 // A step (forward, loss, backward, update) only enqueues work: it is captured
 // as a CUDA graph the first time a (kind, batch size, input slot) is seen and
 // replayed after, and it never waits for the host. Loss sums accumulate on
-// the device (LossTotals); a non-finite loss halts the totals and makes every
-// later update a no-op, so the weights stay those of the last good step until
-// the host reads the totals and reports it.
+// the device (LossTotals); a non-finite loss, or non-finite gradients under
+// a finite one (checked before every update, as on the CPU), halts the
+// totals and makes every later update a no-op, so the weights and running
+// statistics stay those of the last good step until the host reads the
+// totals and reports it. With set_skip_nonfinite such a step is skipped
+// instead (LossTotals::skipped says why) and the next goes on.
 //
 // bf16 and fp16 (DeviceModelOptions::precision) keep the buffers fp32 and
 // round what the CPU backend's emulation rounds (precision.cuh): each step
@@ -780,13 +783,15 @@ class DeviceModel {
     totals_ = arena_->take<LossTotals>(1);
     stats_ = arena_->take<double>(3);
     pass_ = arena_->take<DevicePass>(1);
-    if (fp16()) {
-      scale_state_ = arena_->take<LossScaleState>(1);
-      skip_ = arena_->take<int>(1);
-    }
+    if (fp16()) scale_state_ = arena_->take<LossScaleState>(1);
+    int* flags = arena_->take<int>(3);
+    skip_ = flags;
+    bad_gradients_ = flags + 1;
+    skip_nonfinite_ = flags + 2;
+    LOOM_CUDA_CHECK(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream()));
     if constexpr (state_count > 0) {
       state_ = arena_->take<float>(state_count);
-      if (fp16()) kept_state_ = arena_->take<float>(state_count);
+      kept_state_ = arena_->take<float>(state_count);
     }
     if (options.gradient_accumulation) {
       accum_ = arena_->take<float>(layout::total);
@@ -890,6 +895,14 @@ class DeviceModel {
   // Every later update uses this learning rate (read on the device, so the
   // captured steps need no new capture).
   void set_lr(float lr) { lr_ = lr; }
+  // Steps enqueued after this whose loss or gradients go non-finite are
+  // skipped (LossTotals::skipped) rather than halting the totals (read on
+  // the device; a pageable copy has read its source on return).
+  void set_skip_nonfinite(bool skip) {
+    skip_nonfinite_value_ = skip ? 1 : 0;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(skip_nonfinite_, &skip_nonfinite_value_, sizeof(int),
+                                    cudaMemcpyHostToDevice, stream()));
+  }
   // Every later update first clips the gradients by their global norm
   // (after the all-reduce under data parallelism: the norm of the summed
   // gradients, as on the CPU); 0: no clipping.
@@ -921,9 +934,10 @@ class DeviceModel {
   }
   const DeviceOptimizer& optimizer() const { return optimizer_; }
   // Optimizer steps enqueued (Adam's bias corrections count them; a step
-  // halted on the device counts too, and halts every later one; so does
-  // one that fp16 skipped for an overflow, until the owner, who learns it
-  // from loss_scale(slot), takes it back with set_optimizer_steps).
+  // halted on the device counts too, and halts every later one; so do one
+  // that fp16 skipped for an overflow and one skipped as non-finite, until
+  // the owner, who learns it from loss_scale(slot) or the totals' `skipped`,
+  // takes it back with set_optimizer_steps).
   std::uint64_t optimizer_steps() const { return updates_; }
   void set_optimizer_steps(std::uint64_t steps) { updates_ = steps; }
 
@@ -995,6 +1009,7 @@ class DeviceModel {
     updates_ = other.updates_;
     lr_ = other.lr_;
     max_norm_ = other.max_norm_;
+    set_skip_nonfinite(other.skip_nonfinite_value_ != 0);
     if constexpr (state_count > 0)
       LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, other.state_, state_count * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream()));
@@ -1033,10 +1048,9 @@ class DeviceModel {
              DeviceArena::padded_bytes<unsigned char>(norm_scratch_bytes_);
     bytes += DeviceArena::padded_bytes<LossTotals>(1) +
              DeviceArena::padded_bytes<double>(3) + DeviceArena::padded_bytes<DevicePass>(1);
-    if (fp16())
-      bytes += DeviceArena::padded_bytes<LossScaleState>(1) + DeviceArena::padded_bytes<int>(1);
-    if constexpr (state_count > 0)
-      bytes += (fp16() ? 2 : 1) * DeviceArena::padded_bytes<float>(state_count);
+    if (fp16()) bytes += DeviceArena::padded_bytes<LossScaleState>(1);
+    bytes += DeviceArena::padded_bytes<int>(3);
+    if constexpr (state_count > 0) bytes += 2 * DeviceArena::padded_bytes<float>(state_count);
     if (options_.gradient_accumulation) bytes += DeviceArena::padded_bytes<float>(layout::total);
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
@@ -1137,12 +1151,14 @@ class DeviceModel {
     const int slot = s.slot;
     const std::size_t n = s.n, global_n = s.global;
     const std::int32_t* labels = inputs_[slot].labels;
-    // fp16: an overflowed step is skipped, and the running statistics its
-    // forward passes moved go back to those of its start.
-    if constexpr (state_count > 0)
-      if (fp16() && train && !s.accumulate)
+    // A step skipped (halted, non-finite, fp16's overflow) puts back the
+    // running statistics its forward passes moved: those of its start.
+    if (train && !s.accumulate) {
+      LOOM_CUDA_CHECK(cudaMemsetAsync(&totals_->skipped, 0, sizeof(int), stream()));
+      if constexpr (state_count > 0)
         LOOM_CUDA_CHECK(cudaMemcpyAsync(kept_state_, state_, state_count * sizeof(float),
                                         cudaMemcpyDeviceToDevice, stream()));
+    }
     if (n > 0) {
       // Rounded at every step: the master weights change with each update,
       // and the host may replace them between steps. Rounding the input
@@ -1162,11 +1178,11 @@ class DeviceModel {
                                                        loss_.bad_row(), n > 0, stats_);
       LOOM_CUDA_LAUNCH_CHECK("local_loss_stats");
       comm->all_reduce_async(stats_, 3, comm::ReduceOp::sum, stream());
-      kernels::accumulate_global_loss<<<1, 1, 0, stream()>>>(stats_, loss_.bad_row(), labels, n > 0,
-                                                             global_n, train, totals_);
+      kernels::accumulate_global_loss<<<1, 1, 0, stream()>>>(
+          stats_, loss_.bad_row(), labels, n > 0, global_n, train, skip_nonfinite_, totals_);
       LOOM_CUDA_LAUNCH_CHECK("accumulate_global_loss");
     } else {
-      accumulate_loss(loss_, labels, n, train, totals_, stream());
+      accumulate_loss(loss_, labels, n, train, totals_, stream(), skip_nonfinite_);
     }
     if (train) {
       const bool parallel = options_.data_parallel != nullptr;
@@ -1198,18 +1214,21 @@ class DeviceModel {
         } else if (s.accumulate) {
           add_into(grads_, accum_, layout::total, stream());
         }
-        // fp16: unscaled (the all-reduce summed scaled gradients, as the
-        // CPU's replicas do) and checked before the norm and the update.
+        // Checked (fp16: unscaled first) before the norm and the update;
+        // under data parallelism the summed gradients, so every rank
+        // decides alike (the all-reduce summed fp16's scaled gradients, as
+        // the CPU's replicas do).
         if (fp16())
-          unscale_and_update(grads_, layout::total, scale_state_, options_.loss_scaling, totals_,
-                             skip_, stream());
+          unscale_and_update(grads_, layout::total, scale_state_, options_.loss_scaling,
+                             skip_nonfinite_, totals_, skip_, stream());
+        else
+          check_gradients(grads_, layout::total, bad_gradients_, skip_nonfinite_, totals_, skip_,
+                          stream());
         if (s.clip)
           squared_norm(grads_, layout::total, norm_, norm_scratch_, norm_scratch_bytes_, stream());
         optimizer_update(optimizer_, params_, grads_, moments_[0], moments_[1], layout::total,
-                         update_, s.clip ? norm_ : nullptr, fp16() ? skip_ : &totals_->halted,
-                         stream());
-        if constexpr (state_count > 0)
-          if (fp16()) copy_if_set(skip_, kept_state_, state_, state_count, stream());
+                         update_, s.clip ? norm_ : nullptr, skip_, stream());
+        if constexpr (state_count > 0) copy_if_set(skip_, kept_state_, state_, state_count, stream());
       }
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(snapshots_.data() + slot, totals_, sizeof(LossTotals),
@@ -1355,6 +1374,9 @@ class DeviceModel {
     if (totals.halted == halt_nonfinite_loss)
       LOOM_FAIL("the training loss became ", loss_text(totals.halt_loss),
                 "; the weights are kept from the step before");
+    if (totals.halted == halt_nonfinite_gradients)
+      LOOM_FAIL("the gradients became non-finite under a finite loss; the weights are kept from "
+                "the step before");
     if (totals.halted == halt_gradient_overflow) {
       char scale[32];
       const auto end = std::to_chars(scale, scale + sizeof scale, options_.loss_scaling.min_scale).ptr;
@@ -1399,10 +1421,13 @@ class DeviceModel {
   DevicePass* pass_ = nullptr;
   DevicePass pass_value_;  // the source of the last set_pass copy (pageable: read on return)
   float* state_ = nullptr;  // running statistics, the CPU Model's order
-  float* kept_state_ = nullptr;  // fp16: state_ at the step's start
+  float* kept_state_ = nullptr;  // state_ at the training step's start
   LossScaleState* scale_state_ = nullptr;  // fp16's
   LossScaleState scale_value_;  // the source of the last set_loss_scale copy (pageable)
-  int* skip_ = nullptr;  // fp16: the step's update is skipped (halted or overflowed)
+  int* skip_ = nullptr;  // the step's update is skipped (halted, non-finite or overflowed)
+  int* bad_gradients_ = nullptr;  // fp32, bf16: the step's gradients are not all finite
+  int* skip_nonfinite_ = nullptr;  // set_skip_nonfinite's flag, on the device
+  int skip_nonfinite_value_ = 0;   // its source (pageable: read on return)
   std::array<float*, layer_count> saved_{};
   LossTotals* totals_ = nullptr;
   std::array<float*, layer_count> outputs_{};

@@ -91,24 +91,59 @@ struct LossTotals {
   int bad_label = 0;
   unsigned long long bad_row = 0;  // within the batch that halted
   double halt_loss = 0.0;          // that batch's loss sum
+  // Skipping non-finite steps (rather than halting): the current optimizer
+  // step's update is skipped because its loss or gradients went non-finite
+  // (a Skipped), and the first non-finite batch loss. Cleared at each step's
+  // first batch; a skipped step's non-finite loss is not added to `loss`.
+  int skipped = 0;
+  double skipped_loss = 0.0;
+};
+
+// Why the current step's update is skipped (LossTotals::skipped).
+enum Skipped : int {
+  skipped_none = 0,
+  skipped_loss = 1,       // a batch's loss is not finite
+  skipped_gradients = 2,  // the loss is finite, the summed gradients are not
 };
 
 // halt_gradient_overflow: fp16's scaled gradients overflowed at the
 // minimum loss scale (loss_scaling.cuh), where backing off cannot help.
+// halt_nonfinite_gradients: fp32's or bf16's summed gradients are not
+// finite under a finite loss.
 enum Halt : int {
   halt_none = 0,
   halt_nonfinite_loss = 1,
   halt_bad_label = 2,
   halt_gradient_overflow = 3,
+  halt_nonfinite_gradients = 4,
 };
 
 namespace kernels {
 
+// A training batch's non-finite loss: marks the step skipped when
+// *skip_nonfinite is set (its samples still count), else halts the totals.
+// True when the loss is finite.
+inline __device__ bool take_loss(double loss, const int* skip_nonfinite, LossTotals* totals) {
+  if (isfinite(loss)) return true;
+  if (skip_nonfinite != nullptr && *skip_nonfinite != 0) {
+    if (totals->skipped == skipped_none) {
+      totals->skipped = skipped_loss;
+      totals->skipped_loss = loss;
+    }
+    return false;
+  }
+  totals->halted = halt_nonfinite_loss;
+  totals->halt_loss = loss;
+  return false;
+}
+
 // One thread: folds a batch's sums into the totals, or halts them.
+// skip_nonfinite (device memory, may be null): see take_loss.
 inline __global__ void accumulate_loss(const double* loss, const int* hits,
                                        const unsigned long long* bad_row,
                                        const std::int32_t* labels, std::size_t batch,
-                                       bool stop_on_nonfinite, LossTotals* totals) {
+                                       bool stop_on_nonfinite, const int* skip_nonfinite,
+                                       LossTotals* totals) {
   if (totals->halted != halt_none) return;
   if (*bad_row != ~0ull) {
     totals->halted = halt_bad_label;
@@ -116,9 +151,10 @@ inline __global__ void accumulate_loss(const double* loss, const int* hits,
     totals->bad_label = labels[*bad_row];
     return;
   }
-  if (stop_on_nonfinite && !isfinite(*loss)) {
-    totals->halted = halt_nonfinite_loss;
-    totals->halt_loss = *loss;
+  if (stop_on_nonfinite && !take_loss(*loss, skip_nonfinite, totals)) {
+    if (totals->halted != halt_none) return;
+    totals->samples += batch;
+    totals->steps += 1;
     return;
   }
   totals->loss += *loss;
@@ -145,7 +181,7 @@ inline __global__ void accumulate_global_loss(const double* stats,
                                               const unsigned long long* bad_row,
                                               const std::int32_t* labels, bool has_samples,
                                               std::size_t global_batch, bool stop_on_nonfinite,
-                                              LossTotals* totals) {
+                                              const int* skip_nonfinite, LossTotals* totals) {
   if (totals->halted != halt_none) return;
   if (stats[2] > 0.0) {
     totals->halted = halt_bad_label;
@@ -154,9 +190,10 @@ inline __global__ void accumulate_global_loss(const double* stats,
     totals->bad_label = mine ? labels[*bad_row] : 0;
     return;
   }
-  if (stop_on_nonfinite && !isfinite(stats[0])) {
-    totals->halted = halt_nonfinite_loss;
-    totals->halt_loss = stats[0];
+  if (stop_on_nonfinite && !take_loss(stats[0], skip_nonfinite, totals)) {
+    if (totals->halted != halt_none) return;
+    totals->samples += global_batch;
+    totals->steps += 1;
     return;
   }
   totals->loss += stats[0];
@@ -244,11 +281,12 @@ void softmax_xent_async(const T* logits, const std::int32_t* labels, std::size_t
 }
 
 // Folds the last softmax_xent_async into `totals` (see LossTotals).
+// skip_nonfinite: see kernels::take_loss.
 inline void accumulate_loss(const SoftmaxXentWorkspace& ws, const std::int32_t* labels,
                             std::size_t batch, bool stop_on_nonfinite, LossTotals* totals,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const int* skip_nonfinite = nullptr) {
   kernels::accumulate_loss<<<1, 1, 0, stream>>>(ws.loss_sum(), ws.correct(), ws.bad_row(), labels,
-                                                batch, stop_on_nonfinite, totals);
+                                                batch, stop_on_nonfinite, skip_nonfinite, totals);
   LOOM_CUDA_LAUNCH_CHECK("accumulate_loss");
 }
 
