@@ -464,9 +464,11 @@ TEST_CASE("cuda trainer: NonFinite::skip keeps a ResNet's running statistics, as
 }
 
 TEST_CASE("cuda DataParallel: NonFinite::skip with AdamW on an NCCL rank skips as the CPU") {
-  // Adam's bias corrections count the steps taken: the skipped one must not count.
+  // Adam's bias corrections count the steps taken: the skipped one must not
+  // count. (Adam moves a weight whose gradient is near zero by up to lr
+  // either way, whatever its size: hence the tolerance.)
   skips_nan_step_as_cpu<Mlp, DataParallel<>, AdamW>({.lr = 1e-3f, .weight_decay = 0.01f},
-                                                    {1e-5, 1e-3});
+                                                    {1e-3, 1e-2});
 }
 
 // Gradients that overflow under a finite loss (nonfinite_test.hpp): the

@@ -85,7 +85,7 @@ struct FitOptions {
   // replica and stage (PyTorch's clip_grad_norm_); 0: never.
   float max_grad_norm = 0.0f;
   // A step whose loss or gradients are not finite (ModelSplit and Hybrid
-  // on GPUs raise either way).
+  // on GPUs take NonFinite::raise only).
   NonFinite on_nonfinite = NonFinite::raise;
 };
 
@@ -1050,8 +1050,8 @@ class Trainer {
       // Steps skipped as non-finite: their sums (the device's totals hold
       // their finite batches') leave the epoch's loss and accuracy, as on
       // the CPU; their samples stay in the count.
-      double skipped_loss = 0.0;
-      std::size_t skipped_correct = 0, skipped_samples = 0;
+      double dropped_loss = 0.0;
+      std::size_t dropped_correct = 0, dropped_samples = 0;
       // While its callbacks run, the batches enqueued after it are
       // unreported: save() refuses then (the device is past the position).
       const auto report = [&](int slot, std::size_t batches) {
@@ -1062,13 +1062,13 @@ class Trainer {
         nonfinite_.clear();
         try {
           check_totals(totals, epoch, step.step + 1, scaling.scale);
-          if (totals.skipped != loom::gpu::skipped_none)
-            handle_nonfinite(totals.skipped == loom::gpu::skipped_loss ? totals.skipped_loss : 0.0,
-                             {}, epoch, step.step + 1, options.on_nonfinite,
-                             fp16 && totals.skipped == loom::gpu::skipped_gradients
-                                 ? min_scale_note(scaling.scale)
-                                 : std::string(),
+          if (totals.skipped != loom::gpu::skipped_none) {
+            const bool loss_bad = totals.skipped == loom::gpu::skipped_loss;
+            handle_nonfinite(loss_bad ? totals.nonfinite_loss : 0.0, {}, epoch, step.step + 1,
+                             options.on_nonfinite,
+                             fp16 && !loss_bad ? min_scale_note(scaling.scale) : std::string(),
                              true);
+          }
         } catch (...) {
           rewind();
           throw;
@@ -1091,25 +1091,25 @@ class Trainer {
         steps_ += 1;
         step.step += 1;
         const std::size_t samples = base.samples + static_cast<std::size_t>(totals.samples);
-        double loss_sum = base.loss_sum + totals.loss - skipped_loss;
+        double loss_sum = base.loss_sum + totals.loss - dropped_loss;
         std::size_t correct =
-            base.correct + static_cast<std::size_t>(totals.correct) - skipped_correct;
+            base.correct + static_cast<std::size_t>(totals.correct) - dropped_correct;
         step.step_samples = samples - step.samples;
         const auto step_n = static_cast<double>(std::max<std::size_t>(1, step.step_samples));
         step.step_loss = totals.skipped == loom::gpu::skipped_loss
-                             ? totals.skipped_loss / step_n
+                             ? totals.nonfinite_loss / step_n
                              : (loss_sum - position_.loss_sum) / step_n;
         step.step_accuracy = static_cast<double>(correct - position_.correct) / step_n;
         if (nonfinite) {
-          skipped_loss += loss_sum - position_.loss_sum;
-          skipped_correct += correct - position_.correct;
-          skipped_samples += step.step_samples;
+          dropped_loss += loss_sum - position_.loss_sum;
+          dropped_correct += correct - position_.correct;
+          dropped_samples += step.step_samples;
           loss_sum = position_.loss_sum;
           correct = position_.correct;
         }
         step.samples = samples;
         const auto counted =
-            static_cast<double>(std::max<std::size_t>(1, samples - skipped_samples));
+            static_cast<double>(std::max<std::size_t>(1, samples - dropped_samples));
         step.loss = loss_sum / counted;
         step.accuracy = static_cast<double>(correct) / counted;
         step.seconds = seconds_since(start);

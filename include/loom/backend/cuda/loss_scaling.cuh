@@ -25,7 +25,9 @@ namespace loom::gpu {
 // The scaler's state on the device; a snapshot after each step reaches the host.
 struct LossScaleState {
   float scale = 1.0f;
-  int overflowed = 0;  // the last update's unscaled gradients were not finite: it was skipped
+  // The last update was skipped because its unscaled gradients overflowed
+  // and the scale backed off (not set for a step skipped as non-finite).
+  int overflowed = 0;
   unsigned long long good_steps = 0;     // updates since the last overflow or growth
   unsigned long long skipped_steps = 0;  // updates skipped for an overflow, in all
 };

@@ -93,10 +93,11 @@ struct LossTotals {
   double halt_loss = 0.0;          // that batch's loss sum
   // Skipping non-finite steps (rather than halting): the current optimizer
   // step's update is skipped because its loss or gradients went non-finite
-  // (a Skipped), and the first non-finite batch loss. Cleared at each step's
-  // first batch; a skipped step's non-finite loss is not added to `loss`.
+  // (a Skipped), and the sum of its non-finite batch losses (as non-finite
+  // as the step's whole sum). Cleared at each step's first batch; a
+  // non-finite batch loss is not added to `loss`, its hits and samples are.
   int skipped = 0;
-  double skipped_loss = 0.0;
+  double nonfinite_loss = 0.0;
 };
 
 // Why the current step's update is skipped (LossTotals::skipped).
@@ -126,10 +127,9 @@ namespace kernels {
 inline __device__ bool take_loss(double loss, const int* skip_nonfinite, LossTotals* totals) {
   if (isfinite(loss)) return true;
   if (skip_nonfinite != nullptr && *skip_nonfinite != 0) {
-    if (totals->skipped == skipped_none) {
-      totals->skipped = skipped_loss;
-      totals->skipped_loss = loss;
-    }
+    const bool earlier = totals->skipped == skipped_loss;  // a batch before this one
+    totals->nonfinite_loss = earlier ? totals->nonfinite_loss + loss : loss;
+    totals->skipped = skipped_loss;
     return false;
   }
   totals->halted = halt_nonfinite_loss;
@@ -153,6 +153,7 @@ inline __global__ void accumulate_loss(const double* loss, const int* hits,
   }
   if (stop_on_nonfinite && !take_loss(*loss, skip_nonfinite, totals)) {
     if (totals->halted != halt_none) return;
+    totals->correct += static_cast<unsigned long long>(*hits);
     totals->samples += batch;
     totals->steps += 1;
     return;
@@ -192,6 +193,7 @@ inline __global__ void accumulate_global_loss(const double* stats,
   }
   if (stop_on_nonfinite && !take_loss(stats[0], skip_nonfinite, totals)) {
     if (totals->halted != halt_none) return;
+    totals->correct += static_cast<unsigned long long>(stats[1]);
     totals->samples += global_batch;
     totals->steps += 1;
     return;
