@@ -1,8 +1,11 @@
-// The GRU and LSTM runner (backend/cuda/recurrent.cuh) against the CPU layer
-// on the same seeded weights and inputs: outputs, saved gate values, input
-// gradient and every parameter gradient. Hidden sizes that are not multiples
-// of 4 leave the per-step GEMMs' pointers 4- or 8-byte aligned only.
+// The GRU and LSTM runners against the CPU layer on the same seeded weights
+// and inputs: outputs, input gradient and every parameter gradient, and for
+// loom's own runner (backend/cuda/recurrent.cuh) the saved gate values too.
+// cuDNN's (backend/cuda/cudnn_rnn.cuh) keeps its own. Hidden sizes that are
+// not multiples of 4 leave loom's per-step GEMMs' pointers 4- or 8-byte
+// aligned only, and cuDNN's matrices oddly sized.
 #include <cstdint>
+#include <loom/backend/cuda/cudnn_rnn.cuh>
 #include <loom/backend/cuda/recurrent.cuh>
 #include <loom/layers/recurrent.hpp>
 #include <string>
@@ -39,10 +42,18 @@ loom::gpu::DeviceBuffer<float> poisoned(std::size_t count, const std::string& ow
   return buffer;
 }
 
-template <class Spec, std::size_t Steps, std::size_t Features>
+template <class L>
+using LoomRunner = loom::gpu::RecurrentRunner<L>;
+template <class L>
+using CudnnRunner = loom::gpu::CudnnRecurrentRunner<L>;
+
+template <class Spec, std::size_t Steps, std::size_t Features,
+          template <class> class Runner = LoomRunner>
 void check_against_cpu(std::size_t n, std::uint64_t seed) {
   using L = loom::Bind<Spec, loom::Shape<Steps, Features>, 1>;
-  const std::string name = std::string(L::kind) + "<" + std::to_string(L::H) +
+  constexpr bool cudnn = std::is_same_v<Runner<L>, CudnnRunner<L>>;
+  const std::string name = std::string(cudnn ? "cuDNN " : "loom ") + std::string(L::kind) +
+                           "<" + std::to_string(L::H) +
                            (Spec::sequence ? ", sequence" : "") + "> over " +
                            std::to_string(Steps) + " x " + std::to_string(Features) + ", n " +
                            std::to_string(n) + ": ";
@@ -62,7 +73,7 @@ void check_against_cpu(std::size_t n, std::uint64_t seed) {
                                        dparams.data(), work.data(), n, false, context);
 
   loom::gpu::DeviceContext device;
-  loom::gpu::RecurrentRunner<L> runner(device, n, std::size_t{32} << 20, false);
+  Runner<L> runner(device, n, std::size_t{32} << 20, false);
   auto d_weights = to_device(slice(params, 0, L::weight_count));
   auto d_bias = to_device(slice(params, L::weight_count, L::param_count));
   auto d_x = to_device(x);
@@ -71,7 +82,9 @@ void check_against_cpu(std::size_t n, std::uint64_t seed) {
   auto d_dx = poisoned(n * in, "test dx");
   auto d_dweights = poisoned(L::weight_count, "test dweights");
   auto d_dbias = poisoned(L::bias_count, "test dbias");
-  auto d_saved = poisoned(n * L::saved, "test saved");
+  std::size_t saved_floats = n * L::saved;
+  if constexpr (cudnn) saved_floats = runner.saved_floats();
+  auto d_saved = poisoned(saved_floats, "test saved");
   const std::size_t scratch_floats = (runner.scratch_bytes() + sizeof(float) - 1) / sizeof(float);
   auto d_scratch = poisoned(scratch_floats, "test scratch");
 
@@ -94,7 +107,8 @@ void check_against_cpu(std::size_t n, std::uint64_t seed) {
   device.stream.synchronize();
 
   test::require_close(to_host(d_y), y, tolerance, name + "y");
-  test::require_close(to_host(d_saved), saved, tolerance, name + "saved gates and states");
+  if constexpr (!cudnn)
+    test::require_close(to_host(d_saved), saved, tolerance, name + "saved gates and states");
   const auto gpu_dx = to_host(d_dx);
   test::require_close(gpu_dx, dx, tolerance, name + "dx");
   const auto dweights = to_host(d_dweights);
@@ -109,8 +123,10 @@ void check_against_cpu(std::size_t n, std::uint64_t seed) {
                       tolerance, name + "db_hh");
 
   // Again without an input gradient, over the first gradients: they are
-  // overwritten (an added second copy would double them), and dx is left alone.
+  // overwritten (an added second copy would double them), and dx is left
+  // alone. (A fresh forward first: cuDNN's backward may write its reserve.)
   c.dx = nullptr;
+  runner.forward(c);
   runner.backward(c);
   device.stream.synchronize();
   test::require_close(to_host(d_dweights), slice(dparams, 0, L::weight_count), tolerance,
@@ -138,6 +154,37 @@ TEST_CASE("cuda: LSTM runner equals the CPU layer (outputs, saved gates, every g
   check_against_cpu<loom::LSTM<6, true>, 5, 4>(3, 24);
   check_against_cpu<loom::LSTM<5>, 1, 3>(5, 25);
   check_against_cpu<loom::LSTM<33>, 12, 20>(16, 26);
+}
+
+TEST_CASE("cuda: GRU on cuDNN equals the CPU layer (outputs, every gradient)") {
+  check_against_cpu<loom::GRU<5>, 6, 3, CudnnRunner>(1, 31);
+  check_against_cpu<loom::GRU<5>, 6, 3, CudnnRunner>(7, 32);
+  check_against_cpu<loom::GRU<5, true>, 6, 3, CudnnRunner>(4, 33);
+  check_against_cpu<loom::GRU<6, true>, 5, 4, CudnnRunner>(3, 34);
+  check_against_cpu<loom::GRU<5>, 1, 3, CudnnRunner>(5, 35);
+  check_against_cpu<loom::GRU<33, true>, 12, 20, CudnnRunner>(16, 36);
+}
+
+TEST_CASE("cuda: LSTM on cuDNN equals the CPU layer (outputs, every gradient)") {
+  check_against_cpu<loom::LSTM<3>, 4, 7, CudnnRunner>(1, 41);
+  check_against_cpu<loom::LSTM<3>, 4, 7, CudnnRunner>(9, 42);
+  check_against_cpu<loom::LSTM<5, true>, 6, 3, CudnnRunner>(4, 43);
+  check_against_cpu<loom::LSTM<6, true>, 5, 4, CudnnRunner>(3, 44);
+  check_against_cpu<loom::LSTM<5>, 1, 3, CudnnRunner>(5, 45);
+  check_against_cpu<loom::LSTM<33>, 12, 20, CudnnRunner>(16, 46);
+}
+
+TEST_CASE("cuda: the cuDNN recurrent runner refuses a scratch smaller than its workspace") {
+  using L = loom::Bind<loom::LSTM<33>, loom::Shape<12, 20>, 1>;
+  loom::gpu::DeviceContext device;
+  loom::gpu::CudnnRecurrentRunner<L> runner(device, 16, std::size_t{32} << 20, false);
+  REQUIRE(runner.scratch_bytes() > 0);  // cuDNN's training workspace
+  loom::gpu::detail::LayerCall c;
+  c.scratch_bytes = runner.scratch_bytes() - 1;
+  REQUIRE_THROWS_WITH(
+      runner.forward(c),
+      Catch::Contains("lstm<33> on cuDNN (layer 1, batch 16 x 12 steps x 20 features)") &&
+          Catch::Contains(std::to_string(runner.scratch_bytes()) + " needed"));
 }
 
 TEST_CASE("cuda: the recurrent runner refuses a scratch smaller than it asked for") {

@@ -91,6 +91,25 @@ using ConvDescriptor =
 using ActivationDescriptor =
     DnnDescriptor<cudnnActivationDescriptor_t, cudnnDestroyActivationDescriptor>;
 
+// A cuDNN status other than success becomes loom::Error naming `what` (the
+// operation and its shape), with cuDNN's own last message when it left one.
+inline void check_dnn(cudnnStatus_t status, const char* call, const std::string& what) {
+  if (status == CUDNN_STATUS_SUCCESS) return;
+  char message[512] = {};
+  cudnnGetLastErrorString(message, sizeof message);  // returns void: nothing to check
+  LOOM_FAIL("cuDNN call ", call, " failed for ", what, " on cuda:", current_device(), ": ",
+            cudnnGetErrorString(status), message[0] != '\0' ? " (" : "", message,
+            message[0] != '\0' ? ")" : "");
+}
+
+// A new descriptor from cudnnCreate*Descriptor, checked as check_dnn does.
+template <class Handle, class Create>
+Handle create_dnn(Create create_fn, const char* call, const std::string& what) {
+  Handle handle = nullptr;
+  check_dnn(create_fn(&handle), call, what);
+  return handle;
+}
+
 template <class Algo>
 struct AlgoChoice {
   Algo algo;
@@ -291,16 +310,8 @@ class Convolution {
     return static_cast<int>(value);
   }
 
-  // A cuDNN status other than success becomes loom::Error naming the shape,
-  // with cuDNN's own last message when it left one.
   void check(cudnnStatus_t status, const char* call) const {
-    if (status == CUDNN_STATUS_SUCCESS) return;
-    char message[512] = {};
-    cudnnGetLastErrorString(message, sizeof message);  // returns void: nothing to check
-    LOOM_FAIL("cuDNN call ", call, " failed for ", shape_,
-              " on cuda:", ::loom::gpu::detail::current_device(), ": ",
-              cudnnGetErrorString(status), message[0] != '\0' ? " (" : "", message,
-              message[0] != '\0' ? ")" : "");
+    detail::check_dnn(status, call, shape_);
   }
 
   void require_workspace(std::size_t needed, std::size_t given, const char* op) const {
@@ -317,9 +328,7 @@ class Convolution {
 
   template <class Handle, class Create>
   Handle create(Create create_fn, const char* call) const {
-    Handle handle = nullptr;
-    check(create_fn(&handle), call);
-    return handle;
+    return detail::create_dnn<Handle>(create_fn, call, shape_);
   }
 
   detail::TensorDescriptor make_tensor(int n, int c, int h, int w) const {

@@ -59,6 +59,7 @@
 #include "../../optim/sgd.hpp"
 #include "arena.hpp"
 #include "conv.cuh"
+#include "cudnn_rnn.cuh"
 #include "epilogue.cuh"
 #include "gemm.hpp"
 #include "graph.hpp"
@@ -271,10 +272,20 @@ constexpr bool applies_previous_drelu() {
 template <class L>
 class ResidualRunner;
 
-// The runner of a layer kind that has one of its own (layers.cuh,
-// recurrent.cuh, ResidualRunner), or void for the kinds LayerRunner runs
-// itself (conv, linear, pooling, ReLU, flatten).
+// The floats a layer keeps from forward to backward for a batch of n on the
+// device. The CPU's layout, except that inside a Residual block each body
+// layer's output and saved tensors start on a 256-byte boundary: GEMMs and
+// cuDNN are planned for 16-byte aligned pointers at any batch size.
 template <class L>
+constexpr std::size_t device_saved_floats(std::size_t n);
+
+// The runner of a layer kind that has one of its own (layers.cuh,
+// cudnn_rnn.cuh, recurrent.cuh, ResidualRunner), or void for the kinds
+// LayerRunner runs itself (conv, linear, pooling, ReLU, flatten). InBlock:
+// the layer is in a Residual block's body, whose saved areas are laid out
+// at compile time; a GRU or LSTM there runs on recurrent.cuh's runner, as
+// cuDNN's reserve space has a size only cuDNN knows.
+template <class L, bool InBlock>
 constexpr auto kernel_runner_of() {
   if constexpr (L::kind == "tanh")
     return std::type_identity<PointwiseRunner<L, ::loom::detail::TanhFn>>{};
@@ -288,21 +299,24 @@ constexpr auto kernel_runner_of() {
     return std::type_identity<DropoutRunner<L>>{};
   else if constexpr (L::kind == "batchnorm")
     return std::type_identity<BatchNormRunner<L>>{};
-  else if constexpr (L::kind == "gru" || L::kind == "lstm")
+  else if constexpr ((L::kind == "gru" || L::kind == "lstm") && InBlock)
     return std::type_identity<RecurrentRunner<L>>{};
+  else if constexpr (L::kind == "gru" || L::kind == "lstm")
+    return std::type_identity<CudnnRecurrentRunner<L>>{};
   else if constexpr (L::kind == "residual")
     return std::type_identity<ResidualRunner<L>>{};
   else
     return std::type_identity<void>{};
 }
-template <class L>
-using kernel_runner_t = typename decltype(kernel_runner_of<L>())::type;
+template <class L, bool InBlock>
+using kernel_runner_t = typename decltype(kernel_runner_of<L, InBlock>())::type;
 
 // How one executed layer runs on the GPU for one batch size. `library_limit`
 // caps the workspace its cuBLASLt and cuDNN algorithms may ask for.
-template <class L, bool WritesMask, bool AppliesPreviousDrelu, bool NeedsInputGradient>
+template <class L, bool WritesMask, bool AppliesPreviousDrelu, bool NeedsInputGradient,
+          bool InBlock = false>
 class LayerRunner {
-  using Kernel = kernel_runner_t<L>;
+  using Kernel = kernel_runner_t<L, InBlock>;
 
  public:
   LayerRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
@@ -351,6 +365,15 @@ class LayerRunner {
       return DeviceArena::padded_bytes<float>(n * L::output_shape::size);
     else
       return 0;
+  }
+
+  // The floats its forward keeps for its backward, for its batch: the
+  // layer's saved tensors (device_saved_floats), or what cuDNN's RNN asks.
+  std::size_t saved_floats() const {
+    if constexpr (requires { kernel_->saved_floats(); })
+      return kernel_->saved_floats();
+    else
+      return device_saved_floats<L>(batch_);
   }
 
   // The gradient after the activation derivative (dZ) + the libraries' own.
@@ -464,15 +487,9 @@ template <class Body, class Indices>
 struct body_runners;
 template <class Body, std::size_t... I>
 struct body_runners<Body, std::index_sequence<I...>> {
-  using type = std::tuple<LayerRunner<type_at_t<I, Body>, false, false, true>...>;
+  using type = std::tuple<LayerRunner<type_at_t<I, Body>, false, false, true, true>...>;
 };
 
-// The floats a layer keeps from forward to backward for a batch of n on the
-// device. The CPU's layout, except that inside a Residual block each body
-// layer's output and saved tensors start on a 256-byte boundary: GEMMs and
-// cuDNN are planned for 16-byte aligned pointers at any batch size.
-template <class L>
-constexpr std::size_t device_saved_floats(std::size_t n);
 
 template <class Body, std::size_t I>
 constexpr std::size_t body_region_floats(std::size_t n) {
@@ -514,7 +531,7 @@ class ResidualRunner {
     static std::size_t fixed_bytes(std::size_t) { return 0; }
   };
   using Shortcut = std::conditional_t<L::identity, NoShortcut,
-                                      LayerRunner<typename L::shortcut, false, false, true>>;
+                                      LayerRunner<typename L::shortcut, false, false, true, true>>;
 
  public:
   ResidualRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
@@ -701,6 +718,12 @@ class PlanCache {
   }
 
   std::size_t scratch_bytes() const { return scratch_bytes_; }
+  // Layer I's saved area for the largest batch, in floats (what the owner
+  // allocates; smaller batches need no more).
+  template <std::size_t I>
+  std::size_t saved_floats() const {
+    return std::get<I>(*plans_.at(max_batch_)).saved_floats();
+  }
 
   Runners& get(std::size_t n) {
     auto found = plans_.find(n);
@@ -710,6 +733,9 @@ class PlanCache {
       LOOM_CHECK(std::get<i>(*made).scratch_bytes() <= scratch_bytes_, "layer ", i + 1,
                  "'s algorithms for a batch of ", n, " need ", std::get<i>(*made).scratch_bytes(),
                  " bytes of scratch but ", scratch_bytes_, " were planned for ", max_batch_);
+      LOOM_CHECK(std::get<i>(*made).saved_floats() <= saved_floats<i>(), "layer ", i + 1,
+                 " keeps ", std::get<i>(*made).saved_floats(), " floats for a batch of ", n,
+                 " but ", saved_floats<i>(), " were planned for ", max_batch_);
     });
     return *plans_.emplace(n, std::move(made)).first->second;
   }
@@ -803,7 +829,7 @@ class DeviceModel {
       if constexpr (detail::writes_relu_mask<executed, i>())
         masks_[i] = arena_->take<unsigned char>(relu_mask_bytes(max_batch, L::output_shape::size));
       if constexpr (L::saved > 0)
-        saved_[i] = arena_->take<float>(detail::device_saved_floats<L>(max_batch));
+        saved_[i] = arena_->take<float>(plans_.template saved_floats<i>());
     });
     for (auto& buffer : grad_buffers_) buffer = arena_->take<float>(max_batch * largest_activation());
     for (auto& slot : inputs_)
@@ -925,7 +951,8 @@ class DeviceModel {
                                     cudaMemcpyHostToDevice, stream()));
   }
   // fp16: the scale as the last step enqueued on `slot` left it, once
-  // wait_totals(slot) returned (`overflowed`: that step's update was skipped).
+  // wait_totals(slot) returned (`overflowed`: that step's update was
+  // skipped for an overflow; see also the totals' `skipped`).
   LossScaleState loss_scale(int slot) {
     check_slot(slot);
     LOOM_CHECK(fp16(), "DeviceModel: a loss scale is fp16's; this model computes in ",
@@ -1060,7 +1087,7 @@ class DeviceModel {
         bytes += DeviceArena::padded_bytes<unsigned char>(
             relu_mask_bytes(max_batch_, L::output_shape::size));
       if constexpr (L::saved > 0)
-        bytes += DeviceArena::padded_bytes<float>(detail::device_saved_floats<L>(max_batch_));
+        bytes += DeviceArena::padded_bytes<float>(plans_.template saved_floats<i>());
     });
     bytes += 2 * DeviceArena::padded_bytes<float>(max_batch_ * largest_activation());
     bytes += 2 * (DeviceArena::padded_bytes<float>(max_batch_ * sample_size) +
@@ -1377,6 +1404,14 @@ class DeviceModel {
     if (totals.halted == halt_nonfinite_gradients)
       LOOM_FAIL("the gradients became non-finite under a finite loss; the weights are kept from "
                 "the step before");
+    // set_skip_nonfinite's skips: this one step is all the caller has.
+    if (totals.skipped == skipped_loss)
+      LOOM_FAIL("the training loss became ", loss_text(totals.nonfinite_loss),
+                "; the step was skipped (set_skip_nonfinite), the weights are kept from the step "
+                "before");
+    if (totals.skipped == skipped_gradients)
+      LOOM_FAIL("the gradients became non-finite; the step was skipped (set_skip_nonfinite), the "
+                "weights are kept from the step before");
     if (totals.halted == halt_gradient_overflow) {
       char scale[32];
       const auto end = std::to_chars(scale, scale + sizeof scale, options_.loss_scaling.min_scale).ptr;

@@ -302,7 +302,7 @@ class DeviceStage final : public DeviceStageBase {
         if constexpr (detail::writes_relu_mask<executed, i>())
           s.masks[i] = arena_->take<unsigned char>(relu_mask_bytes(max_batch, L::output_shape::size));
         if constexpr (L::saved > 0)
-          s.saved[i] = arena_->take<float>(detail::device_saved_floats<L>(max_batch));
+          s.saved[i] = arena_->take<float>(plans_.template saved_floats<i>());
       });
     }
     for (float* buffer : {params_, grads_, accum_, moments_[0], moments_[1]})
@@ -491,7 +491,7 @@ class DeviceStage final : public DeviceStageBase {
     return ::loom::detail::list_info<executed>::largest_activation;
   }
 
-  static std::size_t slot_bytes(std::size_t max_batch) {
+  std::size_t slot_bytes(std::size_t max_batch) const {
     std::size_t bytes = DeviceArena::padded_bytes<float>(max_batch * in_size) +
                         DeviceArena::padded_bytes<std::int32_t>(max_batch);
     static_for<layer_count>([&](auto i) {
@@ -502,7 +502,7 @@ class DeviceStage final : public DeviceStageBase {
         bytes += DeviceArena::padded_bytes<unsigned char>(
             relu_mask_bytes(max_batch, L::output_shape::size));
       if constexpr (L::saved > 0)
-        bytes += DeviceArena::padded_bytes<float>(detail::device_saved_floats<L>(max_batch));
+        bytes += DeviceArena::padded_bytes<float>(plans_.template saved_floats<i>());
     });
     return bytes + DeviceArena::padded_bytes<DevicePass>(1);
   }
