@@ -18,6 +18,9 @@
 // with both stages on GPU 0, each on its own streams ("loom-model-split"),
 // and Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>, its 4 ranks on GPU 0
 // ("loom-hybrid": the cost of the grid and of summing the stage copies).
+// With --precision bf16 (fp16), that ModelSplit's epoch in bf16 (fp16) makes
+// "lenet_split_epoch_bf16" ("_fp16") lines, paired with its fp32 epoch
+// ("library":"loom-fp32").
 #include <algorithm>
 #include <iostream>
 #include <loom/backend/cuda/model.cuh>
@@ -70,11 +73,13 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
 }
 
 template <class Policy>
-nlohmann::json fit_epoch(const loom::data::Dataset& train, std::size_t batch, const char* library) {
+nlohmann::json fit_epoch(const loom::data::Dataset& train, std::size_t batch, const char* library,
+                         loom::Precision precision = loom::Precision::fp32) {
   // One GPU for each device the policy takes (ModelSplit, Hybrid: a rank each).
   const std::vector<loom::Device> gpu(std::max<std::size_t>(Policy::devices_needed, 1),
                                       loom::devices::gpus().front());
-  loom::Trainer<loom::bench::LeNet, Policy> trainer(gpu, {.lr = 0.01f, .momentum = 0.9f});
+  loom::Trainer<loom::bench::LeNet, Policy> trainer(gpu, {.lr = 0.01f, .momentum = 0.9f},
+                                                    {.precision = precision});
   // A first epoch captures the graphs; the second is timed.
   trainer.fit(train, {.epochs = 1, .batch_size = batch});
   double seconds = 0.0;
@@ -92,7 +97,7 @@ nlohmann::json fit_epoch(const loom::data::Dataset& train, std::size_t batch, co
           {"images_per_s", static_cast<double>(train.count) / seconds},
           {"data", "fashion-mnist"},
           {"device", loom::bench::gpu_name()},
-          {"precision", "fp32"}};
+          {"precision", std::string(loom::precision_name(precision))}};
 }
 
 }  // namespace
@@ -129,10 +134,20 @@ int main(int argc, char** argv) {
       std::cout << fit_epoch<loom::DataParallel<>>(train, batch, "loom").dump() << std::endl;
       std::cout << fit_epoch<loom::SingleDevice>(train, batch, "loom-single-device").dump()
                 << std::endl;
-      std::cout << fit_epoch<loom::ModelSplit<loom::Balanced<2>, loom::OneFOneB<4>>>(
-                       train, batch, "loom-model-split")
-                       .dump()
-                << std::endl;
+      using Split = loom::ModelSplit<loom::Balanced<2>, loom::OneFOneB<4>>;
+      const auto split = fit_epoch<Split>(train, batch, "loom-model-split");
+      std::cout << split.dump() << std::endl;
+      for (const auto precision : {loom::Precision::bf16, loom::Precision::fp16}) {
+        const std::string name(loom::precision_name(precision));
+        if (std::ranges::find(precisions, name) == precisions.end()) continue;
+        auto reduced = fit_epoch<Split>(train, batch, "loom", precision);
+        reduced["benchmark"] = "lenet_split_epoch_" + name;
+        std::cout << reduced.dump() << std::endl;
+        auto peer = split;
+        peer["benchmark"] = "lenet_split_epoch_" + name;
+        peer["library"] = "loom-fp32";
+        std::cout << peer.dump() << std::endl;
+      }
       std::cout << fit_epoch<loom::Hybrid<2, loom::ModelSplit<loom::Balanced<2>, loom::OneFOneB<4>>>>(
                        train, batch, "loom-hybrid")
                        .dump()

@@ -10,6 +10,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_test.hpp"
@@ -86,23 +87,31 @@ double l1_distance(std::span<const float> a, std::span<const float> b) {
   return sum;
 }
 
+// A pipeline's `ranks` ranks, all on the first GPU.
+std::vector<Device> first_gpu_times(std::size_t ranks) {
+  return std::vector<Device>(ranks, devices::gpus().front());
+}
+
 // A bf16 or fp16 network trained on a GPU and on CPU devices (and, for
 // contrast, in fp32 on CPU devices) from the same seed on the same batches.
 // fp16's loss scale takes the same course on both: the same steps skipped.
-template <class Net, class Policy = SingleDevice>
+// A pipeline's `ranks` ranks share the first GPU; the CPU runs CpuPolicy
+// on as many devices (BatchNorm normalises each micro-batch: a pipeline's
+// statistics are not one device's).
+template <class Net, class Policy = SingleDevice, class CpuPolicy = SingleDevice>
 void reduced_follows_cpu(Precision precision, std::size_t samples, const SGD::Options& sgd,
                          double loss_epsilon, test::Tolerance weights,
-                         const LossScaling& scaling = {}) {
+                         const LossScaling& scaling = {}, std::size_t ranks = 1) {
   INFO(precision_name(precision));
   const auto part = head(fashion().train, samples);
   const FitOptions fit{.epochs = 1, .batch_size = 64, .seed = 3};
   const TrainerOptions options{.seed = 6, .precision = precision, .loss_scaling = scaling};
   std::vector<StepInfo> cpu_steps, gpu_steps, fp32_steps;
-  Trainer<Net> cpu_reduced(devices::cpu(1), sgd, options);
+  Trainer<Net, CpuPolicy> cpu_reduced(devices::cpu(ranks), sgd, options);
   cpu_reduced.fit(part, fit, Record{&cpu_steps});
-  Trainer<Net> cpu_fp32(devices::cpu(1), sgd, {.seed = 6});
+  Trainer<Net, CpuPolicy> cpu_fp32(devices::cpu(ranks), sgd, {.seed = 6});
   cpu_fp32.fit(part, fit, Record{&fp32_steps});
-  Trainer<Net, Policy> gpu_reduced(one_gpu(), sgd, options);
+  Trainer<Net, Policy> gpu_reduced(first_gpu_times(ranks), sgd, options);
   gpu_reduced.fit(part, fit, Record{&gpu_steps});
   same_steps(gpu_steps, cpu_steps, loss_epsilon);
   for (std::size_t i = 0; i < cpu_steps.size(); ++i) {
@@ -313,6 +322,33 @@ TEST_CASE("cuda trainer: an fp16 ResNet's skipped steps keep its running statist
                                    {2e-3, 2e-2}, overflowing);
 }
 
+// parallel/test_nonfinite_policies.cpp's fp16 overflow at the minimum loss
+// scale, under a pipeline on GPUs: the same steps skipped, then the error
+// naming a gradient as the CPU's pipelines do, and no weight moved.
+template <class Policy>
+void pipeline_overflow_at_min_scale(std::size_t ranks) {
+  const TrainerOptions fp16{
+      .seed = 1,
+      .precision = Precision::fp16,
+      .loss_scaling = {.initial_scale = 0x1p30f, .min_scale = 0x1p28f, .max_scale = 0x1p30f}};
+  Trainer<Mlp, Policy> trainer(first_gpu_times(ranks), {.lr = 0.05f, .momentum = 0.9f}, fp16);
+  const auto before = copy_of(trainer.model().parameters());
+  const auto error =
+      test::error_of(trainer, head(fashion().train, 1200), {.epochs = 1, .batch_size = 50});
+  REQUIRE_THAT(error, Catch::Contains("the gradients became non-finite at epoch 1, step 3 under "
+                                      "a finite loss, even at fp16's minimum loss scale "
+                                      "268435456 (LossScaling::min_scale): the gradient of "
+                                      "layer ") &&
+                          Catch::Contains("; the weights are kept from the step before"));
+  REQUIRE(trainer.skipped_steps() == 2);
+  test::require_equal(trainer.model().parameters(), before, "weights");
+}
+
+TEST_CASE("cuda ModelSplit and Hybrid: fp16 overflowing at its minimum scale names its gradient") {
+  pipeline_overflow_at_min_scale<ModelSplit<Balanced<2>, OneFOneB<2>>>(2);
+  pipeline_overflow_at_min_scale<Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<2>>>>(4);
+}
+
 TEST_CASE("cuda trainer: fp16 overflowing at its minimum scale raises the CPU's error, weights "
           "kept") {
   const test::TempDir dir;
@@ -402,38 +438,121 @@ TEST_CASE("cuda trainer: fp16's loss scale goes into checkpoints and comes back 
                       "weights after the second epoch");
 }
 
-TEST_CASE("cuda trainer: bf16 and fp16 of pipelines on GPUs are refused") {
-  const auto part = head(fashion().train, 128);
-  const std::vector<Device> two(2, devices::gpus().front());
-  for (const Precision p : {Precision::bf16, Precision::fp16}) {
-    Trainer<LeNet, ModelSplit<Balanced<2>>> split(two, {.lr = 0.01f}, {.precision = p});
-    REQUIRE_THROWS_WITH(split.fit(part, {.epochs = 1, .batch_size = 64}),
-                        Catch::Contains(std::string(precision_name(p)) + " of ModelSplit") &&
-                            Catch::Contains("on GPUs is not supported yet"));
+// Pipelines on GPUs against the CPU's pipelines in the same precision
+// (the same stages and micro-batches): LeNet's two stages, a ResNet's
+// (running statistics), and an MLP's 2 x 2 grid, whose replicas' fp16
+// gradients are summed before they are unscaled.
+TEST_CASE("cuda ModelSplit: bf16 LeNet over two stages follows the CPU's bf16 pipeline") {
+  using Split = ModelSplit<Balanced<2>, OneFOneB<4>>;
+  reduced_follows_cpu<LeNet, Split, Split>(Precision::bf16, 640, {.lr = 0.05f, .momentum = 0.9f},
+                                           1e-2, {1e-3, 1e-2}, {}, 2);
+}
+
+TEST_CASE("cuda ModelSplit: an fp16 ResNet over two stages skips and scales as the CPU's") {
+  using Split = ModelSplit<Balanced<2>, GPipe<2>>;
+  reduced_follows_cpu<SmallResNet, Split, Split>(Precision::fp16, 1280,
+                                                 {.lr = 0.05f, .momentum = 0.9f}, 1e-2,
+                                                 {2e-3, 2e-2}, overflowing, 2);
+}
+
+TEST_CASE("cuda Hybrid: an fp16 MLP on a 2 x 2 grid skips and scales as the CPU's") {
+  using Grid = Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<2>>>;
+  reduced_follows_cpu<Mlp, Grid, Grid>(Precision::fp16, 1280, {.lr = 0.1f}, 1e-2, {1e-3, 1e-2},
+                                       overflowing, 4);
+}
+
+using SmallCnn = Sequential<Input<1, 28, 28>, Conv2d<4, 5>, ReLU, MaxPool2d<2>, Flatten,
+                            Linear<32>, ReLU, Linear<10>>;
+
+// The faults of parallel/test_nonfinite_policies.cpp under a pipeline on
+// GPUs (`ranks` of them; SmallCnn cut as CnnPolicy says, OverflowingNet as
+// OverflowingPolicy): the error one CPU device raises, with the same spot
+// where the host can see it (the input batch, the weights, the summed
+// gradients; the layers' outputs stay on the GPUs), and the weights of
+// the step before on every stage.
+template <class CnnPolicy, class OverflowingPolicy>
+void pipeline_faults_like_one_device(std::size_t ranks) {
+  const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+  const auto clean = head(fashion().train, 256);
+  const FitOptions fit{.epochs = 1, .batch_size = 64, .shuffle = false};
+  const auto gpus = first_gpu_times(ranks);
+  {
+    INFO("a NaN pixel in step 2");
+    auto bad = clean;
+    bad.images[(64 + 37) * 784 + 100] = std::numeric_limits<float>::quiet_NaN();
+    Trainer<SmallCnn, CnnPolicy> pipeline(gpus, sgd);
+    Trainer<SmallCnn> one(devices::cpu(1), sgd);
+    const auto error = test::error_of(pipeline, bad, fit);
+    REQUIRE_THAT(error, Catch::Contains("the training loss became nan at epoch 1, step 2: the "
+                                        "input batch holds nan (sample 37, element 100 of 784); "
+                                        "the weights are kept from the step before"));
+    REQUIRE(error == test::error_of(one, bad, fit));
+    test::require_close(pipeline.model().parameters(), one.model().parameters(), {1e-5, 1e-3},
+                        "weights of step 1");
+  }
+  {
+    INFO("the first layer's weights are not finite");
+    Trainer<SmallCnn, CnnPolicy> pipeline(gpus, sgd);
+    Trainer<SmallCnn> one(devices::cpu(1), sgd);
+    for (auto* model : {&pipeline.model(), &one.model()})
+      test::set_tensor<SmallCnn>(model->parameters(), "1.conv.bias",
+                                 std::numeric_limits<float>::infinity());
+    const auto error = test::error_of(pipeline, clean, fit);
+    REQUIRE_THAT(error, Catch::Contains("at epoch 1, step 1: layer 1 (conv) holds a weight that "
+                                        "is inf (its bias, element 0 of 4)"));
+    REQUIRE(error == test::error_of(one, clean, fit));
+  }
+  {
+    INFO("a layer's output overflows: the host cannot see it, the step is skipped all the same");
+    Trainer<SmallCnn, CnnPolicy> pipeline(gpus, sgd);
+    test::set_tensor<SmallCnn>(pipeline.model().parameters(), "5.linear.weight", 1e37f);
+    const auto before = copy_of(std::as_const(pipeline).model().parameters());
+    const auto error = test::error_of(pipeline, clean, fit);
+    REQUIRE_THAT(error, Catch::StartsWith("loom: the training loss became ") &&
+                            Catch::Contains(" at epoch 1, step 1; the weights are kept from the "
+                                            "step before"));
+    test::require_equal(pipeline.model().parameters(), before, "weights");
+  }
+  {
+    INFO("a gradient overflows under a finite loss");
+    Trainer<test::OverflowingNet, OverflowingPolicy> pipeline(gpus, sgd);
+    Trainer<test::OverflowingNet> one(devices::cpu(1), sgd);
+    test::overflowing_gradient(pipeline.model().parameters());
+    test::overflowing_gradient(one.model().parameters());
+    const auto before = copy_of(std::as_const(pipeline).model().parameters());
+    const auto error = test::error_of(pipeline, test::ones(64), fit);
+    REQUIRE_THAT(error, Catch::Contains("the gradients became non-finite at epoch 1, step 1 "
+                                        "under a finite loss: the gradient of layer 2 (linear) "
+                                        "became inf (its weight, element 0 of 6272)"));
+    REQUIRE(error == test::error_of(one, test::ones(64), fit));
+    test::require_equal(pipeline.model().parameters(), before, "weights");
   }
 }
 
-TEST_CASE("cuda trainer: NonFinite::skip of ModelSplit on GPUs is refused") {
-  const auto part = head(fashion().train, 128);
-  const std::vector<Device> two(2, devices::gpus().front());
-  Trainer<LeNet, ModelSplit<Balanced<2>>> split(two, {.lr = 0.01f});
-  REQUIRE_THROWS_WITH(
-      split.fit(part, {.epochs = 1, .batch_size = 64, .on_nonfinite = NonFinite::skip}),
-      Catch::Contains("fit: skipping non-finite steps (FitOptions::on_nonfinite = "
-                      "NonFinite::skip) of ModelSplit on GPUs is not supported yet"));
+TEST_CASE("cuda ModelSplit: a non-finite step raises one device's error and keeps the weights") {
+  pipeline_faults_like_one_device<ModelSplit<At<4>, OneFOneB<4>>, ModelSplit<At<3>, GPipe<4>>>(2);
+}
+
+TEST_CASE("cuda Hybrid: a non-finite step raises one device's error and keeps the weights") {
+  pipeline_faults_like_one_device<Hybrid<2, ModelSplit<At<4>, OneFOneB<2>>>,
+                                  Hybrid<2, ModelSplit<At<3>, OneFOneB<2>>>>(4);
 }
 
 // 256 unshuffled samples in batches of 64, a NaN pixel in step 2: with
 // NonFinite::skip the GPU skips the step the CPU skips, and the run goes
 // on as the CPU's does (weights, running statistics, the steps' losses).
-template <class Net, class Policy, class Optimizer>
-void skips_nan_step_as_cpu(const typename Optimizer::Options& options, test::Tolerance tolerance) {
+// A pipeline's `ranks` ranks share the first GPU; the CPU runs CpuPolicy
+// (BatchNorm normalises each micro-batch: a pipeline's statistics are not
+// one device's).
+template <class Net, class Policy, class Optimizer, class CpuPolicy = SingleDevice>
+void skips_nan_step_as_cpu(const typename Optimizer::Options& options, test::Tolerance tolerance,
+                           std::size_t ranks = 1) {
   auto bad = head(fashion().train, 256);
   bad.images[(64 + 5) * 784 + 100] = std::numeric_limits<float>::quiet_NaN();
   const FitOptions fit{
       .epochs = 1, .batch_size = 64, .shuffle = false, .on_nonfinite = NonFinite::skip};
-  Trainer<Net, Policy, Optimizer> gpu(one_gpu(), options, {.seed = 2});
-  Trainer<Net, SingleDevice, Optimizer> cpu(devices::cpu(1), options, {.seed = 2});
+  Trainer<Net, Policy, Optimizer> gpu(first_gpu_times(ranks), options, {.seed = 2});
+  Trainer<Net, CpuPolicy, Optimizer> cpu(devices::cpu(ranks), options, {.seed = 2});
   std::vector<StepInfo> gpu_steps, cpu_steps;
   gpu.fit(bad, fit, Record{&gpu_steps});
   cpu.fit(bad, fit, Record{&cpu_steps});
@@ -461,6 +580,18 @@ TEST_CASE("cuda trainer: NonFinite::skip skips a NaN step as the CPU does (SGD, 
 TEST_CASE("cuda trainer: NonFinite::skip keeps a ResNet's running statistics, as the CPU") {
   skips_nan_step_as_cpu<SmallResNet, SingleDevice, SGD>({.lr = 0.05f, .momentum = 0.9f},
                                                         {2e-5, 2e-3});
+}
+
+TEST_CASE("cuda ModelSplit: NonFinite::skip keeps a ResNet's running statistics, as the CPU") {
+  using Split = ModelSplit<Balanced<2>, OneFOneB<2>>;
+  skips_nan_step_as_cpu<SmallResNet, Split, SGD, Split>({.lr = 0.05f, .momentum = 0.9f},
+                                                        {2e-5, 2e-3}, 2);
+}
+
+TEST_CASE("cuda Hybrid: NonFinite::skip with AdamW skips as the CPU") {
+  using Grid = Hybrid<2, ModelSplit<Balanced<2>, GPipe<2>>>;
+  skips_nan_step_as_cpu<Mlp, Grid, AdamW, Grid>({.lr = 1e-3f, .weight_decay = 0.01f},
+                                                {1e-3, 1e-2}, 4);
 }
 
 TEST_CASE("cuda DataParallel: NonFinite::skip with AdamW on an NCCL rank skips as the CPU") {

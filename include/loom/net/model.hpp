@@ -392,16 +392,10 @@ class Model {
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if (found) return;
-      // The master weights (a reduced precision's copy is rounded from them).
-      if constexpr (L::param_count > 0) {
-        const T* weights = params_.data() + detail::list_info<executed>::param_offsets[i];
-        const std::size_t at = detail::first_nonfinite(weights, L::param_count);
-        if (at < L::param_count) {
-          spot = {NonFiniteSpot::Where::weight, L::index, L::index, at, L::param_count, 0,
-                  static_cast<float>(weights[at])};
-          found = true;
-          return;
-        }
+      spot = weight_spot<i>();
+      if (spot) {
+        found = true;
+        return;
       }
       if constexpr (requires { typename L::layers; })
         found = L::visit_body_outputs(
@@ -413,6 +407,17 @@ class Model {
         if (!found)
           found = look(NonFiniteSpot::Where::output, L::index, L::index, layer_output<i>(s),
                        L::output_shape::size);
+    });
+    return spot;
+  }
+
+  // The first layer in forward order whose weights hold a non-finite value
+  // (find_nonfinite_output looks at them too, between the outputs): for a
+  // device whose outputs are gone, with the weights gathered here.
+  NonFiniteSpot find_nonfinite_weight() const {
+    NonFiniteSpot spot;
+    static_for<layer_count>([&](auto i) {
+      if (!spot) spot = weight_spot<i>();
     });
     return spot;
   }
@@ -447,6 +452,21 @@ class Model {
   }
 
  private:
+  // Layer I's first non-finite master weight (a reduced precision's copy is
+  // rounded from them), if any.
+  template <std::size_t I>
+  NonFiniteSpot weight_spot() const {
+    using L = type_at_t<I, executed>;
+    if constexpr (L::param_count > 0) {
+      const T* weights = params_.data() + detail::list_info<executed>::param_offsets[I];
+      const std::size_t at = detail::first_nonfinite(weights, L::param_count);
+      if (at < L::param_count)
+        return {NonFiniteSpot::Where::weight, L::index, L::index, at, L::param_count, 0,
+                static_cast<float>(weights[at])};
+    }
+    return {};
+  }
+
   static constexpr std::size_t largest_layer_parameters() {
     std::size_t most = 0;
     static_for<layer_count>(

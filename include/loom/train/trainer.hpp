@@ -55,9 +55,11 @@ struct TrainerOptions {
   // master weights; fp16 scales the loss dynamically (`loss_scaling`),
   // skipping the steps whose gradients overflow. A step that overflows even
   // at the minimum scale is a non-finite step (FitOptions::on_nonfinite).
-  // CPU devices emulate both; on GPUs both run on tensor cores, the loss
-  // scale kept on the device (SingleDevice and DataParallel;
-  // backend/cuda/precision.cuh, loss_scaling.cuh).
+  // CPU devices emulate both; on GPUs both run on tensor cores
+  // (backend/cuda/precision.cuh), the loss scale kept on the device under
+  // SingleDevice and DataParallel (loss_scaling.cuh) and by the trainer, as
+  // on CPU devices, under ModelSplit and Hybrid, whose host reads every
+  // step's end.
   Precision precision = Precision::fp32;
   LossScaling loss_scaling{};
 };
@@ -84,8 +86,7 @@ struct FitOptions {
   // Clip each step's gradients to this global norm, over every layer,
   // replica and stage (PyTorch's clip_grad_norm_); 0: never.
   float max_grad_norm = 0.0f;
-  // A step whose loss or gradients are not finite (ModelSplit and Hybrid
-  // on GPUs take NonFinite::raise only).
+  // A step whose loss or gradients are not finite.
   NonFinite on_nonfinite = NonFinite::raise;
 };
 
@@ -291,14 +292,6 @@ class Trainer {
         options.drop_last ? loader.batches_per_epoch() * options.batch_size : train.count;
     stop_.set(false);
 #if defined(__CUDACC__)
-    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy> || options.on_nonfinite == NonFinite::raise,
-               "fit: skipping non-finite steps (FitOptions::on_nonfinite = NonFinite::skip) of ",
-               Policy::name, " on GPUs is not supported yet (SingleDevice and DataParallel on "
-               "GPUs skip them)");
-    LOOM_CHECK(!on_gpu() || !is_pipelined<Policy> || options_.precision == Precision::fp32,
-               "fit: ", precision_name(options_.precision), " of ", Policy::name,
-               " on GPUs is not supported yet (SingleDevice and DataParallel on GPUs run bf16 "
-               "and fp16)");
     if constexpr (is_pipelined<Policy>) {
       if (on_gpu()) gpu_split(options.batch_size);
     } else if (on_gpu()) {
@@ -1274,13 +1267,22 @@ class Trainer {
         else
           return NonFiniteSpot{};
       };
-      if constexpr (is_data_parallel<Policy>)
+      // GPU stages say so when their gradients were not finite and the
+      // host found no spot to name.
+      bool gradients_bad = false;
+      if constexpr (is_data_parallel<Policy>) {
         spot = fault_of(*engine_);
-      else
+      } else {
         spot = with_split(fault_of);
+        with_split([&](auto& engine) {
+          if constexpr (requires { engine.gradients_nonfinite(); })
+            gradients_bad = engine.gradients_nonfinite();
+        });
+      }
       // The replicas or stages skipped their update. An fp16 overflow's
       // spot (at the minimum scale) is the scale's to report.
-      if (sums.overflowed || !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite))
+      if (sums.overflowed ||
+          !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite, {}, gradients_bad))
         note_overflow(sums, spot, epoch, step, fit.on_nonfinite);
     } else {
       const auto began = std::chrono::steady_clock::now();
@@ -1387,7 +1389,7 @@ class Trainer {
       if (first) host_changed_ = false;
       auto made = std::make_unique<GpuPipeline>(
           devices_, model_, loom::gpu::DeviceOptimizer::from(optimizer_.options()),
-          options_.schedule, options_.allow_tf32,
+          options_.schedule, options_.precision, options_.allow_tf32,
           std::max(batch, gpu_pipeline_ ? gpu_pipeline_->max_batch() : std::size_t{1}),
           gpu_pipeline_.get());
       if (first) {

@@ -1,10 +1,12 @@
 // fp16's dynamic loss scaling (optim/loss_scaler.hpp) on the device. The
-// host reads a step's loss late (a step never waits for it), so the scale
-// cannot come from the host: it lives on the device, the loss gradient is
-// multiplied by it when the loss kernel runs, and after backward (and the
-// all-reduce) one pass divides the gradients by it again and flags an
-// overflow, and one thread updates it as LossScaler::update does, with the
-// same float arithmetic. An overflowed step's update is skipped; one at the
+// host reads a step's loss late (a step never waits for it), so under
+// SingleDevice and DataParallel the scale cannot come from the host: it
+// lives on the device, the loss gradient is multiplied by it when the loss
+// kernel runs, and after backward (and the all-reduce) one pass divides
+// the gradients by it again and flags an overflow, and one thread updates
+// it as LossScaler::update does, with the same float arithmetic. (A
+// pipeline's host reads every step's end: its stages take the trainer's
+// scale and use only the unscaling pass, scan_gradients.) An overflowed step's update is skipped; one at the
 // minimum scale halts the totals (halt_gradient_overflow), as the CPU
 // raises, or is skipped as non-finite (Skipped) when such steps are.
 // fp32 and bf16 check their gradients with the same scan, unscaled.

@@ -9,20 +9,24 @@
 // it computes. A sender that is about to overwrite a buffer it sent from
 // waits (host: the receiver has enqueued the copy; device: the copy is done).
 //
-// The loss is the last stage's (on the device, LossTotals); at the end of an
-// optimizer step the host reads it, and every stage updates, or none when it
-// is not finite (fit then raises with the epoch and step). Gradients of a
+// The loss is the last stage's (on the device, LossTotals). Gradients of a
 // step's micro-batches are summed into an accumulator; the update reads it,
-// with any of the optimizers DeviceModel takes (SGD, Adam, AdamW). Clipping
-// by global norm sums the stages' squared norms on the host (each stage's
-// is one reduction on its GPU) and hands every stage the total, so all
-// scale by the factor one device would.
+// with any of the optimizers DeviceModel takes (SGD, Adam, AdamW). At the
+// end of an optimizer step the host reads the loss and the stages' squared
+// gradient norms (one reduction each on its GPU): every stage updates, or
+// none when the loss or the norm is not finite, as the CPU checks before
+// every update; the stages then put back the running statistics of the
+// step's start, and the engine looks on the host for what to name (the
+// input batch, the weights, the gradients; fault()). Clipping by global
+// norm hands every stage the stages' summed norm, so all scale by the
+// factor one device would.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -207,6 +211,18 @@ class DeviceStageBase {
   virtual std::int32_t* pinned_labels(std::size_t slot) = 0;
   virtual Event& staged(std::size_t slot) = 0;
   virtual Event& backward_done() = 0;
+  // Before a step's or an evaluation's first forward, in a reduced
+  // precision: the weights the layers compute with are rounded again from
+  // the master weights (an update or the host changed them).
+  virtual void round_weights() = 0;
+  // Before a step's first forward, fp16: the trainer's loss scale, which
+  // the last stage's loss gradients are multiplied by and every stage's
+  // summed gradients divided by (squared_norm).
+  virtual void set_loss_scale(float loss_scale) = 0;
+  // The running statistics at a step's start, enqueued: kept, or put back
+  // when the step is skipped.
+  virtual void keep_state() = 0;
+  virtual void restore_state() = 0;
   // pass: what Dropout draws from (training only).
   virtual void forward(std::size_t slot, std::size_t n, bool training, const DevicePass& pass) = 0;
   // The last stage: loss of slot's n samples (train: its gradient too, over group samples).
@@ -217,13 +233,18 @@ class DeviceStageBase {
   // `scalars`' (update_scalars); clip_squares >= 0: the whole network's
   // squared gradient norm, to clip by scalars.max_norm first.
   virtual void update(const UpdateScalars& scalars, double clip_squares) = 0;
-  // The squared norm of the accumulated gradients (waits for the stream).
-  virtual double squared_norm() = 0;
+  // The squared norm of the accumulated gradients (waits for the stream),
+  // not finite exactly when a gradient is not; with `unscale` (fp16) the
+  // gradients are first divided by the loss scale, in place.
+  virtual double squared_norm(bool unscale) = 0;
   // Optimizer buffer b (SGD's velocity; Adam's exp_avg, exp_avg_sq) to or
   // from the stage's slice of a host buffer in the Model's order (waits).
   virtual void copy_optimizer(std::size_t b, float* host, cudaMemcpyKind kind) = 0;
   // The step's micro-batches' gradients, summed (Hybrid sums it over copies).
   virtual float* accumulator() = 0;
+  // The accumulator into the stage's slice of a host buffer in the Model's
+  // order (waits).
+  virtual void copy_accumulator(float* host) = 0;
   virtual void zero_accumulator() = 0;
   // Waits for the stream; returns the totals since the last call and zeroes them.
   virtual LossTotals take_totals() = 0;
@@ -240,7 +261,11 @@ class DeviceStageBase {
 
 // Stage `StageNet` (stage_net_t) on one GPU: `slots` micro-batches of up to
 // `max_batch` samples alive at once. Not the first stage: it also computes
-// the gradient for its input.
+// the gradient for its input. bf16 and fp16 round what DeviceModel rounds
+// (model.cuh), as the CPU's pipeline stages do: the weights the layers
+// compute with, the first stage's input, each layer's output, weight
+// gradients (before they join the step's sum, which stays fp32) and
+// passed-back gradient, and the loss gradient, which fp16 scales first.
 template <class StageNet, bool First>
 class DeviceStage final : public DeviceStageBase {
  public:
@@ -253,11 +278,16 @@ class DeviceStage final : public DeviceStageBase {
   // Made with `device` current.
   DeviceStage(int device, std::span<const float> weights, std::span<const float> state,
               const DeviceOptimizer& optimizer, std::size_t max_batch, std::size_t slots,
-              bool allow_tf32)
+              Precision precision, bool allow_tf32)
       : device_(device),
         max_batch_(max_batch),
         optimizer_(optimizer),
-        plans_(context_, max_batch, allow_tf32 ? TensorMath::tf32 : TensorMath::fp32),
+        precision_(precision),
+        plans_(context_, max_batch,
+               precision == Precision::bf16   ? TensorMath::bf16
+               : precision == Precision::fp16 ? TensorMath::fp16
+               : allow_tf32                   ? TensorMath::tf32
+                                              : TensorMath::fp32),
         loss_(max_batch),
         totals_host_(1),
         norm_host_(1),
@@ -265,15 +295,18 @@ class DeviceStage final : public DeviceStageBase {
         pinned_labels_(slots * max_batch),
         slot_done_(slots),
         staged_(slots) {
-    std::size_t bytes = (3 + optimizer.buffers()) * DeviceArena::padded_bytes<float>(layout::total) +
+    const std::size_t copies = 3 + optimizer.buffers() + (reduced() ? 1 : 0);
+    std::size_t bytes = copies * DeviceArena::padded_bytes<float>(layout::total) +
+                        DeviceArena::padded_bytes<LossScaleState>(1) +
                         DeviceArena::padded_bytes<UpdateScalars>(1) +
                         DeviceArena::padded_bytes<double>(1) +
                         DeviceArena::padded_bytes<unsigned char>(norm_scratch_bytes_) +
                         DeviceArena::padded_bytes<LossTotals>(1) +
+                        DeviceArena::padded_bytes<int>(1) +
                         2 * DeviceArena::padded_bytes<float>(max_batch * largest_activation()) +
                         DeviceArena::padded_bytes<float>(max_batch * in_size) +
                         DeviceArena::padded_bytes<unsigned char>(plans_.scratch_bytes()) +
-                        DeviceArena::padded_bytes<float>(state_count);
+                        2 * DeviceArena::padded_bytes<float>(state_count);
     const std::size_t per_slot = slot_bytes(max_batch);
     bytes += slots * per_slot;
     arena_ = std::make_unique<DeviceArena>(
@@ -283,14 +316,20 @@ class DeviceStage final : public DeviceStageBase {
     accum_ = arena_->take<float>(layout::total);
     for (std::size_t b = 0; b < optimizer.buffers(); ++b)
       moments_[b] = arena_->take<float>(layout::total);
+    if (reduced()) compute_params_ = arena_->take<float>(layout::total);
+    scale_ = arena_->take<LossScaleState>(1);
     update_ = arena_->take<UpdateScalars>(1);
     norm_ = arena_->take<double>(1);
     norm_scratch_ = arena_->take<unsigned char>(norm_scratch_bytes_);
     totals_ = arena_->take<LossTotals>(1);
+    skip_nonfinite_ = arena_->take<int>(1);
     for (auto& buffer : grad_buffers_) buffer = arena_->take<float>(max_batch * largest_activation());
     input_gradient_ = arena_->take<float>(max_batch * in_size);
     scratch_ = arena_->take<unsigned char>(plans_.scratch_bytes());
-    if constexpr (state_count > 0) state_ = arena_->take<float>(state_count);
+    if constexpr (state_count > 0) {
+      state_ = arena_->take<float>(state_count);
+      kept_state_ = arena_->take<float>(state_count);
+    }
     slots_.resize(slots);
     for (auto& s : slots_) {
       s.input = arena_->take<float>(max_batch * in_size);
@@ -305,10 +344,16 @@ class DeviceStage final : public DeviceStageBase {
           s.saved[i] = arena_->take<float>(plans_.template saved_floats<i>());
       });
     }
-    for (float* buffer : {params_, grads_, accum_, moments_[0], moments_[1]})
+    for (float* buffer : {params_, grads_, accum_, moments_[0], moments_[1], compute_params_})
       if (buffer != nullptr)
         LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
     LOOM_CUDA_CHECK(cudaMemsetAsync(totals_, 0, sizeof(LossTotals), stream()));
+    // The host decides whether a step with a non-finite loss halts or is
+    // skipped: the totals only mark it (LossTotals::skipped) and go on
+    // counting hits, as the CPU's sums do. (Pageable: read on return.)
+    const int mark_only = 1;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(skip_nonfinite_, &mark_only, sizeof(int),
+                                    cudaMemcpyHostToDevice, stream()));
     copy_parameters(const_cast<float*>(weights.data()), cudaMemcpyHostToDevice);
     copy_running_state(const_cast<float*>(state.data()), cudaMemcpyHostToDevice);
     // The host slice may go when this returns.
@@ -344,6 +389,29 @@ class DeviceStage final : public DeviceStageBase {
   Event& staged(std::size_t slot) override { return staged_[slot]; }
   Event& backward_done() override { return backward_done_; }
 
+  void round_weights() override {
+    if (reduced()) round_copy(precision_, params_, compute_params_, layout::total, stream());
+  }
+  void set_loss_scale(float loss_scale) override {
+    if (precision_ == Precision::fp16 && loss_scale != scale_value_.scale) {
+      scale_value_.scale = loss_scale;
+      // From pageable memory: the copy has read it when it returns.
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_, &scale_value_, sizeof(LossScaleState),
+                                      cudaMemcpyHostToDevice, stream()));
+    }
+  }
+
+  void keep_state() override {
+    if constexpr (state_count > 0)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(kept_state_, state_, state_count * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream()));
+  }
+  void restore_state() override {
+    if constexpr (state_count > 0)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, kept_state_, state_count * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream()));
+  }
+
   void forward(std::size_t slot, std::size_t n, bool training, const DevicePass& pass) override {
     check_batch(n);
     auto& plan = plans_.get(n);
@@ -353,14 +421,23 @@ class DeviceStage final : public DeviceStageBase {
       LOOM_CUDA_CHECK(cudaMemcpyAsync(s.pass, &pass, sizeof(DevicePass), cudaMemcpyHostToDevice,
                                       stream()));
     s.training = training;
-    static_for<layer_count>([&](auto i) { std::get<i>(plan).forward(call<i>(s)); });
+    // Rounding a slot's input again (evaluation reloads slot 0) changes nothing.
+    if constexpr (First) round_values(precision_, s.input, n * in_size, stream());
+    static_for<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      std::get<i>(plan).forward(call<i>(s));
+      if constexpr (!L::in_place)
+        round_values(precision_, output_of<i>(s), n * L::output_shape::size, stream());
+    });
   }
 
   void loss(std::size_t slot, std::size_t n, std::size_t group, bool train) override {
     check_batch(n);
     softmax_xent_async(output(slot), slots_[slot].labels, n, out_size, group,
-                       train ? grad_buffers_[0] : nullptr, loss_, stream());
-    accumulate_loss(loss_, slots_[slot].labels, n, train, totals_, stream());
+                       train ? grad_buffers_[0] : nullptr, loss_, stream(),
+                       precision_ == Precision::fp16 ? &scale_->scale : nullptr);
+    if (train) round_values(precision_, grad_buffers_[0], n * out_size, stream());
+    accumulate_loss(loss_, slots_[slot].labels, n, train, totals_, stream(), skip_nonfinite_);
   }
 
   void backward(std::size_t slot, std::size_t n, bool first_of_step) override {
@@ -379,6 +456,19 @@ class DeviceStage final : public DeviceStageBase {
       else if constexpr (i == 0 && !First)
         c.dx = input_gradient_;
       std::get<i>(plan).backward(c);
+      // As DeviceModel::backward rounds them (a GEMM that applied layer
+      // I-1's ReLU derivative summed its bias gradient before the rounding:
+      // it is summed again from the rounded gradient).
+      if (reduced()) {
+        if constexpr (L::param_count > 0)
+          round_values(precision_, grads_ + layout::offsets.weight[i], layout::sizes[i], stream());
+        if constexpr (!L::in_place)
+          if (c.dx != nullptr)
+            round_values(precision_, c.dx, n * L::input_shape::size, stream());
+        if constexpr (detail::applies_previous_drelu<executed, i>())
+          bias_act_backward_nchw<Act::identity>(c.dx, c.dx, c.dx, c.previous_dbias, n,
+                                                L::input_shape::size, 1, false, stream());
+      }
       if (!L::in_place) current = 1 - current;
     });
     // An in-place first layer (Flatten) passes the gradient through.
@@ -410,7 +500,14 @@ class DeviceStage final : public DeviceStageBase {
                      clip ? norm_ : nullptr, nullptr, stream());
   }
 
-  double squared_norm() override {
+  double squared_norm(bool unscale) override {
+    if (unscale && layout::total > 0) {
+      // Its overflow flag is not read: the norm says it.
+      LOOM_CUDA_CHECK(cudaMemsetAsync(&scale_->overflowed, 0, sizeof(int), stream()));
+      kernels::scan_gradients<true><<<grid_blocks(layout::total), block_threads, 0, stream()>>>(
+          accum_, layout::total, scale_, &scale_->overflowed);
+      LOOM_CUDA_LAUNCH_CHECK("scan_gradients<true>");
+    }
     ::loom::gpu::squared_norm(accum_, layout::total, norm_, norm_scratch_, norm_scratch_bytes_,
                               stream());
     LOOM_CUDA_CHECK(cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(double),
@@ -427,6 +524,10 @@ class DeviceStage final : public DeviceStageBase {
   }
 
   float* accumulator() override { return accum_; }
+  void copy_accumulator(float* host) override {
+    detail::copy_parameters<executed>(accum_, host, cudaMemcpyDeviceToHost, stream());
+    context_.stream.synchronize();
+  }
   void zero_accumulator() override {
     LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layout::total * sizeof(float), stream()));
   }
@@ -537,8 +638,9 @@ class DeviceStage final : public DeviceStageBase {
     if constexpr (L::state_count > 0)
       c.state = state_ + ::loom::detail::list_info<executed>::state_offsets[I];
     c.saved = s.saved[I];
-    c.weights = params_ + layout::offsets.weight[I];
-    c.bias = params_ + layout::offsets.bias[I];
+    const float* weights = reduced() ? compute_params_ : params_;
+    c.weights = weights + layout::offsets.weight[I];
+    c.bias = weights + layout::offsets.bias[I];
     c.dweights = grads_ + layout::offsets.weight[I];
     c.dbias = grads_ + layout::offsets.bias[I];
     c.x = input_of<I>(s);
@@ -551,12 +653,16 @@ class DeviceStage final : public DeviceStageBase {
     c.scratch = scratch_;
     c.scratch_bytes = plans_.scratch_bytes();
     c.stream = stream();
+    c.precision = precision_;
     return c;
   }
+
+  bool reduced() const { return precision_ != Precision::fp32; }
 
   int device_;
   std::size_t max_batch_;
   DeviceOptimizer optimizer_;
+  Precision precision_;
   DeviceContext context_;
   Stream copy_stream_;
   detail::PlanCache<executed, !First> plans_;
@@ -567,9 +673,12 @@ class DeviceStage final : public DeviceStageBase {
   PinnedBuffer<std::int32_t> pinned_labels_;  // per slot (the last stage's are read)
   std::unique_ptr<DeviceArena> arena_;
   float* params_ = nullptr;
+  float* compute_params_ = nullptr;  // params_ rounded to a reduced precision (else null)
   float* grads_ = nullptr;
   float* accum_ = nullptr;  // the step's micro-batches' gradients, summed
   std::array<float*, 2> moments_{};  // SGD's velocity; Adam's exp_avg and exp_avg_sq
+  LossScaleState* scale_ = nullptr;  // fp16: the scale (from the host) and scratch for a flag
+  LossScaleState scale_value_{.scale = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
   UpdateScalars* update_ = nullptr;
   UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
   double* norm_ = nullptr;  // squared norms: the stage's, then the whole network's for the update
@@ -577,6 +686,8 @@ class DeviceStage final : public DeviceStageBase {
   std::size_t norm_scratch_bytes_ = ::loom::gpu::squared_norm_bytes(layout::total);
   unsigned char* norm_scratch_ = nullptr;
   float* state_ = nullptr;  // running statistics, the stage's slice of the Model's order
+  float* kept_state_ = nullptr;  // state_ at the step's start
+  int* skip_nonfinite_ = nullptr;  // 1: a non-finite loss marks the totals, never halts them
   LossTotals* totals_ = nullptr;
   std::array<float*, 2> grad_buffers_{};
   float* input_gradient_ = nullptr;
@@ -596,8 +707,9 @@ class DeviceStage final : public DeviceStageBase {
 // replica order (peer copies, then one add kernel each; deterministic, and
 // copies may share a GPU, which NCCL refuses), then each copy takes the sum
 // back before its update. Events order it: the leader waits for each copy's
-// gradients, the copies for the sum, and the leader's next step for every
-// copy to have taken it.
+// gradients, the copies for the sum (as fp16's unscaling left it), and the
+// leader's next step for every copy to have taken it; after a skipped step
+// each copy's next backward waits for the leader's reads of its gradients.
 template <class Net, class Policy>
 class PipelineEngine {
  public:
@@ -610,12 +722,15 @@ class PipelineEngine {
   // Planned for global batches of up to max_batch samples; `previous` (same
   // network, devices and optimizer, planned smaller) hands over weights and
   // optimizer state, else it starts at zero (scatter_optimizer sets another).
+  // `precision` is every step's and evaluation's (the stages' GEMMs are
+  // planned for it).
   PipelineEngine(const std::vector<Device>& devices, const Model<Net, float>& initial,
-                 const DeviceOptimizer& optimizer, PipelineSchedule schedule, bool allow_tf32,
-                 std::size_t max_batch, PipelineEngine* previous = nullptr)
+                 const DeviceOptimizer& optimizer, PipelineSchedule schedule, Precision precision,
+                 bool allow_tf32, std::size_t max_batch, PipelineEngine* previous = nullptr)
       : schedule_(schedule),
         max_batch_(max_batch),
         optimizer_(optimizer),
+        precision_(precision),
         updates_(previous != nullptr ? previous->updates_ : 0),
         crew_(Policy::name, devices::hardware_threads()) {
     if (schedule_.micro_batches == 0) schedule_.micro_batches = Policy::schedule.micro_batches;
@@ -654,8 +769,9 @@ class PipelineEngine {
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings, const Pass& pass = {.training = true}) {
-    LOOM_CHECK(settings.precision == Precision::fp32, Policy::name, " on GPUs: bf16/fp16 are not "
-               "supported yet (SingleDevice and DataParallel on GPUs run bf16 and fp16)");
+    LOOM_CHECK(settings.precision == precision_, Policy::name, " on GPUs: a ",
+               precision_name(settings.precision), " step; the stages were made for ",
+               precision_name(precision_));
     LOOM_CHECK(n <= max_batch_, Policy::name, ": a batch of ", n, " samples; planned for ",
                max_batch_);
     crew_.run({.kind = JobKind::train,
@@ -665,34 +781,61 @@ class PipelineEngine {
                .group_samples = group_samples,
                .accumulate = accumulate,
                .last = last,
+               .settings = settings,
                .pass = pass});
     if (!last) return {};
+    fault_ = {};
+    gradients_nonfinite_ = false;
     std::size_t replica = 0;
     const LossTotals t = total(&replica);
     if (t.halted == halt_bad_label)
       LOOM_FAIL("label ", t.bad_label, " of sample ", t.bad_row, " of a micro-batch",
                 replicas > 1 ? " of replica " + std::to_string(replica) : std::string(),
                 " is outside the network's ", classes, " classes");
-    if (t.halted == halt_nonfinite_loss) return {t.halt_loss, 0};  // no stage updates
-    if constexpr (replicas > 1) crew_.run({.kind = JobKind::reduce});
-    // Read by the update jobs (the crew's run orders the writes before them).
-    clip_squares_ = -1.0;
-    if (settings.max_grad_norm > 0.0f) {
-      // Replica 0's stages hold the sums (Hybrid reduced them there).
-      crew_.run({.kind = JobKind::norm});
-      clip_squares_ = 0.0;
-      for (const double squares : stage_squares_) clip_squares_ += squares;
+    const cpu::LossSums sums{t.loss, static_cast<std::size_t>(t.correct)};
+    if (!std::isfinite(sums.loss)) {
+      skip_step(images, n, false);
+      return sums;
     }
+    if constexpr (replicas > 1) crew_.run({.kind = JobKind::reduce});
+    // Replica 0's stages hold the sums (Hybrid reduced them there; fp16
+    // unscales them there, before the copies take them); their squared
+    // norms are finite exactly when every gradient is (a float's square
+    // cannot overflow a double, nor can any count of them).
+    const bool fp16 = precision_ == Precision::fp16;
+    crew_.run({.kind = JobKind::norm, .settings = settings});
+    double squares = 0.0;
+    for (const double stage_squares : stage_squares_) squares += stage_squares;
+    if (!std::isfinite(squares) && fp16) {
+      // An overflow: the trainer's scale backs off, or (at its minimum)
+      // reports the step as non-finite, naming the gradient.
+      crew_.run({.kind = JobKind::restore});
+      if (settings.at_min_scale) fault_ = gradient_spot();
+      return {sums.loss, sums.correct, true};
+    }
+    if (!std::isfinite(squares)) {
+      skip_step(images, n, true);
+      return sums;
+    }
+    // Read by the update jobs (the crew's run orders the writes before them).
+    clip_squares_ = settings.max_grad_norm > 0.0f ? squares : -1.0;
     scalars_ = update_scalars(optimizer_, settings.lr, updates_ + 1, settings.max_grad_norm);
     crew_.run({.kind = JobKind::update});
     updates_ += 1;
-    return {t.loss, static_cast<std::size_t>(t.correct)};
+    return sums;
   }
+
+  // After a step whose loss or gradients went non-finite, which no stage
+  // took: the first non-finite value the host could find (the step's last
+  // batch, the weights, with a finite loss the summed gradients), else
+  // nowhere; and whether the gradients were the ones.
+  const NonFiniteSpot& fault() const { return fault_; }
+  bool gradients_nonfinite() const { return gradients_nonfinite_; }
 
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
                          Precision precision = Precision::fp32) {
-    LOOM_CHECK(precision == Precision::fp32, Policy::name, " on GPUs: bf16/fp16 are not supported "
-               "yet (SingleDevice and DataParallel on GPUs run bf16 and fp16)");
+    LOOM_CHECK(precision == precision_, Policy::name, " on GPUs: a ", precision_name(precision),
+               " evaluation; the stages were made for ", precision_name(precision_));
     crew_.run({.kind = JobKind::evaluate, .n = std::min(batch, max_batch_), .dataset = &dataset});
     const LossTotals t = total();
     if (t.halted == halt_bad_label)
@@ -702,7 +845,7 @@ class PipelineEngine {
   }
 
   // Replica 0's stages hold the weights (the copies are equal) and the
-  // running statistics (each copy keeps its own, as on CPU devices).
+  // running statistics (each copy keeps its own).
   void gather(Model<Net, float>& whole) {
     for (std::size_t k = 0; k < stages; ++k) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
@@ -743,7 +886,7 @@ class PipelineEngine {
   }
 
  private:
-  enum class JobKind { train, evaluate, reduce, norm, update };
+  enum class JobKind { train, evaluate, reduce, norm, update, restore };
   using Job = ::loom::detail::EngineJob<JobKind>;
 
   // Hybrid: what the copies of one stage share for their reduction.
@@ -761,6 +904,8 @@ class PipelineEngine {
                    bool allow_tf32, PipelineEngine* previous) {
     // Each replica pipelines its share of a batch.
     replica_batch_ = std::max<std::size_t>(1, batch_share(max_batch_, replicas, 0).count);
+    diagnosis_ = std::make_unique<Model<Net, float>>();
+    rounded_input_.resize(max_batch_ * Net::input_shape::size);
     const std::size_t micro =
         std::max<std::size_t>(1, std::min(schedule_.micro_batches, replica_batch_));
     const std::size_t most = batch_share(replica_batch_, micro, 0).count;
@@ -781,7 +926,7 @@ class PipelineEngine {
         stages_[w] = std::make_unique<DeviceStage<StageNet, K == 0>>(
             device, initial.parameters().subspan(offset, StageNet::parameter_count),
             initial.state().subspan(state_at, StageNet::state_count), optimizer_, most,
-            pipeline_in_flight(schedule_.kind, stages, K, micro), allow_tf32);
+            pipeline_in_flight(schedule_.kind, stages, K, micro), precision_, allow_tf32);
         if (previous != nullptr) stages_[w]->copy_state_from(*previous->stages_[w]);
       }
     });
@@ -866,13 +1011,58 @@ class PipelineEngine {
         if (replica_of(w) == 0) reduce(w, stage);
         break;
       case JobKind::norm:
-        if (replica_of(w) == 0) stage_squares_[stage_of(w)] = stage.squared_norm();
+        if (replica_of(w) == 0) {
+          stage_squares_[stage_of(w)] =
+              stage.squared_norm(job.settings.precision == Precision::fp16);
+          // Hybrid: the copies take the sum as fp16's unscaling left it.
+          if constexpr (replicas > 1) groups_[w].reduced->record(stage.stream());
+        }
         break;
       case JobKind::update:
         if (replicas > 1 && replica_of(w) > 0) take_sum(w, stage);
         stage.update(scalars_, clip_squares_);
         break;
+      case JobKind::restore:
+        stage.restore_state();
+        // Hybrid: a skipped step's copies take no sum, but their next
+        // backward must not overwrite what their leader's reduce reads.
+        if (replicas > 1 && replica_of(w) > 0) groups_[stage_of(w)].reduced->wait_on(stage.stream());
+        break;
     }
+  }
+
+  // A non-finite step: every rank puts its running statistics back, and
+  // the host looks for what to name, in the order the CPU does as far as
+  // the GPUs kept it (the layers' outputs are gone): the step's last batch
+  // (`images`, n samples), then the weights layer by layer, then (the loss
+  // finite) the gradients in backward order.
+  void skip_step(const float* images, std::size_t n, bool gradients_bad) {
+    crew_.run({.kind = JobKind::restore});
+    gradients_nonfinite_ = gradients_bad;
+    // The input as the first stage computed with it: rounded in a reduced
+    // precision (fp16 overflows past 65504, as the CPU's rounded copy does).
+    constexpr std::size_t sample = Net::input_shape::size;
+    const std::size_t count = n * sample;
+    std::copy_n(images, count, rounded_input_.data());
+    ::loom::round_to(precision_, rounded_input_.data(), count);
+    const std::size_t at = ::loom::detail::first_nonfinite(rounded_input_.data(), count);
+    if (at < count) {
+      fault_ = {NonFiniteSpot::Where::input, 0, 0, at % sample, sample, at / sample,
+                rounded_input_[at]};
+      return;
+    }
+    gather(*diagnosis_);
+    fault_ = diagnosis_->find_nonfinite_weight();
+    if (!fault_ && gradients_bad) fault_ = gradient_spot();
+  }
+
+  // The first non-finite gradient of replica 0's summed ones, in backward order.
+  NonFiniteSpot gradient_spot() {
+    for (std::size_t k = 0; k < stages; ++k) {
+      LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
+      stages_[k]->copy_accumulator(diagnosis_->gradients().data() + offsets_[k]);
+    }
+    return diagnosis_->find_nonfinite_gradient();
   }
 
   // The leader of stage k adds its copies' accumulated gradients to its own.
@@ -957,6 +1147,11 @@ class PipelineEngine {
     for (std::size_t s = pipeline_in_flight(schedule_.kind, stages, k, micro); s-- > 0;)
       free_slots.push_back(s);
     bool first_backward = !job.accumulate;
+    if (!job.accumulate) {
+      stage.keep_state();  // before the step's forwards move it
+      stage.round_weights();
+      stage.set_loss_scale(job.settings.loss_scale);
+    }
     const std::size_t sample = Net::input_shape::size;
     for_each_pipeline_op(schedule_.kind, stages, k, micro, [&](PipelineOp op) {
       const auto piece = batch_share(share.count, micro, op.micro_batch);
@@ -1007,6 +1202,7 @@ class PipelineEngine {
     const std::size_t piece = std::min(batch, replica_batch_);
     const std::size_t sample = data.sample_size();
     const std::size_t micro = std::min(schedule_.micro_batches, piece);
+    stage.round_weights();
     for (std::size_t at = 0; at < share.count; at += piece) {
       const std::size_t n = std::min(piece, share.count - at);
       const std::size_t pieces = std::min(micro, n);
@@ -1022,24 +1218,20 @@ class PipelineEngine {
     if (k + 1 == stages) totals_[r] = stage.take_totals();
   }
 
-  // The replicas' last stages' totals, summed; a halt (a non-finite loss,
-  // a bad label) in any replica is the step's.
-  // A bad label outranks a non-finite loss (it is the user's data to fix,
-  // and the CPU engine raises it first). `replica`: whose halt it is.
+  // The replicas' last stages' totals, summed, a training step's non-finite
+  // batch losses included (as the CPU sums them); a bad label in any
+  // replica halts the step. `replica`: whose label it is.
   LossTotals total(std::size_t* replica = nullptr) const {
     LossTotals sum{};
     for (std::size_t r = 0; r < replicas; ++r) {
       const LossTotals& t = totals_[r];
-      sum.loss += t.loss;
+      sum.loss += t.loss + (t.skipped == skipped_loss ? t.nonfinite_loss : 0.0);
       sum.correct += t.correct;
       sum.samples += t.samples;
-      if (t.halted != halt_none &&
-          (sum.halted == halt_none ||
-           (t.halted == halt_bad_label && sum.halted != halt_bad_label))) {
+      if (t.halted != halt_none && sum.halted == halt_none) {
         sum.halted = t.halted;
         sum.bad_label = t.bad_label;
         sum.bad_row = t.bad_row;
-        sum.halt_loss = t.halt_loss;
         if (replica != nullptr) *replica = r;
       }
     }
@@ -1049,6 +1241,7 @@ class PipelineEngine {
   PipelineSchedule schedule_;
   std::size_t max_batch_;
   DeviceOptimizer optimizer_;
+  Precision precision_;
   std::uint64_t updates_ = 0;  // optimizer steps taken
   // The step's update, for the update jobs: its scalars, and the whole
   // network's squared gradient norm when clipping (else -1), summed from
@@ -1064,6 +1257,12 @@ class PipelineEngine {
   std::vector<StageGroup> groups_;                  // Hybrid: per stage
   std::vector<std::unique_ptr<Event>> ready_, pulled_;  // Hybrid: per rank
   std::array<LossTotals, replicas> totals_{};  // per replica: its last stage's, after a step or an evaluation
+  NonFiniteSpot fault_;  // the last step's, when it was not finite (skip_step)
+  bool gradients_nonfinite_ = false;
+  // Where skip_step looks, made with the stages (a skipped step allocates
+  // nothing): the weights and gradients gathered, a batch's input rounded.
+  std::unique_ptr<Model<Net, float>> diagnosis_;
+  std::vector<float> rounded_input_;
   ::loom::detail::Crew<Job> crew_;  // last: its threads stop before the rest goes
 };
 
