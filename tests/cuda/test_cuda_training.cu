@@ -498,20 +498,24 @@ void pipeline_faults_like_one_device(std::size_t ranks) {
   const auto clean = head(fashion().train, 256);
   const FitOptions fit{.epochs = 1, .batch_size = 64, .shuffle = false};
   const auto gpus = first_gpu_times(ranks);
+  // The pipeline's error names step `at` and `spot` as one CPU device's does.
+  const auto names_like_one_device = [&](auto& pipeline, auto& one, const data::Dataset& data,
+                                         const std::string& at, const std::string& spot) {
+    const auto error = words_of(test::error_of(pipeline, data, fit));
+    INFO(error);
+    REQUIRE(says_nonfinite_step(error, at, spot));
+    REQUIRE_THAT(test::error_of(one, data, fit),
+                 Catch::Contains("the training loss became nan" + at + spot));
+  };
   {
     INFO("a NaN pixel in step 2");
     auto bad = clean;
     bad.images[(64 + 37) * 784 + 100] = std::numeric_limits<float>::quiet_NaN();
     Trainer<SmallCnn, CnnPolicy> pipeline(gpus, sgd);
     Trainer<SmallCnn> one(devices::cpu(1), sgd);
-    const std::string spot =
-        ": the input batch holds nan (sample 37, element 100 of 784); the weights are kept from "
-        "the step before";
-    const auto error = words_of(test::error_of(pipeline, bad, fit));
-    INFO(error);
-    REQUIRE(says_nonfinite_step(error, " at epoch 1, step 2", spot));
-    REQUIRE_THAT(test::error_of(one, bad, fit),
-                 Catch::Contains("the training loss became nan at epoch 1, step 2" + spot));
+    names_like_one_device(pipeline, one, bad, " at epoch 1, step 2",
+                          ": the input batch holds nan (sample 37, element 100 of 784); the "
+                          "weights are kept from the step before");
     test::require_close(pipeline.model().parameters(), one.model().parameters(), {1e-5, 1e-3},
                         "weights of step 1");
   }
@@ -522,14 +526,9 @@ void pipeline_faults_like_one_device(std::size_t ranks) {
     for (auto* model : {&pipeline.model(), &one.model()})
       test::set_tensor<SmallCnn>(model->parameters(), "1.conv.bias",
                                  std::numeric_limits<float>::infinity());
-    const std::string spot =
-        ": layer 1 (conv) holds a weight that is inf (its bias, element 0 of 4); the weights are "
-        "kept from the step before";
-    const auto error = words_of(test::error_of(pipeline, clean, fit));
-    INFO(error);
-    REQUIRE(says_nonfinite_step(error, " at epoch 1, step 1", spot));
-    REQUIRE_THAT(test::error_of(one, clean, fit),
-                 Catch::Contains("the training loss became nan at epoch 1, step 1" + spot));
+    names_like_one_device(pipeline, one, clean, " at epoch 1, step 1",
+                          ": layer 1 (conv) holds a weight that is inf (its bias, element 0 of "
+                          "4); the weights are kept from the step before");
   }
   {
     INFO("a layer's output overflows: the host cannot see it, the step is skipped all the same");
