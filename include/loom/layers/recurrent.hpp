@@ -277,11 +277,15 @@ struct RecurrentLayer
     const std::size_t rows = n * steps;
     cpu::gemm<T>(true, false, GH, features, rows, T(1), dgi, GH, x, features,
                  accumulate ? T(1) : T(0), dparams + w_ih, features);
-    for (std::size_t g = 0; g < GH; ++g) {
-      T sum = 0;
-      for (std::size_t r = 0; r < rows; ++r) sum += dgi[r * GH + g];
-      dparams[b_ih + g] = accumulate ? dparams[b_ih + g] + sum : sum;
-    }
+    // The input bias gradient: column sums of dgi, taken row by row (a
+    // column's walk jumps GH values per row) into dgh, free by now; each
+    // column still adds its rows in order.
+    T* sums = dgh;
+    std::fill(sums, sums + GH, T(0));
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t g = 0; g < GH; ++g) sums[g] += dgi[r * GH + g];
+    for (std::size_t g = 0; g < GH; ++g)
+      dparams[b_ih + g] = accumulate ? dparams[b_ih + g] + sums[g] : sums[g];
     if (dx != nullptr)
       cpu::gemm<T>(false, false, rows, features, GH, T(1), dgi, GH, params + w_ih, features, T(0),
                    dx, features);
