@@ -18,6 +18,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -159,6 +160,10 @@ void train(const char* title, const Options& o, const data::Split& data,
     if (device.kind == Device::Kind::cpu) out << " (" << device.threads << " threads)";
   }
   out << "; " << o.optimizer << ", " << o.precision << '\n';
+  const bool on_cpu = std::ranges::any_of(
+      devices, [](const Device& device) { return device.kind == Device::Kind::cpu; });
+  if (const auto note = cpu::blas_kernels_note(); on_cpu && !note.empty())
+    out << "note: " << note << '\n';
 
   const auto fit = [&]<class Optimizer>(typename Optimizer::Options options) {
     Trainer<Net, Policy, Optimizer> trainer(devices, options, trainer_options, processes);

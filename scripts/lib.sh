@@ -48,6 +48,43 @@ loom_install_deps() {
   loom_install_packages "${LOOM_DEBIAN_PACKAGES[@]}"
 }
 
+# loom_tune_openblas: where OpenBLAS does not know this CPU's model it runs
+# its Prescott (SSE3) kernels, whatever the CPU offers: Debian 12's 0.3.21
+# does so on Intel's 5th-generation Xeon (family 6, model 207), where
+# CPU training then takes 1.6 to 3 times as long. When OpenBLAS chose such
+# a core on a CPU with AVX2 and FMA, this exports OPENBLAS_CORETYPE naming
+# the best kernels the CPU's flags allow (OpenBLAS reads it when it loads)
+# and says so on stderr. A user's OPENBLAS_CORETYPE is left as it is; so is
+# everything where python3 cannot load libopenblas.so.0 to ask it.
+loom_tune_openblas() {
+  [[ -v OPENBLAS_CORETYPE ]] && return 0
+  local flags chosen want="" core flag
+  # No x86 flags line (aarch64, no /proc): nothing to tune.
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo 2> /dev/null | cut -d: -f2 || true) "
+  # The first core whose flags the CPU has all of.
+  for core in "Cooperlake:avx512f avx512bw avx512vl avx512dq avx512cd avx512_bf16" \
+              "SkylakeX:avx512f avx512bw avx512vl avx512dq avx512cd" "Haswell:avx2 fma"; do
+    want="${core%%:*}"
+    for flag in ${core#*:}; do [[ "$flags" == *" $flag "* ]] || want=""; done
+    [[ -n "$want" ]] && break
+  done
+  [[ -n "$want" ]] || return 0
+  chosen="$(python3 -c 'import ctypes
+blas = ctypes.CDLL("libopenblas.so.0")
+blas.openblas_get_corename.restype = ctypes.c_char_p
+print(blas.openblas_get_corename().decode())' 2> /dev/null)" || return 0
+  case "$chosen" in
+    Prescott | Core2 | Penryn | Dunnington | Nehalem | Atom | Sandybridge)
+      export OPENBLAS_CORETYPE="$want"
+      # The kernels replaced: tests/unit checks the C++ table
+      # (cpu::better_blas_kernels) makes the same choice from them.
+      export LOOM_OPENBLAS_REPLACED="$chosen"
+      echo "loom: OpenBLAS chose its $chosen kernels on this CPU, which has $(
+        [[ "$want" == Haswell ]] && echo AVX2 || echo AVX-512); OPENBLAS_CORETYPE=$want" \
+        "for this run" >&2 ;;
+  esac
+}
+
 # The build folder: LOOM_BUILD_DIR (relative to the repository root) or build/.
 loom_build_dir() {
   local dir="${LOOM_BUILD_DIR:-build}"

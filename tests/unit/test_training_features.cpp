@@ -3,6 +3,7 @@
 // resume and the metrics log, on one CPU device.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -643,4 +644,38 @@ TEST_CASE("batch size: the largest batch that fits a memory budget, from the mem
   REQUIRE(model.arena_elements() == Model<Regularised, float>::activation_elements(batch));
   // This machine's memory, as a CPU device sees it.
   REQUIRE(devices::memory_available(devices::cpu(1).front()) > (std::size_t{64} << 20));
+}
+
+TEST_CASE("hardware: Prescott-class OpenBLAS kernels are replaced by the best the CPU's flags allow") {
+  const std::string avx512 = "fpu sse2 avx avx2 fma avx512f avx512dq avx512cd avx512bw avx512vl";
+  // Intel's 5th-generation Xeon, which Debian 12's OpenBLAS runs on Prescott's kernels.
+  CHECK(cpu::better_blas_kernels("Prescott", avx512 + " avx512_bf16 avx512_fp16") == "Cooperlake");
+  CHECK(cpu::better_blas_kernels("Prescott", avx512) == "SkylakeX");
+  CHECK(cpu::better_blas_kernels("Sandybridge", "sse2 avx avx2 fma") == "Haswell");
+  // Every flag is needed, and whole names only ("avx2" is not "avx512f"'s prefix).
+  CHECK(cpu::better_blas_kernels("Prescott", "sse2 avx avx2").empty());
+  CHECK(cpu::better_blas_kernels("Prescott", "sse2 avx avx2x fma").empty());
+  CHECK(cpu::better_blas_kernels("Prescott", "avx512f avx512bw avx2 fma") == "Haswell");
+  // OpenBLAS's own modern choice stays, whatever the flags.
+  CHECK(cpu::better_blas_kernels("Haswell", avx512).empty());
+  CHECK(cpu::better_blas_kernels("Cooperlake", avx512 + " avx512_bf16").empty());
+  CHECK(cpu::better_blas_kernels("Zen", "avx2 fma").empty());
+  // This process's OpenBLAS names its kernels.
+  CHECK_FALSE(cpu::blas_kernels().empty());
+  CHECK(cpu::blas_kernels() != "unknown");
+  if (const char* replaced = std::getenv("LOOM_OPENBLAS_REPLACED")) {
+    // scripts/lib.sh replaced OpenBLAS's choice (scripts/test on such a
+    // CPU): by this table's, and OpenBLAS runs it.
+    const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+    REQUIRE(coretype != nullptr);
+    CHECK(cpu::better_blas_kernels(replaced, cpu::cpu_flags()) == coretype);
+    CHECK(cpu::blas_kernels() == coretype);
+    CHECK(cpu::blas_kernels_note().empty());
+  } else if (std::getenv("OPENBLAS_CORETYPE") == nullptr) {
+    const auto better = cpu::better_blas_kernels(cpu::blas_kernels(), cpu::cpu_flags());
+    if (better.empty())
+      CHECK(cpu::blas_kernels_note().empty());
+    else
+      CHECK_THAT(cpu::blas_kernels_note(), Catch::Contains("OPENBLAS_CORETYPE=" + better));
+  }
 }

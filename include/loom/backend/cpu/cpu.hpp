@@ -1,6 +1,7 @@
 // The CPU backend: every primitive op a layer, loss or optimizer calls.
 #pragma once
 
+#include "blas_kernels.hpp"
 #include "conv.hpp"
 #include "epilogue.hpp"
 #include "gemm.hpp"
