@@ -3,7 +3,10 @@
 // is checked inside a Model in double: backward against central finite
 // differences of every parameter and input, forward against values or a
 // plain-loop reference written here.
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <loom/loom.hpp>
 #include <vector>
@@ -89,6 +92,95 @@ TEST_CASE("deep layers: Tanh, Sigmoid and GELU values and gradients") {
   CHECK(s[1] == 1.0f);
   CHECK(s[2] == 0.5f);
   CHECK(std::isnan(s[3]));
+}
+
+namespace {
+
+// |got - exact| in units of the last place of exact rounded to float (the
+// smallest subnormal's below FLT_MIN).
+double ulps(float got, double exact) {
+  const float near = static_cast<float>(std::fabs(exact));
+  const double ulp = near < std::numeric_limits<float>::min()
+                         ? std::numeric_limits<float>::denorm_min()
+                         : std::nextafter(near, std::numeric_limits<float>::infinity()) - near;
+  return std::fabs(static_cast<double>(got) - exact) / ulp;
+}
+
+// Finite floats: every 4099th bit pattern, plus every float near the
+// places where the functions change method (|x| = 0.625 in tanh, the
+// exponent's clamp at -87) and near 0.
+std::vector<float> sweep() {
+  std::vector<float> xs;
+  for (std::uint64_t bits = 0; bits < (1ull << 32); bits += 4099) {
+    const float x = std::bit_cast<float>(static_cast<std::uint32_t>(bits));
+    if (std::isfinite(x)) xs.push_back(x);
+  }
+  for (const float centre : {0.625f, -0.625f, -87.0f, -43.5f, 0.0f, 1e-30f}) {
+    float x = centre;
+    for (int i = 0; i < 20000; ++i) x = std::nextafter(x, -std::numeric_limits<float>::infinity());
+    for (int i = 0; i < 40000; ++i, x = std::nextafter(x, std::numeric_limits<float>::infinity()))
+      xs.push_back(x);
+  }
+  return xs;
+}
+
+// One call at a time, which no loop can vectorise.
+[[gnu::noinline]] float tanh_alone(float x) { return cpu::tanh(x); }
+[[gnu::noinline]] float sigmoid_alone(float x) { return cpu::sigmoid(x); }
+
+}  // namespace
+
+TEST_CASE("deep layers: the CPU's float tanh, sigmoid and exp keep their ulp bounds, pass NaN and saturate") {
+  const auto xs = sweep();
+  double tanh_worst = 0, sigmoid_worst = 0, exp_worst = 0;
+  for (const float x : xs) {
+    tanh_worst = std::max(tanh_worst, ulps(cpu::tanh(x), std::tanh(static_cast<double>(x))));
+    // Below -87 sigmoid and exp flush what would be subnormal to zero.
+    if (x >= -87.0f) {
+      sigmoid_worst = std::max(sigmoid_worst,
+                               ulps(cpu::sigmoid(x), 1 / (1 + std::exp(-static_cast<double>(x)))));
+    }
+    if (x <= 0.0f && x >= -87.0f)
+      exp_worst = std::max(exp_worst, ulps(cpu::exp_nonpositive(x), std::exp(static_cast<double>(x))));
+  }
+  INFO("worst: tanh " << tanh_worst << ", sigmoid " << sigmoid_worst << ", exp " << exp_worst
+                      << " ulp over " << xs.size() << " floats");
+  // Exhaustively over every finite float: 1.52, 2.40 and 0.99 ulp.
+  CHECK(tanh_worst <= 2.0);
+  CHECK(sigmoid_worst <= 2.5);
+  CHECK(exp_worst <= 1.0);
+
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(std::isnan(cpu::tanh(nan)));
+  CHECK(std::isnan(cpu::sigmoid(nan)));
+  CHECK(std::isnan(cpu::exp_nonpositive(nan)));
+  CHECK(cpu::tanh(inf) == 1.0f);
+  CHECK(cpu::tanh(-inf) == -1.0f);
+  CHECK(cpu::tanh(20.0f) == 1.0f);
+  CHECK(std::signbit(cpu::tanh(-0.0f)));
+  CHECK(cpu::tanh(-0.0f) == 0.0f);
+  CHECK(cpu::sigmoid(inf) == 1.0f);
+  CHECK(cpu::sigmoid(-inf) == 0.0f);
+  CHECK(cpu::sigmoid(-100.0f) == 0.0f);
+  CHECK(cpu::sigmoid(0.0f) == 0.5f);
+  CHECK(cpu::exp_nonpositive(0.0f) == 1.0f);
+  CHECK(cpu::exp_nonpositive(-inf) == 0.0f);
+  CHECK(cpu::exp_nonpositive(-88.0f) == 0.0f);
+
+  // A vectorised loop (the layers' and the cells') gives the bits that one
+  // call at a time gives, so where a value falls in a vector changes nothing.
+  std::vector<float> tanh_loop(xs.size()), sigmoid_loop(xs.size());
+  for (std::size_t i = 0; i < xs.size(); ++i) tanh_loop[i] = cpu::tanh(xs[i]);
+  for (std::size_t i = 0; i < xs.size(); ++i) sigmoid_loop[i] = cpu::sigmoid(xs[i]);
+  std::size_t differing = 0;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    differing += std::bit_cast<std::uint32_t>(tanh_loop[i]) !=
+                 std::bit_cast<std::uint32_t>(tanh_alone(xs[i]));
+    differing += std::bit_cast<std::uint32_t>(sigmoid_loop[i]) !=
+                 std::bit_cast<std::uint32_t>(sigmoid_alone(xs[i]));
+  }
+  CHECK(differing == 0);
 }
 
 TEST_CASE("deep layers: BatchNorm2d in training normalises per channel and updates running statistics") {

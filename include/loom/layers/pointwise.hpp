@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstddef>
 #include <string_view>
+#include <type_traits>
 
+#include "../backend/cpu/transcendental.hpp"
 #include "../core/host_device.hpp"
 #include "layer.hpp"
 
@@ -18,11 +20,26 @@ struct GELU {};
 
 namespace detail {
 
+// float on the CPU takes cpu::tanh and cpu::sigmoid, which a loop
+// vectorises (backend/cpu/transcendental.hpp); double, the gradient checks'
+// reference, keeps the standard functions, and so does device code, where
+// CUDA's tanhf and expf are already fast.
+template <class T>
+inline constexpr bool cpu_float_math =
+#if defined(__CUDA_ARCH__)
+    false;
+#else
+    std::is_same_v<T, float>;
+#endif
+
 struct TanhFn {
   static constexpr std::string_view kind = "tanh";
   template <class T>
   LOOM_HOST_DEVICE static T forward(T x) {
-    return std::tanh(x);
+    if constexpr (cpu_float_math<T>)
+      return cpu::tanh(x);
+    else
+      return std::tanh(x);
   }
   template <class T>
   LOOM_HOST_DEVICE static T backward(T, T y, T dy) {
@@ -34,10 +51,14 @@ struct SigmoidFn {
   static constexpr std::string_view kind = "sigmoid";
   template <class T>
   LOOM_HOST_DEVICE static T forward(T x) {
-    // exp of a negative argument only, so large |x| neither overflows nor loses the NaN.
-    if (x >= T(0)) return T(1) / (T(1) + std::exp(-x));
-    const T e = std::exp(x);
-    return e / (T(1) + e);
+    if constexpr (cpu_float_math<T>) {
+      return cpu::sigmoid(x);
+    } else {
+      // exp of a negative argument only, so large |x| neither overflows nor loses the NaN.
+      if (x >= T(0)) return T(1) / (T(1) + std::exp(-x));
+      const T e = std::exp(x);
+      return e / (T(1) + e);
+    }
   }
   template <class T>
   LOOM_HOST_DEVICE static T backward(T, T y, T dy) {

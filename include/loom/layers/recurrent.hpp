@@ -42,6 +42,29 @@ template <class T>
 LOOM_HOST_DEVICE T sigmoid(T x) {
   return SigmoidFn::forward(x);
 }
+template <class T>
+LOOM_HOST_DEVICE T tanh(T x) {
+  return TanhFn::forward(x);
+}
+
+// f(j, prev) for every unit j < H, written for the vectoriser:
+// - one loop for a first step (prev null) and one for the others, so that no
+//   loop tests prev per unit: g++ does not hoist that test (it guards a
+//   load), and a test in a loop stops its vectorisation;
+// - ivdep: unit j reads and writes element j of each vector and nothing
+//   else, and the vectors are distinct, so no iteration depends on another;
+//   g++ cannot prove that of a dozen pointers, and gives up on the run-time
+//   alias checks it would need.
+template <class T, class F>
+void for_each_unit(std::size_t H, const T* prev, F f) {
+  if (prev != nullptr) {
+    LOOM_IVDEP
+    for (std::size_t j = 0; j < H; ++j) f(j, prev);
+  } else {
+    LOOM_IVDEP
+    for (std::size_t j = 0; j < H; ++j) f(j, static_cast<const T*>(nullptr));
+  }
+}
 
 // One GRU step for one sample. Saved block per step: r, z, n, the
 // recurrent n-projection (W_hn h + b_hn, which r multiplies), h. step_at and
@@ -62,7 +85,7 @@ struct GruCell {
     const T r = sigmoid(xg[j] + hg[j]);
     const T z = sigmoid(xg[H + j] + hg[H + j]);
     const T hn = hg[2 * H + j];
-    const T n = std::tanh(xg[2 * H + j] + r * hn);
+    const T n = detail::tanh(xg[2 * H + j] + r * hn);
     const T h_prev = prev != nullptr ? prev[h_block * H + j] : T(0);
     cur[j] = r;
     cur[H + j] = z;
@@ -72,7 +95,7 @@ struct GruCell {
   }
   template <class T>
   static void step(std::size_t H, const T* xg, const T* hg, const T* prev, T* cur) {
-    for (std::size_t j = 0; j < H; ++j) step_at(H, j, xg, hg, prev, cur);
+    for_each_unit(H, prev, [=](std::size_t j, const T* p) { step_at(H, j, xg, hg, p, cur); });
   }
 
   // dh: d(loss)/d(h_t). Writes the pre-activation gradients of the input
@@ -100,7 +123,9 @@ struct GruCell {
   template <class T>
   static void step_back(std::size_t H, const T* cur, const T* prev, const T* dh, T* dc, T* dgi,
                         T* dgh, T* dh_prev) {
-    for (std::size_t j = 0; j < H; ++j) step_back_at(H, j, cur, prev, dh, dc, dgi, dgh, dh_prev);
+    for_each_unit(H, prev, [=](std::size_t j, const T* p) {
+      step_back_at(H, j, cur, p, dh, dc, dgi, dgh, dh_prev);
+    });
   }
 };
 
@@ -116,7 +141,7 @@ struct LstmCell {
                                        const T* prev, T* cur) {
     const T i = sigmoid(xg[j] + hg[j]);
     const T f = sigmoid(xg[H + j] + hg[H + j]);
-    const T g = std::tanh(xg[2 * H + j] + hg[2 * H + j]);
+    const T g = detail::tanh(xg[2 * H + j] + hg[2 * H + j]);
     const T o = sigmoid(xg[3 * H + j] + hg[3 * H + j]);
     const T c_prev = prev != nullptr ? prev[4 * H + j] : T(0);
     const T c = f * c_prev + i * g;
@@ -125,11 +150,11 @@ struct LstmCell {
     cur[2 * H + j] = g;
     cur[3 * H + j] = o;
     cur[4 * H + j] = c;
-    cur[5 * H + j] = o * std::tanh(c);
+    cur[5 * H + j] = o * detail::tanh(c);
   }
   template <class T>
   static void step(std::size_t H, const T* xg, const T* hg, const T* prev, T* cur) {
-    for (std::size_t j = 0; j < H; ++j) step_at(H, j, xg, hg, prev, cur);
+    for_each_unit(H, prev, [=](std::size_t j, const T* p) { step_at(H, j, xg, hg, p, cur); });
   }
 
   // dc carries d(loss)/d(c_t) in and d(loss)/d(c_t-1) out.
@@ -140,7 +165,7 @@ struct LstmCell {
     const T i = cur[j], f = cur[H + j], g = cur[2 * H + j], o = cur[3 * H + j];
     const T c = cur[4 * H + j];
     const T c_prev = prev != nullptr ? prev[4 * H + j] : T(0);
-    const T tc = std::tanh(c);
+    const T tc = detail::tanh(c);
     const T dcj = dc[j] + dh[j] * o * (T(1) - tc * tc);
     const T dai = dcj * g * i * (T(1) - i);
     const T daf = dcj * c_prev * f * (T(1) - f);
@@ -156,7 +181,9 @@ struct LstmCell {
   template <class T>
   static void step_back(std::size_t H, const T* cur, const T* prev, const T* dh, T* dc, T* dgi,
                         T* dgh, T* dh_prev) {
-    for (std::size_t j = 0; j < H; ++j) step_back_at(H, j, cur, prev, dh, dc, dgi, dgh, dh_prev);
+    for_each_unit(H, prev, [=](std::size_t j, const T* p) {
+      step_back_at(H, j, cur, p, dh, dc, dgi, dgh, dh_prev);
+    });
   }
 };
 

@@ -9,3 +9,4 @@
 #include "sgd.hpp"
 #include "softmax_xent.hpp"
 #include "threads.hpp"
+#include "transcendental.hpp"
