@@ -52,13 +52,14 @@ struct Peek {
 };
 
 // Sums of the same gradients in another order: float rounding, grown over
-// 16 Adam steps. The absolute part is for one weight (index 18129, in the
-// first Linear) whose first gradient cancels to 8e-8 beside its neighbours'
-// 1e-3: its rounding, which the order of the sums decides, is then a few
-// thousandths of it, and Adam's first step divides it by |g| + eps with eps
-// (1e-8) of the same size. On AMD Zen's OpenBLAS kernels it ends 3.9e-6
-// apart under Hybrid, every other weight within 2e-6 + 1e-4 relative; a
-// step taken the other way would be 2e-3 apart (lr 0.002).
+// 16 Adam steps. The absolute part, applied to every weight, is set by one
+// weight (index 18129, in the first Linear) whose first gradient cancels to
+// 8e-8 beside its neighbours' 1e-3: its rounding, which the order of the
+// sums decides, is then a few thousandths of it, and Adam's first step
+// divides it by |g| + eps with eps (1e-8) of the same size. On AMD Zen's
+// OpenBLAS kernels it ends 3.9e-6 apart under Hybrid, every other weight
+// within 2e-6 + 1e-4 relative; a step taken the other way would be 2e-3
+// apart (lr 0.002).
 const test::Tolerance tolerance{1e-5, 1e-4};
 
 }  // namespace

@@ -1,5 +1,6 @@
 // LOOM_HOST_DEVICE marks small helpers that the CPU backend and CUDA kernels
-// share, so both backends run the very same arithmetic.
+// share, so both backends run the same arithmetic (but for the float
+// transcendental functions a helper may pick per side, as TanhFn does).
 #pragma once
 
 #if defined(__CUDACC__)

@@ -70,7 +70,8 @@ void for_each_unit(std::size_t H, const T* prev, F f) {
 // recurrent n-projection (W_hn h + b_hn, which r multiplies), h. step_at and
 // step_back_at compute element j of every vector and touch nothing else, so
 // the CPU loops over j and the CUDA runner gives each j a thread: both run
-// the very same arithmetic.
+// the same equations (in float, tanh and the sigmoid are loom's on the CPU
+// and CUDA's on the GPU: see TanhFn).
 struct GruCell {
   static constexpr std::size_t gates = 3;
   static constexpr std::size_t blocks = 5;
