@@ -9,6 +9,7 @@
 #include <array>
 #include <catch2/catch.hpp>
 #include <filesystem>
+#include <functional>
 #include <loom/loom.hpp>
 #include <string>
 #include <vector>
@@ -150,11 +151,198 @@ TEST_CASE("mpi: ranks that train different networks stop with a clear error, not
       Trainer<Logistic, DataParallel<>> trainer(environment->devices(), sgd, {},
                                                 comm::Comm(environment->world()));
   };
+  // The types by name, as a reader writes them, not the compiler's
+  // __PRETTY_FUNCTION__ text.
   REQUIRE_THROWS_WITH(make(), Catch::Contains("trains a different network, policy or optimizer "
                                               "than rank " +
                                               std::to_string(environment->rank())) &&
-                                  Catch::Contains("Start every rank from the same program"));
+                                  Catch::Contains("Start every rank from the same program") &&
+                                  Catch::Contains("runs network loom::Sequential<loom::Input<1, "
+                                                  "28, 28>, ") &&
+                                  Catch::Contains(", policy loom::DataParallel<") &&
+                                  Catch::Contains(", optimizer loom::SGD") &&
+                                  !Catch::Contains("type_name") && !Catch::Contains("[with T"));
 }
+
+namespace {
+
+// What a case changes: the optimizer's, the trainer's and the fit's
+// options, the training data and the callbacks.
+struct Settings {
+  SGD::Options sgd = test::sgd;
+  TrainerOptions trainer{.seed = 3};
+  FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 1};
+  const data::Dataset* train = nullptr;
+  int callbacks = 0;  // which set of callbacks (run_fit)
+};
+
+const data::Dataset& agreement_train() {
+  static const auto train = test::head(test::fashion().train, 240);
+  return train;
+}
+
+template <class T>
+void run_fit(T& trainer, const Settings& s) {
+  static const auto test_set = test::head(test::fashion().test, 100);
+  static const auto fewer = test::head(test::fashion().test, 50);
+  const auto& data = *s.train;
+  switch (s.callbacks) {
+    case 0:
+      return trainer.fit(data, s.fit);
+    case 1:
+      return trainer.fit(data, s.fit, callbacks::Evaluate(test_set, nullptr));
+    case 2:
+      return trainer.fit(data, s.fit, callbacks::Evaluate(fewer, nullptr));
+    case 3:
+      return trainer.fit(data, s.fit, callbacks::MultiStepLR{.milestones = {2}, .out = nullptr});
+    case 4:
+      return trainer.fit(data, s.fit, callbacks::MultiStepLR{.milestones = {3}, .out = nullptr});
+    case 5:
+      return trainer.fit(data, s.fit, callbacks::LrSchedule<schedules::Cosine>{});
+    case 6:
+      return trainer.fit(data, s.fit,
+                         callbacks::LrSchedule<schedules::Cosine>{.schedule = {.min_factor = 0.1}});
+    default:
+      FAIL("no such set of callbacks");
+  }
+}
+
+// Trains `Net` under `Policy` over the two processes, every rank with
+// `both`'s settings and rank 1 also with `change`'s: both ranks must raise
+// as fit begins, naming `field` and each rank's value (`values`), and stay
+// in step for the next case.
+template <class Net, class Policy>
+void require_refused(const std::string& field, const std::string& values,
+                     const std::function<void(Settings&)>& change,
+                     const std::function<void(Settings&)>& both = {}) {
+  Settings settings;
+  settings.train = &agreement_train();
+  if (both) both(settings);
+  if (environment->rank() == 1) change(settings);
+  Trainer<Net, Policy> trainer(environment->devices(), settings.sgd, settings.trainer,
+                               comm::Comm(environment->world()));
+  INFO("field " << field);
+  REQUIRE_THROWS_WITH(run_fit(trainer, settings),
+                      Catch::Contains("loom: Trainer::fit: the processes disagree on " + field +
+                                      ": " + values) &&
+                          Catch::Contains("; start every process with the same options"));
+  REQUIRE(trainer.steps() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("mpi: processes whose fit settings differ all raise at once, naming the field") {
+  using Data = DataParallel<>;
+  using Split = ModelSplit<Balanced<2>>;
+  static const auto half = test::head(test::fashion().train, 120);
+  static const auto edited = [] {
+    auto set = test::head(test::fashion().train, 240);
+    set.images[100] += 0.5f;
+    return set;
+  }();
+  // One field at a time on rank 1, through the optimizer's options, the
+  // trainer's, the fit's, the data or a callback.
+  require_refused<Logistic, Data>("optimizer.lr", "rank 0 has 0.01, rank 1 has 0.02",
+                                  [](Settings& s) { s.sgd.lr = 0.02f; });
+  require_refused<Logistic, Data>("optimizer.momentum", "rank 0 has 0.9, rank 1 has 0.8",
+                                  [](Settings& s) { s.sgd.momentum = 0.8f; });
+  require_refused<Logistic, Data>("optimizer.weight_decay", "rank 0 has 0, rank 1 has 0.001",
+                                  [](Settings& s) { s.sgd.weight_decay = 1e-3f; });
+  require_refused<Logistic, Data>("trainer.seed", "rank 0 has 3, rank 1 has 5",
+                                  [](Settings& s) { s.trainer.seed = 5; });
+  require_refused<Logistic, Data>("trainer.precision", "rank 0 has fp32, rank 1 has bf16",
+                                  [](Settings& s) { s.trainer.precision = Precision::bf16; });
+  require_refused<Logistic, Data>(
+      "loss_scaling.initial_scale", "rank 0 has 65536, rank 1 has 1024",
+      [](Settings& s) { s.trainer.loss_scaling.initial_scale = 1024.0f; },
+      [](Settings& s) { s.trainer.precision = Precision::fp16; });
+  require_refused<Logistic, Data>("fit.epochs", "rank 0 has 1, rank 1 has 2",
+                                  [](Settings& s) { s.fit.epochs = 2; });
+  require_refused<Logistic, Data>("fit.batch_size", "rank 0 has 60, rank 1 has 32",
+                                  [](Settings& s) { s.fit.batch_size = 32; });
+  require_refused<Logistic, Data>("fit.accumulation_steps", "rank 0 has 1, rank 1 has 2",
+                                  [](Settings& s) { s.fit.accumulation_steps = 2; });
+  require_refused<Logistic, Data>("fit.shuffle", "rank 0 has true, rank 1 has false",
+                                  [](Settings& s) { s.fit.shuffle = false; });
+  require_refused<Logistic, Data>("fit.seed", "rank 0 has 1, rank 1 has 9",
+                                  [](Settings& s) { s.fit.seed = 9; });
+  require_refused<Logistic, Data>("fit.drop_last", "rank 0 has false, rank 1 has true",
+                                  [](Settings& s) { s.fit.drop_last = true; });
+  require_refused<Logistic, Data>("fit.augment.crop_padding", "rank 0 has 0, rank 1 has 2",
+                                  [](Settings& s) { s.fit.augment.crop_padding = 2; });
+  require_refused<Logistic, Data>("fit.augment.horizontal_flip",
+                                  "rank 0 has false, rank 1 has true",
+                                  [](Settings& s) { s.fit.augment.horizontal_flip = true; });
+  require_refused<Logistic, Data>("fit.max_grad_norm", "rank 0 has 0, rank 1 has 5",
+                                  [](Settings& s) { s.fit.max_grad_norm = 5.0f; });
+  require_refused<Logistic, Data>("fit.on_nonfinite", "rank 0 has raise, rank 1 has skip",
+                                  [](Settings& s) { s.fit.on_nonfinite = NonFinite::skip; });
+  require_refused<Logistic, Data>("data.samples", "rank 0 has 240, rank 1 has 120",
+                                  [](Settings& s) { s.train = &half; });
+  // As many samples, one pixel apart: another data set.
+  require_refused<Logistic, Data>("data.first_samples_digest", "rank 0 has ",
+                                  [](Settings& s) { s.train = &edited; });
+  require_refused<Logistic, Data>(
+      "evaluate.samples", "rank 0 has 100, rank 1 has 50", [](Settings& s) { s.callbacks = 2; },
+      [](Settings& s) { s.callbacks = 1; });
+  require_refused<Logistic, Data>(
+      "lr.milestones", "rank 0 has [2], rank 1 has [3]", [](Settings& s) { s.callbacks = 4; },
+      [](Settings& s) { s.callbacks = 3; });
+  require_refused<Logistic, Data>(
+      "lr.schedule_factors", "rank 0 has [1, ", [](Settings& s) { s.callbacks = 6; },
+      [](Settings& s) { s.callbacks = 5; });
+  // A pipeline's schedule and micro-batches are run-time options.
+  require_refused<LeNet, Split>("micro_batches", "rank 0 has 4, rank 1 has 8",
+                                [](Settings& s) { s.trainer.schedule.micro_batches = 8; },
+                                [](Settings& s) { s.trainer.schedule.micro_batches = 4; });
+  require_refused<LeNet, Split>("schedule", "rank 0 has 1F1B, rank 1 has GPipe",
+                                [](Settings& s) { s.trainer.schedule.kind = PipelineKind::gpipe; });
+  require_refused<LeNet, Split>("fit.batch_size", "rank 0 has 60, rank 1 has 30",
+                                [](Settings& s) { s.fit.batch_size = 30; });
+
+  // After all that the ranks are still in step: the same settings train.
+  Settings same;
+  same.train = &agreement_train();
+  Trainer<Logistic, Data> trainer(environment->devices(), same.sgd, same.trainer,
+                                  comm::Comm(environment->world()));
+  run_fit(trainer, same);
+  REQUIRE(trainer.steps() == 4);
+}
+
+TEST_CASE("mpi: a process whose fit fails its checks stops every process, with its reason") {
+  const bool one = environment->rank() == 1;
+  Trainer<Logistic, DataParallel<>> trainer(environment->devices(), test::sgd, {},
+                                            comm::Comm(environment->world()));
+  const auto& train = agreement_train();
+  REQUIRE_THROWS_WITH(trainer.fit(train, {.epochs = one ? 0 : 1, .batch_size = 60}),
+                      one ? Catch::Contains("fit: epochs must be >= 1, got 0")
+                          : Catch::Contains("loom: Trainer::fit: process 1 could not start (this "
+                                            "is process 0): loom: fit: epochs must be >= 1"));
+  REQUIRE(trainer.steps() == 0);
+}
+
+TEST_CASE("mpi: a process that loads a checkpoint while another fits: both raise, none hangs") {
+  auto world = environment->world();
+  std::array<double, 1> id{static_cast<double>(::getpid())};
+  world.broadcast(std::span<double>(id), 0);
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("loom-mpi-phase-" + std::to_string(static_cast<long>(id[0])) +
+                     ".safetensors");
+  Trainer<Logistic, DataParallel<>> trainer(environment->devices(), test::sgd, {},
+                                            comm::Comm(environment->world()));
+  trainer.fit(agreement_train(), {.epochs = 1, .batch_size = 60});
+  trainer.save(path);
+  const auto expected =
+      Catch::Contains("the processes are in different calls: process 0 is in Trainer::fit, "
+                      "process 1 in Trainer::load");
+  if (environment->rank() == 1)
+    REQUIRE_THROWS_WITH(trainer.load(path), expected);
+  else
+    REQUIRE_THROWS_WITH(trainer.fit(agreement_train(), {.epochs = 1, .batch_size = 60}), expected);
+  world.barrier();
+  if (environment->rank() == 0) std::filesystem::remove(path);
+}
+
 
 TEST_CASE("mpi: checkpoints across processes: rank 0 writes, every rank loads, a failure stops all") {
   auto world = environment->world();

@@ -286,6 +286,20 @@ TEST_CASE("data: read_idx reports a wrong magic number") {
                                           Contains("expected 0x00 0x00 <type> <rank>"));
 }
 
+TEST_CASE("data: an images file of rank 4 is refused for its rank, from the header") {
+  TempDir dir;
+  write_small_fashion_mnist(dir);
+  // The images file's rank byte edited from 3 to 4: its 4th dimension would
+  // be read from the pixels, and the size misreported.
+  write_gz(dir.file("train-images-idx3-ubyte.gz"), idx_bytes({3, 2, 2, 1}, noise(12, 1)));
+  const std::string path = dir.file("train-images-idx3-ubyte.gz");
+  REQUIRE_THROWS_WITH(fashion_mnist(dir.path()),
+                      Contains("IDX file '" + path + "' has 4 dimensions (its magic number ends "
+                               "in 0x04), but 3 were expected") &&
+                          !Contains("trailing"));
+  REQUIRE(read_idx(path).dims == std::vector<std::size_t>{3, 2, 2, 1});
+}
+
 TEST_CASE("data: read_idx rejects element types other than unsigned byte") {
   TempDir dir;
   const std::string path = dir.file("floats.idx");

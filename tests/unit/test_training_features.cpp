@@ -84,9 +84,11 @@ struct SaveAt {
 };
 
 // A copy of checkpoint `from` without the metadata `dropped`, as an older
-// loom wrote it.
+// loom wrote it, and with the values `changed`, as a corrupted or
+// hand-edited file holds them.
 void copy_without(const std::string& from, const std::string& to,
-                  const std::vector<std::string>& dropped) {
+                  const std::vector<std::string>& dropped,
+                  const std::vector<std::pair<std::string, std::string>>& changed = {}) {
   const auto file = io::SafetensorsFile::read(from);
   io::SafetensorsWriter writer;
   for (const auto& tensor : file.tensors()) {
@@ -96,6 +98,7 @@ void copy_without(const std::string& from, const std::string& to,
   }
   for (const auto& [key, value] : file.metadata())
     if (std::ranges::find(dropped, key) == dropped.end()) writer.set_metadata(key, value);
+  for (const auto& [key, value] : changed) writer.set_metadata(key, value);
   writer.write(to);
 }
 
@@ -392,6 +395,117 @@ TEST_CASE("checkpoints: a checkpoint that does not fit is refused, and loses not
     REQUIRE_THROWS_WITH(again.fit(train, {.epochs = 2, .batch_size = 32}),
                         Catch::Contains("with batch size 64, but this fit has 32"));
   }
+}
+
+TEST_CASE("checkpoints: a position that its fit's options cannot reach is refused, naming the field") {
+  TempDir dir;
+  const auto train = head(fashion().train, 128);  // 2 batches of 64: position epoch 1, ended
+  Trainer<Mlp> sgd(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  sgd.fit(train, {.epochs = 1, .batch_size = 64});
+  const std::string path = dir.file("mlp.safetensors");
+  sgd.save(path);
+  struct Case {
+    std::vector<std::pair<std::string, std::string>> changed;
+    std::string message;
+  };
+  const std::vector<Case> cases{
+      // The issue's edit: the epoch reopened after more batches than it has.
+      {{{"position.ended", "0"}, {"position.batches", "5"}, {"position.samples", "320"}},
+       "metadata position.batches is 5, but an epoch of fit.samples 128 in batches of "
+       "fit.batch_size 64 has 2"},
+      // ended and batches alone: once a misleading non-finite-gradient error.
+      {{{"position.ended", "0"}, {"position.batches", "1"}},
+       "metadata position.steps is 2, but position.batches 1 in steps of 1 batch(es) make 1"},
+      {{{"position.samples", "100"}},
+       "metadata position.samples is 100, but position.batches 2 of fit.batch_size 64 hold 128"},
+      {{{"position.ended", "1"}, {"position.batches", "1"}, {"position.steps", "1"},
+        {"position.samples", "64"}},
+       "metadata position.ended is 1, but position.batches 1 is short of the epoch's 2"},
+      {{{"position.correct", "129"}}, "metadata position.correct is 129, but only position.samples 128"},
+      {{{"position.loss_sum", "-1"}}, "metadata position.loss_sum is -1"},
+      {{{"position.epoch", "0"}},
+       "metadata position.epoch is 0, but position.batches 2, position.steps 2, "
+       "position.samples 128 and position.ended 1 must all be 0 before the first epoch"},
+  };
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    const std::string edited = dir.file("edited-" + std::to_string(c) + ".safetensors");
+    copy_without(path, edited, {}, cases[c].changed);
+    Trainer<Mlp> other(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+    const auto before = copy(other.model().parameters());
+    INFO(cases[c].message);
+    REQUIRE_THROWS_WITH(other.load(edited),
+                        Catch::Contains("checkpoint '" + edited + "': " + cases[c].message) &&
+                            Catch::Contains("the checkpoint is corrupt"));
+    test::require_equal(other.model().parameters(), before, "weights after a refused load");
+  }
+  // The file as written loads.
+  Trainer<Mlp> fine(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  fine.load(path);
+  REQUIRE(fine.position().ended);
+}
+
+TEST_CASE("checkpoints: a resume refusal names the setting (ResumeMismatch), for a program's flags") {
+  TempDir dir;
+  const auto train = head(fashion().train, 128);
+  Trainer<Mlp> sgd(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  sgd.fit(train, {.epochs = 1, .batch_size = 64}, StopAfter{1});
+  sgd.save(dir.file("mid.safetensors"));
+  Trainer<Mlp> resumed(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  resumed.load(dir.file("mid.safetensors"));
+  try {
+    resumed.fit(train, {.epochs = 1, .batch_size = 32});
+    FAIL("a resume with another batch size was accepted");
+  } catch (const ResumeMismatch& refused) {
+    REQUIRE(refused.setting == "batch_size");
+    REQUIRE(refused.was == "64");
+    REQUIRE(refused.now == "32");
+  }
+  Trainer<Mlp> momentum(devices::cpu(1), {.lr = 0.01f, .momentum = 0.5f});
+  try {
+    momentum.load(dir.file("mid.safetensors"));
+    FAIL("a resume with another momentum was accepted");
+  } catch (const ResumeMismatch& refused) {
+    REQUIRE(refused.setting == "momentum");
+    REQUIRE(refused.was == "0.9");
+    REQUIRE(refused.now == "0.5");
+  }
+}
+
+TEST_CASE("fit: a batch larger than the data set plans memory for the data set, not for the batch") {
+  const auto train = head(fashion().train, 100);
+  Trainer<Mlp> one(devices::cpu(1), {.lr = 0.01f});
+  one.fit(train, {.epochs = 1, .batch_size = std::size_t{1} << 20});
+  REQUIRE(one.model().capacity() == 100);
+  REQUIRE(one.steps() == 1);
+  Trainer<Mlp, DataParallel<>> two(devices::cpu(2), {.lr = 0.01f});
+  two.fit(train, {.epochs = 1, .batch_size = std::size_t{1} << 20});
+  for (std::size_t r = 0; r < 2; ++r) REQUIRE(two.data_parallel().replica_model(r).capacity() == 50);
+  test::require_close(two.model().parameters(), one.model().parameters(), {1e-6, 1e-5},
+                      "weights after the one step");
+}
+
+TEST_CASE("checkpoints: callbacks::Checkpoint refuses a folder or an unwritable place before training") {
+  TempDir dir;
+  const auto train = head(fashion().train, 128);
+  Trainer<Mlp> sgd(devices::cpu(1), {.lr = 0.01f});
+  REQUIRE_THROWS_WITH(sgd.fit(train, {.epochs = 1, .batch_size = 64},
+                              callbacks::Checkpoint({.path = dir.path()})),
+                      Catch::Contains("callbacks::Checkpoint: '" + dir.path() + "' is a folder"));
+  REQUIRE(sgd.steps() == 0);
+  // /proc takes no new files, not even from root (CI runs as root, whom
+  // file permissions do not stop).
+  REQUIRE_THROWS_WITH(sgd.fit(train, {.epochs = 1, .batch_size = 64},
+                              callbacks::Checkpoint({.path = "/proc/loom.safetensors"})),
+                      Catch::Contains("callbacks::Checkpoint: cannot create a file in the folder "
+                                      "of '/proc/loom.safetensors'"));
+  REQUIRE(sgd.steps() == 0);
+  // A writable place: the probe leaves nothing behind.
+  sgd.fit(train, {.epochs = 1, .batch_size = 64},
+          callbacks::Checkpoint({.path = dir.file("ok.safetensors")}));
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path()))
+    files.push_back(entry.path().filename().string());
+  REQUIRE(files == std::vector<std::string>{"ok.safetensors"});
 }
 
 TEST_CASE("checkpoints: optimizer options round-trip exactly, and an older checkpoint has none to check") {

@@ -23,6 +23,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../core/error.hpp"
 
@@ -41,7 +42,7 @@ inline Timeout collective_timeout() {
   char* end = nullptr;
   const double seconds = std::strtod(text, &end);
   LOOM_CHECK(*end == '\0' && seconds > 0.0 && seconds < 1e9, "LOOM_COLLECTIVE_TIMEOUT='", text,
-             "' is not a number of seconds above 0");
+             "' is not a number of seconds: give one above 0 and below 1e9 (the default is 600)");
   return Timeout(seconds);
 }
 
@@ -190,5 +191,17 @@ class Comm {
 
   std::shared_ptr<Concept> self_;
 };
+
+// Every rank's `mine` (all of one size), rank r's as row r, on every rank:
+// each rank fills its own row of zeros and one sum gathers them (a single
+// non-zero term a slot: exact). For small agreements, not for tensors.
+inline std::vector<double> gather_rows(Comm& c, std::span<const double> mine) {
+  std::vector<double> all(static_cast<std::size_t>(c.size()) * mine.size(), 0.0);
+  std::copy(mine.begin(), mine.end(),
+            all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(c.rank()) *
+                                                      mine.size()));
+  c.all_reduce(std::span<double>(all), ReduceOp::sum);
+  return all;
+}
 
 }  // namespace loom::comm

@@ -6,12 +6,24 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace loom {
 
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+// A resumed fit with a setting other than the run that wrote the
+// checkpoint: `setting` names it as FitOptions or the optimizer's options
+// do ("batch_size", "momentum"), so that a program can name its own flag.
+class ResumeMismatch : public Error {
+ public:
+  ResumeMismatch(const std::string& what, std::string setting_, std::string was_,
+                 std::string now_)
+      : Error(what), setting(std::move(setting_)), was(std::move(was_)), now(std::move(now_)) {}
+  std::string setting, was, now;
 };
 
 namespace detail {

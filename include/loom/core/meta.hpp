@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
@@ -56,6 +57,17 @@ namespace detail {
 template <class T>
 constexpr std::string_view type_name() {
   return __PRETTY_FUNCTION__;
+}
+
+// The type's name as the compiler spells it ("loom::Sequential<...>"), from
+// type_name's __PRETTY_FUNCTION__ text, for messages.
+template <class T>
+std::string type_label() {
+  const std::string_view text = type_name<T>();
+  const auto begin = text.find("T = ");
+  if (begin == std::string_view::npos) return std::string(text);
+  const auto end = text.find_first_of(";]", begin);
+  return std::string(text.substr(begin + 4, end - begin - 4));
 }
 
 }  // namespace detail

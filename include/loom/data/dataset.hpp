@@ -119,8 +119,8 @@ inline std::string find_idx_file(const std::string& dir, const std::string& stem
 
 inline Dataset load_fashion_mnist_split(const std::string& dir, const std::string& prefix,
                                         Normalize normalize, std::string name) {
-  const IdxArray images = read_idx(find_idx_file(dir, prefix + "-images-idx3-ubyte"));
-  const IdxArray labels = read_idx(find_idx_file(dir, prefix + "-labels-idx1-ubyte"));
+  const IdxArray images = read_idx(find_idx_file(dir, prefix + "-images-idx3-ubyte"), 3);
+  const IdxArray labels = read_idx(find_idx_file(dir, prefix + "-labels-idx1-ubyte"), 1);
   return make_image_dataset(images, labels, 10, normalize, std::move(name));
 }
 

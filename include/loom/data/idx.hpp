@@ -108,7 +108,9 @@ inline std::size_t read_up_to(gzFile file, const std::string& path, std::uint8_t
 
 }  // namespace detail
 
-inline IdxArray read_idx(const std::string& path) {
+// expected_rank > 0: a file of another rank is refused from its header
+// (its dimensions would be read from the data, and a wrong size reported).
+inline IdxArray read_idx(const std::string& path, std::size_t expected_rank = 0) {
   errno = 0;
   const detail::GzHandle file(gzopen(path.c_str(), "rb"));
   if (!file) {
@@ -134,6 +136,10 @@ inline IdxArray read_idx(const std::string& path) {
               detail::idx_type_name(magic[2]), "); only unsigned byte (0x08) is supported");
   const std::size_t rank = magic[3];
   LOOM_CHECK(rank > 0, "IDX file '", path, "' declares rank 0; expected at least one dimension");
+  LOOM_CHECK(expected_rank == 0 || rank == expected_rank, "IDX file '", path, "' has ", rank,
+             " dimensions (its magic number ends in ", detail::hex_byte(magic[3]), "), but ",
+             expected_rank, " were expected (0x00 0x00 0x08 0x03 for images: count, rows, "
+             "columns; 0x00 0x00 0x08 0x01 for labels: count)");
 
   std::uint8_t dim_bytes[4 * 255];
   const std::size_t dim_bytes_read = detail::read_up_to(gz, path, dim_bytes, 4 * rank);

@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <span>
 #include <vector>
 
 #include "../backend/cpu/threads.hpp"
@@ -63,6 +64,10 @@ struct EngineJob {
   const data::Dataset* dataset = nullptr;
   float* whole = nullptr;  // the whole network's weights (gather, scatter)
   double value = 0.0;      // summed over the ranks (agreement across processes)
+  // Gathered over the ranks instead, when given: every rank's row into
+  // `rows` (the first local rank's result).
+  std::span<const double> row{};
+  std::vector<double>* rows = nullptr;
 };
 
 template <class Job>

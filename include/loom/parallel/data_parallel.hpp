@@ -98,9 +98,8 @@ inline std::uint64_t fnv1a(std::string_view text, std::uint64_t hash = 146959810
 // ranks built from different programs get this error, not a hang.
 template <class Net, class Policy, class Optimizer>
 void check_same_program(comm::Comm& c) {
-  const std::string identity = std::string(type_name<Net>()) + " | " +
-                               std::string(type_name<Policy>()) + " | " +
-                               std::string(type_name<Optimizer>());
+  const std::string identity = "network " + type_label<Net>() + ", policy " +
+                               type_label<Policy>() + ", optimizer " + type_label<Optimizer>();
   const auto ranks = static_cast<std::size_t>(c.size());
   std::vector<std::uint64_t> hashes(ranks, 0);
   const std::uint64_t mine = fnv1a(identity, Net::parameter_count);
@@ -267,6 +266,14 @@ class DataParallelEngine {
     return replicas_.front()->stats[0];
   }
 
+  // Every rank's `row` (all of one size), rank r's as row r (a collective:
+  // the trainer's agreement before a fit or a load).
+  std::vector<double> gather_rows(std::span<const double> row) {
+    std::vector<double> rows;
+    run({.kind = JobKind::agree, .row = row, .rows = &rows});
+    return rows;
+  }
+
   // Loss and correct-count sums over a data set, each rank taking its share.
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
                          Precision precision = Precision::fp32) {
@@ -318,6 +325,9 @@ class DataParallelEngine {
       train(replica, job);
       replica.step_seconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    } else if (job.kind == JobKind::agree && job.rows != nullptr) {
+      auto all = comm::gather_rows(replica.comm, job.row);
+      if (&replica == replicas_.front().get()) *job.rows = std::move(all);
     } else if (job.kind == JobKind::agree) {
       replica.stats = {job.value, 0.0};
       replica.comm.all_reduce(std::span<double>(replica.stats), comm::ReduceOp::sum);

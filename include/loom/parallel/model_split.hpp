@@ -442,6 +442,13 @@ class PipelineEngine {
     return loss_sums(ranks_.front()->stats);
   }
 
+  // Every rank's `row` (see DataParallelEngine::gather_rows).
+  std::vector<double> gather_rows(std::span<const double> row) {
+    std::vector<double> rows;
+    crew_.run({.kind = JobKind::agree, .row = row, .rows = &rows});
+    return rows;
+  }
+
   // The sum of `value` over the ranks (see DataParallelEngine::sum_over_ranks).
   double sum_over_ranks(double value) {
     crew_.run({.kind = JobKind::agree, .value = value});
@@ -621,6 +628,11 @@ class PipelineEngine {
                job.whole);
         break;
       case JobKind::agree:
+        if (job.rows != nullptr) {
+          auto all = comm::gather_rows(r.world, job.row);
+          if (&r == ranks_.front().get()) *job.rows = std::move(all);
+          break;
+        }
         r.stats = {job.value, 0.0};
         r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
         break;

@@ -1,8 +1,12 @@
 // Callbacks for Trainer::fit. A callback implements any of
+// on_fit_prepare(FitInfo, Fingerprint&[, Trainer&]),
 // on_fit_begin(FitInfo[, Trainer&]), on_step_begin(StepBegin[, Trainer&]),
 // on_step(StepInfo[, Trainer&]), on_epoch_end(EpochInfo[, Trainer&]) and
 // on_fit_end([Trainer&]); the trainer calls the ones that exist, in the
-// order the callbacks were given.
+// order the callbacks were given. on_fit_prepare comes first, before any
+// collective: it adds what must be the same on every MPI process to the
+// fingerprint the processes compare, and checks what it can check now (an
+// error it raises is every process's, at once).
 #pragma once
 
 #include <unistd.h>
@@ -144,6 +148,11 @@ class Evaluate {
   // The callback keeps a pointer: a temporary dataset would be gone by then.
   Evaluate(const data::Dataset&&, std::ostream* = &std::cout) = delete;
 
+  // Every process evaluates (a collective): the same data on each.
+  void on_fit_prepare(const FitInfo&, Fingerprint& fingerprint) const {
+    fingerprint.add_data("evaluate", *dataset_);
+  }
+
   template <class TrainerT>
   void on_epoch_end(const EpochInfo& epoch, TrainerT& trainer) {
     last = trainer.evaluate(*dataset_);
@@ -183,6 +192,10 @@ struct MultiStepLR {
     return lr;
   }
 
+  void on_fit_prepare(const FitInfo&, Fingerprint& fingerprint) const {
+    fingerprint.add("lr.milestones", milestones).add("lr.milestone_factor", factor);
+  }
+
   template <class TrainerT>
   void on_step_begin(const StepBegin& step, TrainerT& trainer) {
     trainer.optimizer().set_lr(lr_in(step.epoch, trainer.base_lr()));
@@ -219,6 +232,19 @@ struct LrSchedule {
     return rate;
   }
 
+  // The schedule's type and its factor at five points of the fit: a
+  // schedule of other parameters shows in one of them.
+  void on_fit_prepare(const FitInfo& info, Fingerprint& fingerprint) const {
+    const std::size_t total = info.steps_per_epoch * static_cast<std::size_t>(info.epochs);
+    std::vector<double> factors;
+    if (total > 0)
+      for (const std::size_t at : {std::size_t{0}, total / 4, total / 2, 3 * total / 4, total - 1})
+        factors.push_back(schedule(at, total));
+    fingerprint.add("lr.schedule", loom::detail::type_label<Schedule>())
+        .add("lr.schedule_factors", factors)
+        .add("lr.reference_batch", reference_batch);
+  }
+
   template <class TrainerT>
   void on_step_begin(const StepBegin& step, TrainerT& trainer) {
     trainer.optimizer().set_lr(static_cast<float>(lr(step, trainer.base_lr())));
@@ -249,6 +275,18 @@ class Checkpoint {
                std::filesystem::exists(status) ? "is not a folder" : "does not exist; create it first");
   }
 
+  // Saves are collective: every process saves at the same steps. The
+  // process that writes (rank 0) checks now that it can write there, rather
+  // than at the first save, an epoch later.
+  template <class TrainerT>
+  void on_fit_prepare(const FitInfo&, Fingerprint& fingerprint, TrainerT& trainer) const {
+    fingerprint.add("checkpoint.path", options_.path)
+        .add("checkpoint.every_steps", options_.every_steps)
+        .add("checkpoint.every_epoch", options_.every_epoch)
+        .add("checkpoint.at_end", options_.at_end);
+    if (trainer.process_rank() == 0) check_writable();
+  }
+
   template <class TrainerT>
   void on_step(const StepInfo&, TrainerT& trainer) {
     if (needs_state_at_step(trainer.steps())) save(trainer);
@@ -272,6 +310,27 @@ class Checkpoint {
   std::size_t saves = 0;
 
  private:
+  // A folder in the file's place, or a folder this process cannot create a
+  // file in, fails every save: a probe file beside the checkpoint is
+  // created and removed (saves write a temporary file there too).
+  void check_writable() const {
+    const std::string where = options_.path.string();
+    std::error_code error;
+    LOOM_CHECK(!std::filesystem::is_directory(options_.path, error), "callbacks::Checkpoint: '",
+               where, "' is a folder; give the checkpoint's file name (e.g. ",
+               (options_.path / "checkpoint.safetensors").string(), ")");
+    const auto folder = options_.path.parent_path();
+    const std::filesystem::path probe =
+        (folder.empty() ? std::filesystem::path(".") : folder) /
+        (".loom-probe-" + std::to_string(::getpid()) + "-" + options_.path.filename().string());
+    std::FILE* file = std::fopen(probe.c_str(), "wx");
+    LOOM_CHECK(file != nullptr, "callbacks::Checkpoint: cannot create a file in the folder of '",
+               where, "' (", std::strerror(errno), "); every save would fail: choose a "
+               "writable place");
+    std::fclose(file);
+    std::filesystem::remove(probe, error);
+  }
+
   template <class TrainerT>
   void save(TrainerT& trainer) {
     trainer.save(options_.path);

@@ -7,6 +7,7 @@
 // checkpoint loads under any policy and device count.
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstddef>
@@ -58,17 +59,6 @@ struct FitIdentity {
 namespace detail {
 
 inline constexpr std::string_view checkpoint_format = "loom.checkpoint.1";
-
-// The type's name as the compiler spells it ("loom::Sequential<...>"), from
-// type_name's __PRETTY_FUNCTION__ text, for messages.
-template <class T>
-std::string type_label() {
-  const std::string_view text = type_name<T>();
-  const auto begin = text.find("T = ");
-  if (begin == std::string_view::npos) return std::string(text);
-  const auto end = text.find_first_of(";]", begin);
-  return std::string(text.substr(begin + 4, end - begin - 4));
-}
 
 struct CheckpointImage {
   std::vector<float> parameters, state;
@@ -184,6 +174,51 @@ void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& 
   writer.write(path);
 }
 
+// A position is where its fit's batches left it: every field follows from
+// the epoch, the batches trained and the fit's data and batch options. A
+// field that does not is named; the file is corrupt (or edited).
+inline void check_position(const TrainingPosition& p, const FitIdentity& f,
+                           const std::string& where) {
+  const auto corrupt = [&](const char* field, auto value, const auto&... why) {
+    LOOM_FAIL("checkpoint '", where, "': metadata ", field, " is ", value, ", but ", why...,
+              "; the checkpoint is corrupt (its position does not fit its fit's options)");
+  };
+  const std::size_t batches_per_epoch =
+      f.drop_last ? f.samples / f.batch_size : (f.samples + f.batch_size - 1) / f.batch_size;
+  const std::size_t epoch_samples = f.drop_last ? batches_per_epoch * f.batch_size : f.samples;
+  const std::size_t k = f.accumulation_steps;
+  if (p.epoch < 0) corrupt("position.epoch", p.epoch, "an epoch is 0 (none yet) or more");
+  if (p.epoch == 0) {
+    if (p.batches != 0 || p.steps != 0 || p.samples != 0 || p.ended)
+      corrupt("position.epoch", 0, "position.batches ", p.batches, ", position.steps ", p.steps,
+              ", position.samples ", p.samples, " and position.ended ", p.ended,
+              " must all be 0 before the first epoch");
+    return;
+  }
+  if (p.batches > batches_per_epoch)
+    corrupt("position.batches", p.batches, "an epoch of fit.samples ", f.samples,
+            " in batches of fit.batch_size ", f.batch_size, " has ", batches_per_epoch);
+  if (p.ended && p.batches != batches_per_epoch)
+    corrupt("position.ended", 1, "position.batches ", p.batches, " is short of the epoch's ",
+            batches_per_epoch);
+  if (p.batches % k != 0 && p.batches != batches_per_epoch)
+    corrupt("position.batches", p.batches, "optimizer steps of fit.accumulation_steps ", k,
+            " batches end only at multiples of ", k, " or at the epoch's end");
+  if (const std::size_t steps = (p.batches + k - 1) / k; p.steps != steps)
+    corrupt("position.steps", p.steps, "position.batches ", p.batches, " in steps of ", k,
+            " batch(es) make ", steps);
+  if (const std::size_t samples = std::min(p.batches * f.batch_size, epoch_samples);
+      p.samples != samples)
+    corrupt("position.samples", p.samples, "position.batches ", p.batches, " of fit.batch_size ",
+            f.batch_size, " hold ", samples, " of the epoch's ", epoch_samples);
+  if (p.correct > p.samples)
+    corrupt("position.correct", p.correct, "only position.samples ", p.samples, " were seen");
+  if (!(p.loss_sum >= 0.0) || !std::isfinite(p.loss_sum))
+    corrupt("position.loss_sum", p.loss_sum, "a sum of cross-entropies is finite and >= 0");
+  if (!(p.seconds >= 0.0) || !std::isfinite(p.seconds))
+    corrupt("position.seconds", p.seconds, "a duration is finite and >= 0");
+}
+
 // The options of an optimizer (Options::hyperparameters()), by name.
 using OptimizerOptions = std::span<const std::pair<const char*, float>>;
 
@@ -291,6 +326,7 @@ CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_v
                where, "': its fit has batch size ", f.batch_size, ", ", f.accumulation_steps,
                " batches per step and ", f.samples, " samples; none may be 0");
     image.fit = f;
+    check_position(image.position, f, where);
   }
   return image;
 }
@@ -302,11 +338,14 @@ inline void check_resumed_options(const CheckpointImage& image, OptimizerOptions
                                   const std::string& where) {
   for (const auto& [name, was] : image.optimizer_options)
     for (const auto& [this_name, now] : options)
-      LOOM_CHECK(name != this_name || was == now, "checkpoint '", where, "' was written by a "
-                 "trainer using ", image.optimizer, " with ", name, " ", number_text(was),
-                 ", but this one has ", number_text(now), "; resume with the same ",
-                 image.optimizer, " options (lr may differ), or load(path, false) to start a new "
-                 "fit from the checkpoint's weights and optimizer state");
+      if (name == this_name && was != now)
+        throw ResumeMismatch("loom: checkpoint '" + where + "' was written by a trainer using " +
+                                 image.optimizer + " with " + name + " " + number_text(was) +
+                                 ", but this one has " + number_text(now) +
+                                 "; resume with the same " + image.optimizer +
+                                 " options (lr may differ), or load(path, false) to start a "
+                                 "new fit from the checkpoint's weights and optimizer state",
+                             name, number_text(was), number_text(now));
 }
 
 }  // namespace detail

@@ -4,12 +4,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <filesystem>
 #include <optional>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -30,6 +32,7 @@
 #include "../parallel/hybrid.hpp"
 #include "../parallel/model_split.hpp"
 #include "../parallel/single_device.hpp"
+#include "agreement.hpp"
 #include "checkpoint.hpp"
 
 #if defined(__CUDACC__)
@@ -250,24 +253,32 @@ class Trainer {
     return loom::placement<Net, Policy>(devices_, process_count_, process_rank_);
   }
 
+  // Across MPI processes fit() first compares, in one collective, what
+  // every process must share (Fingerprint: the network, policy, optimizer
+  // and its options, precision, the fit's options, the data, and what the
+  // callbacks add in on_fit_prepare): processes that differ, or one whose
+  // checks failed, all raise a loom::Error naming the first difference
+  // before anything trains.
   template <class... Callbacks>
   void fit(const data::Dataset& train, FitOptions options, Callbacks&&... callbacks) {
-    check_dataset(train, "fit");
-    LOOM_CHECK(options.epochs >= 1, "fit: epochs must be >= 1, got ", options.epochs);
-    LOOM_CHECK(options.batch_size >= 1, "fit: batch size must be >= 1");
-    LOOM_CHECK(options.accumulation_steps >= 1, "fit: accumulation_steps must be >= 1");
-    LOOM_CHECK(options.max_grad_norm >= 0.0f && std::isfinite(options.max_grad_norm),
-               "fit: max_grad_norm must be a finite number >= 0 (0: no clipping), got ",
-               options.max_grad_norm);
-    if constexpr (is_data_parallel<Policy> && Net::syncs) {
-      // Found now rather than when the epoch's last batch comes.
-      const std::size_t last = train.count % options.batch_size;
-      const auto replicas = static_cast<std::size_t>(engine_->world());
-      LOOM_CHECK(options.drop_last || last == 0 || last >= replicas, "fit: the last batch of an "
-                 "epoch of '", train.name, "' has ", last, " sample(s) for ", replicas,
-                 " replicas, and SyncBatchNorm needs a sample on each; set "
-                 "FitOptions::drop_last or a batch size that leaves at least ", replicas);
+    std::exception_ptr failure;
+    Fingerprint fingerprint;
+    try {
+      check_fit(train, options);
+      describe_fit(fingerprint, train, options);
+      const FitInfo preview{.epochs = options.epochs,
+                            .steps_per_epoch = steps_per_epoch(train.count, options),
+                            .samples_per_epoch = train.count,
+                            .batch_size = options.batch_size,
+                            .policy = Policy::name,
+                            .placement = {}};
+      (call_fit_prepare(callbacks, preview, fingerprint), ...);
+    } catch (...) {
+      failure = std::current_exception();
     }
+    if (const auto differ = compare_processes(detail::AgreementPhase::fit, fingerprint, failure);
+        differ.kind != detail::Disagreement::Kind::none)
+      throw Error(detail::disagreement_text(differ, detail::AgreementPhase::fit, process_rank_));
     data::Loader loader(
         train,
         {.batch_size = options.batch_size,
@@ -290,10 +301,13 @@ class Trainer {
     // With drop_last the epoch ends before the data set does.
     const std::size_t epoch_samples =
         options.drop_last ? loader.batches_per_epoch() * options.batch_size : train.count;
+    // A batch larger than the data set is the data set: memory is planned
+    // for what a step takes, not for what was asked.
+    const std::size_t planned_batch = std::min(options.batch_size, train.count);
     stop_.set(false);
 #if defined(__CUDACC__)
     if constexpr (is_pipelined<Policy>) {
-      if (on_gpu()) gpu_split(options.batch_size);
+      if (on_gpu()) gpu_split(planned_batch);
     } else if (on_gpu()) {
       fit_gpu(loader, options, info, identity, epoch_samples, callbacks...);
       (call_fit_end(callbacks), ...);
@@ -302,13 +316,13 @@ class Trainer {
 #endif
     cpu::set_threads(devices_.front().threads);
     if constexpr (is_data_parallel<Policy>) {
-      engine_->reserve(options.batch_size);
+      engine_->reserve(planned_batch);
       scatter_if_changed();
     } else if constexpr (is_pipelined<Policy>) {
       scatter_if_changed();
     }
     else
-      model_.reserve(options.batch_size);
+      model_.reserve(planned_batch);
     // A loaded checkpoint's position: this fit goes on from there.
     const auto resumed = resume_position(identity, loader.batches_per_epoch());
     (call_fit_begin(callbacks, info), ...);
@@ -539,6 +553,8 @@ class Trainer {
   std::uint64_t nonfinite_steps() const { return nonfinite_steps_; }
   // Where the current (or last) fit stands.
   const TrainingPosition& position() const { return position_; }
+  // Across MPI processes: this process's rank (0 writes checkpoints); else 0.
+  std::size_t process_rank() const { return process_rank_; }
   // Each local device's time in the last optimizer step (a data-parallel
   // replica or pipeline stage: its own jobs; wait for others included);
   // empty on GPUs, whose steps run asynchronously.
@@ -644,24 +660,28 @@ class Trainer {
     for (std::size_t b = 0; b < optimizer_.buffer_count(); ++b)
       names.emplace_back(optimizer_.buffer_name(b));
     const auto options = optimizer_.options().hyperparameters();
-    // Across processes every one reads the file; all go on only if all could.
+    // Across processes every one reads the file; all go on only if all
+    // could, and read the same: a stale copy on one node would split them.
     detail::CheckpointImage image;
-    std::string failure;
+    std::exception_ptr failure;
+    Fingerprint read;
     try {
       image = detail::read_checkpoint<Net>(path, Optimizer::name, names, options);
       if (resume) detail::check_resumed_options(image, options, path.string());
-    } catch (const std::exception& error) {
-      failure = error.what();
+      read.add("checkpoint contents", detail::fingerprint(image)).add("load.resume", resume);
+    } catch (...) {
+      failure = std::current_exception();
     }
-    if (any_process_failed(!failure.empty())) {
-      if (!failure.empty()) throw Error(failure);
-      LOOM_FAIL("Trainer::load: another process could not read checkpoint '", path.string(),
-                "' (its error says why); every process needs the file");
-    }
-    // ... and the same file: a stale copy on one node would split the ranks.
-    LOOM_CHECK(!any_process_differs(detail::fingerprint(image)), "Trainer::load: checkpoint '",
-               path.string(), "' is not the same file on every process (its weights or "
-               "position differ); give every process the same checkpoint");
+    const auto differ = compare_processes(detail::AgreementPhase::load, read, failure);
+    using Kind = detail::Disagreement::Kind;
+    LOOM_CHECK(differ.kind != Kind::failed, "Trainer::load: another process could not read "
+               "checkpoint '", path.string(), "' (process ", differ.rank, ": ", differ.failure,
+               "); every process needs the file");
+    LOOM_CHECK(differ.kind != Kind::field || differ.name != "checkpoint contents",
+               "Trainer::load: checkpoint '", path.string(), "' is not the same file on every "
+               "process (its weights or position differ); give every process the same checkpoint");
+    if (differ.kind != Kind::none)
+      throw Error(detail::disagreement_text(differ, detail::AgreementPhase::load, process_rank_));
     const auto put = [&](Model<Net, float>& model, auto& optimizer) {
       std::ranges::copy(image.parameters, model.parameters().begin());
       std::ranges::copy(image.state, model.state().begin());
@@ -775,9 +795,115 @@ class Trainer {
   }
   // Whether any process reports `failed`.
   bool any_process_failed(bool failed) { return sum_over_processes(failed ? 1.0 : 0.0) > 0.0; }
-  // Whether any process holds another `value` (exact below 2^53 / processes).
-  bool any_process_differs(double value) {
-    return sum_over_processes(value) != value * static_cast<double>(std::max<std::size_t>(1, process_count_));
+
+
+  // fit()'s checks of its arguments, made before the processes compare them.
+  void check_fit(const data::Dataset& train, const FitOptions& options) {
+    check_dataset(train, "fit");
+    LOOM_CHECK(options.epochs >= 1, "fit: epochs must be >= 1, got ", options.epochs);
+    LOOM_CHECK(options.batch_size >= 1, "fit: batch size must be >= 1");
+    LOOM_CHECK(options.accumulation_steps >= 1, "fit: accumulation_steps must be >= 1");
+    LOOM_CHECK(options.max_grad_norm >= 0.0f && std::isfinite(options.max_grad_norm),
+               "fit: max_grad_norm must be a finite number >= 0 (0: no clipping), got ",
+               options.max_grad_norm);
+    if constexpr (is_data_parallel<Policy> && Net::syncs) {
+      // Found now rather than when the epoch's last batch comes.
+      const std::size_t last = train.count % options.batch_size;
+      const auto replicas = static_cast<std::size_t>(engine_->world());
+      LOOM_CHECK(options.drop_last || last == 0 || last >= replicas, "fit: the last batch of an "
+                 "epoch of '", train.name, "' has ", last, " sample(s) for ", replicas,
+                 " replicas, and SyncBatchNorm needs a sample on each; set "
+                 "FitOptions::drop_last or a batch size that leaves at least ", replicas);
+    }
+  }
+
+  static std::size_t steps_per_epoch(std::size_t samples, const FitOptions& options) {
+    const std::size_t batches = options.drop_last ? samples / options.batch_size
+                                                  : (samples + options.batch_size - 1) /
+                                                        options.batch_size;
+    return (batches + options.accumulation_steps - 1) / options.accumulation_steps;
+  }
+
+  // What every process of a fit must share (the callbacks add theirs).
+  void describe_fit(Fingerprint& f, const data::Dataset& train, const FitOptions& options) const {
+    f.add("network", detail::type_label<Net>())
+        .add("policy", detail::type_label<Policy>())
+        .add("device kind", devices_.front().kind == Device::Kind::cpu ? "cpu" : "cuda")
+        .add("devices per process", devices_.size())
+        .add("optimizer", Optimizer::name)
+        .add("optimizer.lr", base_lr_);
+    for (const auto& [name, value] : optimizer_.options().hyperparameters())
+      f.add(std::string("optimizer.") + name, value);
+    f.add("trainer.seed", options_.seed)
+        .add("trainer.precision", precision_name(options_.precision))
+        .add("trainer.allow_tf32", options_.allow_tf32)
+        .add("trainer.steps", steps_);
+    if (options_.precision == Precision::fp16) {
+      const auto& l = options_.loss_scaling;
+      f.add("loss_scaling.initial_scale", l.initial_scale)
+          .add("loss_scaling.growth_factor", l.growth_factor)
+          .add("loss_scaling.backoff_factor", l.backoff_factor)
+          .add("loss_scaling.growth_interval", l.growth_interval)
+          .add("loss_scaling.min_scale", l.min_scale)
+          .add("loss_scaling.max_scale", l.max_scale);
+    }
+    if constexpr (is_pipelined<Policy>)
+      f.add("schedule", pipeline_kind_name(options_.schedule.kind))
+          .add("micro_batches", options_.schedule.micro_batches);
+    f.add("resume", resume_ ? "after batch " + std::to_string(resume_->batches) + " of epoch " +
+                                  std::to_string(resume_->epoch)
+                            : std::string("none"))
+        .add("fit.epochs", options.epochs)
+        .add("fit.batch_size", options.batch_size)
+        .add("fit.accumulation_steps", options.accumulation_steps)
+        .add("fit.shuffle", options.shuffle)
+        .add("fit.seed", options.seed)
+        .add("fit.drop_last", options.drop_last)
+        .add("fit.augment.crop_padding", options.augment.crop_padding)
+        .add("fit.augment.horizontal_flip", options.augment.horizontal_flip)
+        .add("fit.max_grad_norm", options.max_grad_norm)
+        .add("fit.on_nonfinite", options.on_nonfinite == NonFinite::raise ? "raise" : "skip")
+        .add_data("data", train);
+  }
+
+  // Every process's (phase, fingerprint, failure) compared across the
+  // processes. The process whose failure it is raises its own error; the
+  // others learn how they differ (the caller raises). In one process: its
+  // own failure only.
+  detail::Disagreement compare_processes(detail::AgreementPhase phase,
+                                         const Fingerprint& fingerprint,
+                                         std::exception_ptr failure) {
+    if (process_count_ <= 1) {
+      if (failure) std::rethrow_exception(failure);
+      return {};
+    }
+    std::string failure_text;
+    if (failure) {
+      try {
+        std::rethrow_exception(failure);
+      } catch (const std::exception& error) {
+        failure_text = error.what();
+      } catch (...) {
+        failure_text = "an exception that is not a std::exception";
+      }
+    }
+    auto found = detail::compare_across_ranks(
+        phase, fingerprint, failure ? &failure_text : nullptr,
+        [this](std::span<const double> row) { return gather_over_processes(row); });
+    if (failure) std::rethrow_exception(failure);
+    return found;
+  }
+
+  // Every process's `row`, process r's as row r (a collective).
+  std::vector<double> gather_over_processes(std::span<const double> row) {
+    if constexpr (is_data_parallel<Policy>) {
+      if (on_gpu()) return comm::gather_rows(processes_, row);
+      return engine_->gather_rows(row);
+    } else if constexpr (is_pipelined<Policy>) {
+      return pipeline_->gather_rows(row);
+    } else {
+      return {row.begin(), row.end()};
+    }
   }
 
   // What callbacks learn before the step that follows `done` steps of `epoch`.
@@ -802,19 +928,26 @@ class Trainer {
       return std::nullopt;
     }
     const auto& saved = resume_fit_;
-    const auto differs = [](const char* what, auto was, auto now) {
-      LOOM_CHECK(was == now, "fit: the loaded checkpoint stopped in a fit with ", what, " ", was,
-                 ", but this fit has ", now, "; resume with the same data and FitOptions, "
-                 "or load(path, false) to start a new fit from the checkpoint's weights");
+    const auto differs = [](const char* setting, const char* what, auto was, auto now) {
+      if (was == now) return;
+      std::ostringstream text;
+      text << "loom: fit: the loaded checkpoint stopped in a fit with " << what << " " << was
+           << ", but this fit has " << now << "; resume with the same data and FitOptions, "
+           << "or load(path, false) to start a new fit from the checkpoint's weights";
+      throw ResumeMismatch(text.str(), setting, (std::ostringstream() << was).str(),
+                           (std::ostringstream() << now).str());
     };
-    differs("training samples", saved->samples, identity.samples);
-    differs("batch size", saved->batch_size, identity.batch_size);
-    differs("accumulation_steps", saved->accumulation_steps, identity.accumulation_steps);
-    differs("seed", saved->seed, identity.seed);
-    differs("shuffle", saved->shuffle, identity.shuffle);
-    differs("drop_last", saved->drop_last, identity.drop_last);
-    differs("augment.crop_padding", saved->crop_padding, identity.crop_padding);
-    differs("augment.horizontal_flip", saved->horizontal_flip, identity.horizontal_flip);
+    differs("samples", "training samples", saved->samples, identity.samples);
+    differs("batch_size", "batch size", saved->batch_size, identity.batch_size);
+    differs("accumulation_steps", "accumulation_steps", saved->accumulation_steps,
+            identity.accumulation_steps);
+    differs("seed", "seed", saved->seed, identity.seed);
+    differs("shuffle", "shuffle", saved->shuffle, identity.shuffle);
+    differs("drop_last", "drop_last", saved->drop_last, identity.drop_last);
+    differs("augment.crop_padding", "augment.crop_padding", saved->crop_padding,
+            identity.crop_padding);
+    differs("augment.horizontal_flip", "augment.horizontal_flip", saved->horizontal_flip,
+            identity.horizontal_flip);
     LOOM_CHECK(resume_->batches <= batches_per_epoch && resume_->epoch >= 1, "fit: the loaded "
                "checkpoint stopped after batch ", resume_->batches, " of epoch ", resume_->epoch,
                ", but its fit's epochs have ", batches_per_epoch, " batches; it is corrupt");
@@ -994,7 +1127,7 @@ class Trainer {
                const FitIdentity& identity, std::size_t epoch_samples,
                Callbacks&... callbacks) {
     const std::size_t k = options.accumulation_steps;
-    auto& replicas = gpu_replicas(options.batch_size, k > 1);
+    auto& replicas = gpu_replicas(std::min(options.batch_size, epoch_samples), k > 1);
     const bool fp16 = options_.precision == Precision::fp16;
     const bool skip_nonfinite = options.on_nonfinite == NonFinite::skip;
     // Adam's update depends on its step number, which a step skipped for
@@ -1460,6 +1593,13 @@ class Trainer {
       return "";
   }
 
+  template <class C>
+  void call_fit_prepare(C& callback, const FitInfo& info, Fingerprint& fingerprint) {
+    if constexpr (requires { callback.on_fit_prepare(info, fingerprint, *this); })
+      callback.on_fit_prepare(info, fingerprint, *this);
+    else if constexpr (requires { callback.on_fit_prepare(info, fingerprint); })
+      callback.on_fit_prepare(info, fingerprint);
+  }
   template <class C>
   void call_fit_begin(C& callback, const FitInfo& info) {
     if constexpr (requires { callback.on_fit_begin(info, *this); })
