@@ -19,8 +19,11 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <loom/loom.hpp>
 #include <map>
@@ -87,6 +90,14 @@ struct ExampleSchedule {
     return {.milestones = o->lr_milestones, .factor = o->lr_factor, .out = out};
   }
 
+  void on_fit_prepare(const FitInfo&, Fingerprint& fingerprint) const {
+    fingerprint.add("--lr-schedule", o->lr_schedule)
+        .add("--warmup-steps", o->warmup_steps)
+        .add("--lr-reference-batch", o->lr_reference_batch);
+    if (o->lr_schedule != "cosine")
+      fingerprint.add("--lr-milestones", o->lr_milestones).add("--lr-factor", o->lr_factor);
+  }
+
   template <class T>
   void on_step_begin(const StepBegin& step, T& trainer) {
     trainer.optimizer().set_lr(static_cast<float>(trainer.base_lr() * factor(step)));
@@ -98,9 +109,20 @@ struct ExampleSchedule {
 };
 
 // A callback the command line may leave out (--checkpoint, --metrics).
+// One that takes part in the processes' fingerprint says when it is absent.
 template <class C>
 struct Maybe {
   std::optional<C> c;
+  const char* name = "";
+  template <class T>
+  void on_fit_prepare(const FitInfo& info, Fingerprint& fingerprint, T& trainer) {
+    if constexpr (requires { c->on_fit_prepare(info, fingerprint, trainer); }) {
+      if (c)
+        c->on_fit_prepare(info, fingerprint, trainer);
+      else
+        fingerprint.add(name, "none");
+    }
+  }
   template <class T>
   void on_fit_begin(const FitInfo& info, T& trainer) {
     if constexpr (requires { c->on_fit_begin(info, trainer); }) {
@@ -123,6 +145,41 @@ struct Maybe {
       if (c) c->on_fit_end(trainer);
   }
 };
+
+// A checkpoint that --resume refuses, in the command line's words: the flag
+// whose value differs from the run that wrote it, where there is one.
+inline Error resume_refusal(const ResumeMismatch& refused, const Options& o) {
+  struct Flag {
+    const char* setting;
+    const char* flag;
+  };
+  static constexpr Flag flags[] = {
+      {"samples", "--train-samples"},     {"batch_size", "--batch-size"},
+      {"accumulation_steps", "--accumulate"}, {"seed", "--seed"},
+      {"augment.crop_padding", "--augment"}, {"augment.horizontal_flip", "--augment"},
+      {"momentum", "--momentum"},         {"weight_decay", "--weight-decay"}};
+  std::string text = "loom: --resume " + o.resume + ": ";
+  const auto* flag = std::ranges::find_if(flags, [&](const Flag& f) {
+    return refused.setting == f.setting;
+  });
+  if (flag == std::end(flags)) {
+    text += "the checkpoint was written with " + refused.setting + " " + refused.was +
+            " and this run has " + refused.now + ", which no flag of this example sets; it "
+            "was written by another program";
+  } else if (std::string_view(flag->flag) == "--augment") {
+    const bool was = refused.was != "0" && refused.was != "false";
+    text += std::string("the checkpoint was written by a run ") + (was ? "with" : "without") +
+            " --augment, and this run is " + (was ? "without" : "with") + " it; resume " +
+            (was ? "with" : "without") + " --augment";
+  } else {
+    const bool images = std::string_view(flag->flag) == "--train-samples";
+    text += std::string("the checkpoint was written by a run with ") + flag->flag + " " +
+            refused.was + (images ? " (training images)" : "") + ", and this run has " +
+            refused.now + "; resume with " + flag->flag + " " + refused.was;
+  }
+  return Error(text + " (a resumed run takes the data, batch and optimizer flags of the run "
+                      "that wrote the checkpoint; --epochs and --lr may differ)");
+}
 
 inline Precision precision_of(const std::string& name) {
   return name == "bf16" ? Precision::bf16 : name == "fp16" ? Precision::fp16 : Precision::fp32;
@@ -165,15 +222,14 @@ void train(const char* title, const Options& o, const data::Split& data,
   if (const auto note = cpu::blas_kernels_note(); on_cpu && !note.empty())
     out << "note: " << note << '\n';
 
-  const auto fit = [&]<class Optimizer>(typename Optimizer::Options options) {
-    Trainer<Net, Policy, Optimizer> trainer(devices, options, trainer_options, processes);
+  const auto fit_with = [&](auto& trainer) {
     if (!o.resume.empty()) {
       trainer.load(o.resume);
       out << "resuming " << o.resume << " after step " << trainer.steps() << " (epoch "
           << trainer.position().epoch << ")\n";
     }
     callbacks::Evaluate evaluate(data.test, &out);
-    Maybe<callbacks::Checkpoint> checkpoint;
+    Maybe<callbacks::Checkpoint> checkpoint{.c = {}, .name = "checkpoint"};
     if (!o.checkpoint.empty())
       checkpoint.c.emplace(callbacks::Checkpoint::Options{
           .path = o.checkpoint, .every_steps = o.checkpoint_every, .out = &out});
@@ -201,6 +257,14 @@ void train(const char* title, const Options& o, const data::Split& data,
     if (trainer.nonfinite_steps() > 0)
       out << trainer.nonfinite_steps() << " step(s) skipped for a non-finite loss or gradient\n";
     return evaluate.last;
+  };
+  const auto fit = [&]<class Optimizer>(typename Optimizer::Options options) {
+    Trainer<Net, Policy, Optimizer> trainer(devices, options, trainer_options, processes);
+    try {
+      return fit_with(trainer);
+    } catch (const ResumeMismatch& refused) {
+      throw resume_refusal(refused, o);
+    }
   };
   // Each optimizer is a trainer type of its own: AdamW is built for the
   // policies single and data only, which keeps this example's compile time.
@@ -313,6 +377,72 @@ void run_policy(const char* title, const Options& o, const data::Split& data,
   }
 }
 
+// A path option's value that starts with '-' is a forgotten value that
+// swallowed the next flag (--checkpoint --augment); a file of such a name
+// is still reachable as ./--augment.
+inline CLI::Validator path_value() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        if (value.empty()) return "an empty path";
+        if (value.front() != '-') return {};
+        return "'" + value + "' looks like a flag, not a path: is this option's value "
+               "missing? (a path that starts with '-' is written ./" + value + ")";
+      },
+      "PATH");
+}
+
+// A number in [low, high] (or (low, high] when low is open), with a message
+// that prints both bounds as numbers ("1e-08", not "0.000000") and says
+// when the value is not a number at all.
+inline CLI::Validator number_between(double low, double high, bool low_open = false) {
+  const auto text = [](double x) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%g", x);
+    return std::string(buffer);
+  };
+  const std::string range =
+      std::string(low_open ? "above " : "from ") + text(low) + (low_open ? " up to " : " to ") +
+      text(high);
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(value.c_str(), &end);
+        if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(x))
+          return "'" + value + "' is not a number; give one " + range;
+        if (x < low || (low_open && x == low) || x > high)
+          return value + " is out of range; give a number " + range;
+        return {};
+      },
+      "NUMBER " + range);
+}
+
+// Options that would have no effect with the others given: refused, so
+// that nothing typed is silently ignored.
+inline void check_combinations(const CLI::App& app, const Options& o, bool distributed) {
+  const auto given = [&](const char* flag) { return app.count(flag) > 0; };
+  const auto refuse = [](const char* flag, const std::string& why) {
+    throw CLI::ValidationError(flag, why);
+  };
+  if (given("--checkpoint-every") && !given("--checkpoint"))
+    refuse("--checkpoint-every", "needs --checkpoint (the file it saves to)");
+  const bool pipelined = o.policy == "split" || o.policy == "hybrid";
+  for (const char* flag : {"--schedule", "--micro-batches"})
+    if (given(flag) && !pipelined)
+      refuse(flag, "applies to --policy split and hybrid only (this run's policy is " +
+                       (o.policy.empty() ? std::string(distributed || o.devices > 1 ? "data"
+                                                                                    : "single")
+                                         : o.policy) + ")");
+  if (given("--replicas") && o.policy != "hybrid")
+    refuse("--replicas", "applies to --policy hybrid only");
+  if (given("--momentum") && o.optimizer == "adamw")
+    refuse("--momentum", "is SGD's; --optimizer adamw has no momentum (its moments are built in)");
+  for (const char* flag : {"--lr-milestones", "--lr-factor"})
+    if (given(flag) && o.lr_schedule == "cosine")
+      refuse(flag, "applies to --lr-schedule step only; cosine follows its own curve");
+  if (given("--data") && !o.cifar_dir.empty())
+    refuse("--data", "is the Fashion-MNIST folder; with --cifar the data come from there");
+}
+
 // CifarNet: the network --cifar DIR trains on CIFAR-10 (void: no such option).
 template <class Net, class CifarNet = void>
 int example_main(int argc, char** argv, const char* title, Options o) {
@@ -339,18 +469,18 @@ int example_main(int argc, char** argv, const char* title, Options o) {
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
       ->capture_default_str();
   app.add_option("--lr", o.lr, "learning rate (the base the schedule scales)")
-      ->check(CLI::Range(1e-8f, 100.0f))
+      ->check(number_between(1e-8, 100.0))
       ->capture_default_str();
   app.add_option("--lr-milestones", o.lr_milestones, "epochs after which the learning rate drops")
       ->capture_default_str();
   app.add_option("--lr-factor", o.lr_factor, "learning-rate multiplier at each milestone")
-      ->check(CLI::Range(1e-6f, 1.0f))
+      ->check(number_between(1e-6, 1.0))
       ->capture_default_str();
   app.add_option("--momentum", o.momentum, "SGD momentum")
-      ->check(CLI::Range(0.0f, 0.999f))
+      ->check(number_between(0.0, 0.999))
       ->capture_default_str();
   app.add_option("--weight-decay", o.weight_decay, "weight decay (SGD: L2; AdamW: decoupled)")
-      ->check(CLI::Range(0.0f, 1.0f))
+      ->check(number_between(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--optimizer", o.optimizer,
                  "sgd (with --momentum) or adamw (--weight-decay is then AdamW's decoupled decay)")
@@ -368,7 +498,7 @@ int example_main(int argc, char** argv, const char* title, Options o) {
       ->capture_default_str();
   app.add_option("--clip-norm", o.clip_norm,
                  "clip the gradients to this global norm (0: off)")
-      ->check(CLI::Range(0.0f, 1e6f))
+      ->check(number_between(0.0, 1e6))
       ->capture_default_str();
   app.add_option("--on-nonfinite", o.on_nonfinite,
                  "a step whose loss or gradients go NaN or infinite: raise (stop with an error "
@@ -385,23 +515,28 @@ int example_main(int argc, char** argv, const char* title, Options o) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--checkpoint", o.checkpoint,
-                 "save a checkpoint (safetensors) here after every epoch and at the end");
+                 "save a checkpoint (safetensors) here after every epoch and at the end")
+      ->check(path_value());
   app.add_option("--checkpoint-every", o.checkpoint_every,
                  "also save it every N optimizer steps")
       ->capture_default_str();
   app.add_option("--resume", o.resume,
-                 "load this checkpoint and go on from where it stopped (same data options)");
+                 "load this checkpoint and go on from where it stopped (same data options)")
+      ->check(path_value());
   app.add_option("--metrics", o.metrics,
                  "write every step's and epoch's figures here as JSON lines "
-                 "(draw them: python3 scripts/plot_metrics.py FILE)");
+                 "(draw them: python3 scripts/plot_metrics.py FILE)")
+      ->check(path_value());
   app.add_flag("--augment", o.augment,
                "random crops (zero padding 2, or 4 on CIFAR-10) and horizontal flips of the "
                "training images, drawn from --seed");
   if constexpr (!std::is_void_v<CifarNet>)
     app.add_option("--cifar", o.cifar_dir,
                    "train on CIFAR-10 instead: the folder of its binary version "
-                   "(cifar-10-batches-bin)");
+                   "(cifar-10-batches-bin)")
+        ->check(path_value());
   app.add_option("--data", o.data_dir, "folder with the Fashion-MNIST IDX files (.gz or plain)")
+      ->check(path_value())
       ->capture_default_str();
   app.add_option("--train-samples", o.train_samples,
                  "train on the first N training images only (0: all 60000)")
@@ -436,11 +571,48 @@ int example_main(int argc, char** argv, const char* title, Options o) {
                  "under mpirun: seconds a rank waits for the others in a collective before it "
                  "raises and the job is aborted (a rank died or hangs); default: "
                  "LOOM_COLLECTIVE_TIMEOUT, else 600")
-      ->check(CLI::Range(0.001, 1e8));
+      ->check(number_between(0.001, 1e8));
 #endif
-  CLI11_PARSE(app, argc, argv);
+  // A command line refused on one process ends every process at once: they
+  // all compare their parse's outcome first (under mpirun a rank that left
+  // alone would leave the others waiting in their first collective).
+  int parse_status = 0;
+  bool asked_help = false;
+  try {
+    app.parse(argc, argv);
+#if defined(LOOM_WITH_MPI)
+    check_combinations(app, o, distributed);
+#else
+    check_combinations(app, o, false);
+#endif
+  } catch (const CLI::ParseError& error) {
+    asked_help = error.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success);
+    parse_status = app.exit(error);
+  }
+#if defined(LOOM_WITH_MPI)
+  if (distributed) {
+    comm::Comm world(mpi->world());
+    const std::array<double, 2> mine{parse_status != 0 ? 1.0 : 0.0, asked_help ? 1.0 : 0.0};
+    const auto rows = comm::gather_rows(world, mine);
+    std::size_t refused = 0, helped = 0, first_refused = 0;
+    for (std::size_t r = 0; r < rows.size() / 2; ++r) {
+      if (rows[2 * r] != 0.0 && refused++ == 0) first_refused = r;
+      helped += rows[2 * r + 1] != 0.0 ? 1 : 0;
+    }
+    if (refused > 0) {
+      if (parse_status == 0 && talks)
+        std::cerr << "loom: process " << first_refused << " refused its command line (its "
+                  << "message above says why); every process stops\n";
+      return parse_status != 0 ? parse_status : 1;
+    }
+    if (helped > 0) return 0;
+  }
+#endif
+  if (parse_status != 0 || asked_help) return parse_status;
 #if defined(LOOM_WITH_MPI)
   mpi->set_collective_timeout(comm::Timeout(collective_timeout));
+  if (!distributed && app.count("--collective-timeout") > 0)
+    std::cerr << "note: --collective-timeout has no effect in a single process (no mpirun)\n";
 #endif
 
   std::ostream quiet(nullptr);
@@ -449,6 +621,10 @@ int example_main(int argc, char** argv, const char* title, Options o) {
     const auto limit = [&](data::Split data) {
       if (o.train_samples > 0) data.train = data::head(data.train, o.train_samples);
       if (o.test_samples > 0) data.test = data::head(data.test, o.test_samples);
+      if (o.batch_size > data.train.count)
+        out << "note: --batch-size " << o.batch_size << " is more than the " << data.train.count
+            << " training images: each step takes all " << data.train.count
+            << " (memory is planned for that)\n";
       return data;
     };
 #if defined(LOOM_WITH_MPI)
