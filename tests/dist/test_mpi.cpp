@@ -321,6 +321,25 @@ TEST_CASE("mpi: a process whose fit fails its checks stops every process, with i
   REQUIRE(trainer.steps() == 0);
 }
 
+TEST_CASE("mpi: a process whose fingerprint outgrows the agreement's row still joins it") {
+  // Callbacks of rank 1 add 120 fields, more than the 96 a row carries.
+  struct ManyFields {
+    int count = 0;
+    void on_fit_prepare(const FitInfo&, Fingerprint& fingerprint) const {
+      for (int f = 0; f < count; ++f) fingerprint.add("extra." + std::to_string(f), f);
+    }
+  };
+  const bool one = environment->rank() == 1;
+  Trainer<Logistic, DataParallel<>> trainer(environment->devices(), test::sgd, {},
+                                            comm::Comm(environment->world()));
+  REQUIRE_THROWS_WITH(
+      trainer.fit(agreement_train(), {.epochs = 1, .batch_size = 60}, ManyFields{one ? 120 : 0}),
+      Catch::Contains("process 1 could not start (this is process " +
+                      std::to_string(environment->rank()) + "): its fingerprint has ") &&
+          Catch::Contains("fields, more than the 96 the agreement carries"));
+  REQUIRE(trainer.steps() == 0);
+}
+
 TEST_CASE("mpi: a process that loads a checkpoint while another fits: both raise, none hangs") {
   auto world = environment->world();
   std::array<double, 1> id{static_cast<double>(::getpid())};

@@ -72,6 +72,14 @@ struct StopAtStepBegin {
   }
 };
 
+// Asks fit() to stop before its first step.
+struct StopAtFitBegin {
+  template <class T>
+  void on_fit_begin(const FitInfo&, T& trainer) {
+    trainer.stop();
+  }
+};
+
 // Saves a checkpoint after optimizer step k and lets the fit go on, as a
 // run that dies later does: a run resumed from it repeats the steps after k.
 struct SaveAt {
@@ -469,6 +477,24 @@ TEST_CASE("checkpoints: a resume refusal names the setting (ResumeMismatch), for
     REQUIRE(refused.was == "0.9");
     REQUIRE(refused.now == "0.5");
   }
+}
+
+TEST_CASE("checkpoints: a fit stopped before its first epoch saves its own position, which loads") {
+  TempDir dir;
+  const auto train = head(fashion().train, 128);
+  Trainer<Mlp> sgd(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  sgd.fit(train, {.epochs = 1, .batch_size = 64});
+  REQUIRE(sgd.position().ended);
+  // The second fit (other batches) trains nothing; its checkpoint must not
+  // pair the first fit's position with its own options.
+  const std::string path = dir.file("stopped.safetensors");
+  sgd.fit(train, {.epochs = 1, .batch_size = 32}, StopAtFitBegin{},
+          callbacks::Checkpoint({.path = path}));
+  REQUIRE(sgd.position().epoch == 0);
+  Trainer<Mlp> other(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  other.load(path);
+  REQUIRE(other.position().epoch == 0);
+  REQUIRE(other.steps() == 2);
 }
 
 TEST_CASE("fit: a batch larger than the data set plans memory for the data set, not for the batch") {

@@ -147,13 +147,18 @@ inline Disagreement compare_across_ranks(AgreementPhase phase, const Fingerprint
                                          const std::string* failure,
                                          const GatherRows& gather) {
   const auto& fields = mine.fields();
-  LOOM_CHECK(fields.size() <= field_slots, "loom: a fingerprint of ", fields.size(),
-             " fields is more than the ", field_slots, " the agreement carries");
+  // Too many fields is this rank's failure, sent like any other: it must
+  // still take part in the gather, or the others would wait for it.
+  const std::string too_many =
+      "its fingerprint has " + std::to_string(fields.size()) + " fields, more than the " +
+      std::to_string(field_slots) + " the agreement carries";
+  if (failure == nullptr && fields.size() > field_slots) failure = &too_many;
   std::vector<double> row(row_size, 0.0);
   row[0] = static_cast<double>(phase);
   row[1] = failure != nullptr ? 1.0 : 0.0;
-  row[2] = static_cast<double>(fields.size());
-  for (std::size_t f = 0; f < fields.size(); ++f) row[3 + f] = field_digest(fields[f]);
+  row[2] = static_cast<double>(std::min(fields.size(), field_slots));
+  for (std::size_t f = 0; f < fields.size() && f < field_slots; ++f)
+    row[3 + f] = field_digest(fields[f]);
   if (failure != nullptr)
     put_text(std::span<double>(row).subspan(3 + field_slots), *failure);
   const std::vector<double> all = gather(row);

@@ -319,10 +319,8 @@ class Checkpoint {
     LOOM_CHECK(!std::filesystem::is_directory(options_.path, error), "callbacks::Checkpoint: '",
                where, "' is a folder; give the checkpoint's file name (e.g. ",
                (options_.path / "checkpoint.safetensors").string(), ")");
-    const auto folder = options_.path.parent_path();
-    const std::filesystem::path probe =
-        (folder.empty() ? std::filesystem::path(".") : folder) /
-        (".loom-probe-" + std::to_string(::getpid()) + "-" + options_.path.filename().string());
+    // Named as a save's own temporary file: what one can create, so can a save.
+    const std::filesystem::path probe = options_.path.string() + ".tmp-" + std::to_string(::getpid());
     std::FILE* file = std::fopen(probe.c_str(), "wx");
     LOOM_CHECK(file != nullptr, "callbacks::Checkpoint: cannot create a file in the folder of '",
                where, "' (", std::strerror(errno), "); every save would fail: choose a "

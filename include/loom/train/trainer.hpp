@@ -925,6 +925,10 @@ class Trainer {
       resume_.reset();
       resume_fit_.reset();
       fit_ = identity;
+      // A new fit's position from its start: a save before its first epoch
+      // (a stop() in on_fit_begin) must not pair the last fit's position
+      // with this fit's options.
+      position_ = {};
       return std::nullopt;
     }
     const auto& saved = resume_fit_;
@@ -1127,7 +1131,7 @@ class Trainer {
                const FitIdentity& identity, std::size_t epoch_samples,
                Callbacks&... callbacks) {
     const std::size_t k = options.accumulation_steps;
-    auto& replicas = gpu_replicas(std::min(options.batch_size, epoch_samples), k > 1);
+    auto& replicas = gpu_replicas(std::min(options.batch_size, info.samples_per_epoch), k > 1);
     const bool fp16 = options_.precision == Precision::fp16;
     const bool skip_nonfinite = options.on_nonfinite == NonFinite::skip;
     // Adam's update depends on its step number, which a step skipped for
