@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -57,6 +58,19 @@ namespace detail {
 template <class T>
 constexpr std::string_view type_name() {
   return __PRETTY_FUNCTION__;
+}
+
+// 64-bit FNV-1a of bytes, chained through `hash`: digests that every rank
+// and every file reader computes alike (program identity, checkpoint and
+// data fingerprints).
+inline constexpr std::uint64_t fnv1a_basis = 1469598103934665603ull;
+inline std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t hash = fnv1a_basis) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 1099511628211ull;
+  return hash;
+}
+inline std::uint64_t fnv1a(std::string_view text, std::uint64_t hash = fnv1a_basis) {
+  return fnv1a(text.data(), text.size(), hash);
 }
 
 // The type's name as the compiler spells it ("loom::Sequential<...>"), from

@@ -27,6 +27,12 @@ struct Dataset {
   std::size_t sample_size() const { return channels * height * width; }
 };
 
+// Batches of `batch_size` in an epoch over `count` samples: the last one
+// short, or left out with drop_last.
+inline std::size_t batches_per_epoch(std::size_t count, std::size_t batch_size, bool drop_last) {
+  return drop_last ? count / batch_size : (count + batch_size - 1) / batch_size;
+}
+
 // Pixels become (pixel / 255 - mean) / std. The defaults are the Fashion-MNIST
 // training set's own mean and standard deviation after the division by 255.
 struct Normalize {

@@ -99,8 +99,7 @@ class Loader {
                sample_size_, " values but holds ", dataset.images.size(), " image values and ",
                dataset.labels.size(), " labels");
     const std::size_t count = dataset.count;
-    batches_ = options_.drop_last ? count / options_.batch_size
-                                  : (count + options_.batch_size - 1) / options_.batch_size;
+    batches_ = data::batches_per_epoch(count, options_.batch_size, options_.drop_last);
     max_batch_ = batches_ == 0 ? 0 : std::min(options_.batch_size, count);
     for (Slot& slot : slots_) {
       slot.images.resize(max_batch_ * sample_size_);

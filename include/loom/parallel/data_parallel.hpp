@@ -88,11 +88,6 @@ struct StepTimeline {
 
 namespace detail {
 
-inline std::uint64_t fnv1a(std::string_view text, std::uint64_t hash = 1469598103934665603ull) {
-  for (const char c : text) hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return hash;
-}
-
 // Every rank of `c` checks that all run the same network, policy and
 // optimizer types (a hash of their names), before any other collective:
 // ranks built from different programs get this error, not a hang.

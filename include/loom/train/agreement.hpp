@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../core/error.hpp"
+#include "../core/meta.hpp"
 #include "../data/dataset.hpp"
 
 namespace loom {
@@ -46,16 +47,9 @@ class Fingerprint {
     add(name + ".shape", std::to_string(set.channels) + "x" + std::to_string(set.height) + "x" +
                              std::to_string(set.width));
     const std::size_t head = std::min<std::size_t>(set.count, 256);
-    std::uint64_t h = digest(set.images.data(), head * set.sample_size() * sizeof(float));
-    h = digest(set.labels.data(), head * sizeof(std::int32_t), h);
+    std::uint64_t h = detail::fnv1a(set.images.data(), head * set.sample_size() * sizeof(float));
+    h = detail::fnv1a(set.labels.data(), head * sizeof(std::int32_t), h);
     return add(name + ".first_samples_digest", h >> 16);
-  }
-
-  static std::uint64_t digest(const void* data, std::size_t bytes,
-                              std::uint64_t h = 1469598103934665603ull) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return h;
   }
 
  private:
@@ -133,9 +127,8 @@ inline std::string get_text(std::span<const double> slots) {
 }
 
 inline double field_digest(const std::pair<std::string, std::string>& field) {
-  std::uint64_t h = Fingerprint::digest(field.first.data(), field.first.size());
-  h = Fingerprint::digest("=", 1, h);
-  h = Fingerprint::digest(field.second.data(), field.second.size(), h);
+  const std::uint64_t h =
+      fnv1a(field.second, fnv1a(std::string_view("="), fnv1a(std::string_view(field.first))));
   return static_cast<double>(h >> 16);
 }
 

@@ -23,6 +23,7 @@
 
 #include "../core/error.hpp"
 #include "../core/meta.hpp"
+#include "../data/dataset.hpp"
 #include "../io/safetensors.hpp"
 #include "../net/tensors.hpp"
 
@@ -86,11 +87,8 @@ struct CheckpointImage {
 // statistics, optimizer state and position), to check that every process
 // read the same file.
 inline double fingerprint(const CheckpointImage& image) {
-  std::uint64_t h = 1469598103934665603ull;
-  const auto add = [&](const void* data, std::size_t bytes) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  };
+  std::uint64_t h = fnv1a_basis;
+  const auto add = [&](const void* data, std::size_t bytes) { h = fnv1a(data, bytes, h); };
   add(image.parameters.data(), image.parameters.size() * sizeof(float));
   add(image.state.data(), image.state.size() * sizeof(float));
   for (const auto& buffer : image.buffers) add(buffer.data(), buffer.size() * sizeof(float));
@@ -183,8 +181,7 @@ inline void check_position(const TrainingPosition& p, const FitIdentity& f,
     LOOM_FAIL("checkpoint '", where, "': metadata ", field, " is ", value, ", but ", why...,
               "; the checkpoint is corrupt (its position does not fit its fit's options)");
   };
-  const std::size_t batches_per_epoch =
-      f.drop_last ? f.samples / f.batch_size : (f.samples + f.batch_size - 1) / f.batch_size;
+  const std::size_t batches_per_epoch = data::batches_per_epoch(f.samples, f.batch_size, f.drop_last);
   const std::size_t epoch_samples = f.drop_last ? batches_per_epoch * f.batch_size : f.samples;
   const std::size_t k = f.accumulation_steps;
   if (p.epoch < 0) corrupt("position.epoch", p.epoch, "an epoch is 0 (none yet) or more");

@@ -818,9 +818,8 @@ class Trainer {
   }
 
   static std::size_t steps_per_epoch(std::size_t samples, const FitOptions& options) {
-    const std::size_t batches = options.drop_last ? samples / options.batch_size
-                                                  : (samples + options.batch_size - 1) /
-                                                        options.batch_size;
+    const std::size_t batches =
+        data::batches_per_epoch(samples, options.batch_size, options.drop_last);
     return (batches + options.accumulation_steps - 1) / options.accumulation_steps;
   }
 
