@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   try {
     LOOM_CHECK(!loom::devices::gpus().empty(), "adamw_gpu_bench: no GPU found");
     loom::gpu::Stream stream;
-    const auto optimizer = loom::gpu::DeviceOptimizer::from(loom::AdamW::Options{.lr = 1e-3f});
+    const auto optimizer = loom::gpu::device_optimizer(loom::AdamW::Options{.lr = 1e-3f});
     loom::gpu::DeviceBuffer<loom::gpu::UpdateScalars> scalars(1, "AdamW scalars");
     loom::gpu::DeviceBuffer<double> squares(1, "squared norm");
     for (const std::size_t n : counts) {

@@ -11,8 +11,8 @@
 // loom's own step-by-step runner (used inside Residual blocks), in the same
 // run: "gru_layer_step" lines per batch, cuDNN's as library "loom" and the
 // step runner's as "loom-step-runner", the peer scripts/gpu-check divides by.
-#include <loom/backend/cuda/cudnn_rnn.cuh>
-#include <loom/backend/cuda/recurrent.cuh>
+#include <loom/gpu/cudnn_rnn.cuh>
+#include <loom/gpu/recurrent.cuh>
 
 #include "accuracy_gpu_bench.cuh"
 

@@ -23,7 +23,7 @@
 // ("library":"loom-fp32").
 #include <algorithm>
 #include <iostream>
-#include <loom/backend/cuda/model.cuh>
+#include <loom/gpu/model.cuh>
 #include <string>
 #include <vector>
 

@@ -18,7 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iostream>
-#include <loom/backend/cuda/model.cuh>
+#include <loom/gpu/model.cuh>
 #include <loom/loom.hpp>
 #include <nlohmann/json.hpp>
 #include <random>

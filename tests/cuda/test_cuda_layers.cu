@@ -1,4 +1,4 @@
-// The CUDA layer runners of backend/cuda/layers.cuh against the CPU layers
+// The CUDA layer runners of gpu/layers.cuh against the CPU layers
 // on the same seeded inputs: Tanh, Sigmoid, GELU, GlobalAvgPool, Dropout
 // (masks equal to the bit, also when replayed from a CUDA graph with a new
 // step) and (Sync)BatchNorm 2d/1d with and without the fused ReLU, in
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <loom/backend/cuda/graph.hpp>
-#include <loom/backend/cuda/layers.cuh>
+#include <loom/gpu/layers.cuh>
 #include <loom/layers/layers.hpp>
 #include <sstream>
 #include <string>

@@ -1,12 +1,12 @@
 // The GRU and LSTM runners against the CPU layer on the same seeded weights
 // and inputs: outputs, input gradient and every parameter gradient, and for
-// loom's own runner (backend/cuda/recurrent.cuh) the saved gate values too.
-// cuDNN's (backend/cuda/cudnn_rnn.cuh) keeps its own. Hidden sizes that are
+// loom's own runner (gpu/recurrent.cuh) the saved gate values too.
+// cuDNN's (gpu/cudnn_rnn.cuh) keeps its own. Hidden sizes that are
 // not multiples of 4 leave loom's per-step GEMMs' pointers 4- or 8-byte
 // aligned only, and cuDNN's matrices oddly sized.
 #include <cstdint>
-#include <loom/backend/cuda/cudnn_rnn.cuh>
-#include <loom/backend/cuda/recurrent.cuh>
+#include <loom/gpu/cudnn_rnn.cuh>
+#include <loom/gpu/recurrent.cuh>
 #include <loom/layers/recurrent.hpp>
 #include <string>
 #include <vector>

@@ -690,8 +690,8 @@ TEST_CASE("cuda optimizers: Adam and AdamW updates, clipped or not, equal the CP
       gpu::DeviceBuffer<double> squares(1, "test norm");
       const std::size_t bytes = gpu::squared_norm_bytes(n);
       gpu::DeviceBuffer<unsigned char> scratch(std::max<std::size_t>(bytes, 1), "test scratch");
-      auto device_o = decoupled ? gpu::DeviceOptimizer::from(o)
-                                : gpu::DeviceOptimizer::from(Adam::Options{
+      auto device_o = decoupled ? gpu::device_optimizer(o)
+                                : gpu::device_optimizer(Adam::Options{
                                       .lr = o.lr, .weight_decay = o.weight_decay});
       for (std::uint64_t t = 1; t <= 3; ++t) {
         cpu_adam_steps(w, g, m, v, o, decoupled, t, max_norm);

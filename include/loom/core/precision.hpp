@@ -56,4 +56,23 @@ inline void round_to(Precision p, float* values, std::size_t n) {
 // Doubles (gradient checks) are never rounded: the precisions are float's.
 inline void round_to(Precision, double*, std::size_t) {}
 
+// fp16's dynamic loss scaling (optim/loss_scaler.hpp, and the GPU's
+// backend/cuda/loss_scaling.cuh): its options, a type of core because both
+// the scaler and the device kernels take it.
+struct LossScaling {
+  float initial_scale = 65536.0f;
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  std::size_t growth_interval = 2000;
+  // 1: an overflow at scale 1 is a gradient beyond fp16's largest value
+  // (65504) itself, a run diverging rather than small gradients to keep; a
+  // smaller scale would only hide it.
+  float min_scale = 1.0f;
+  // 2^24: 64 times the scale LeNet's fp16 run ends at (2^18, README), yet a
+  // run whose gradients never overflow (all zero, a frozen network) cannot
+  // grow it to infinity, where scaled zeros become NaN and every step is
+  // skipped.
+  float max_scale = 0x1p24f;
+};
+
 }  // namespace loom

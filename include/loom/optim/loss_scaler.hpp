@@ -14,24 +14,9 @@
 #include <span>
 
 #include "../core/error.hpp"
+#include "../core/precision.hpp"
 
 namespace loom {
-
-struct LossScaling {
-  float initial_scale = 65536.0f;
-  float growth_factor = 2.0f;
-  float backoff_factor = 0.5f;
-  std::size_t growth_interval = 2000;
-  // 1: an overflow at scale 1 is a gradient beyond fp16's largest value
-  // (65504) itself, a run diverging rather than small gradients to keep; a
-  // smaller scale would only hide it.
-  float min_scale = 1.0f;
-  // 2^24: 64 times the scale LeNet's fp16 run ends at (2^18, README), yet a
-  // run whose gradients never overflow (all zero, a frozen network) cannot
-  // grow it to infinity, where scaled zeros become NaN and every step is
-  // skipped.
-  float max_scale = 0x1p24f;
-};
 
 class LossScaler {
  public:

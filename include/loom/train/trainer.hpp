@@ -36,8 +36,8 @@
 #include "checkpoint.hpp"
 
 #if defined(__CUDACC__)
-#include "../backend/cuda/model.cuh"
-#include "../backend/cuda/pipeline.cuh"
+#include "../gpu/model.cuh"
+#include "../gpu/pipeline.cuh"
 #include "../backend/cuda/staging.hpp"
 #endif
 
@@ -1040,7 +1040,7 @@ class Trainer {
         const std::size_t planned = std::max<std::size_t>(
             {share, std::size_t{1}, gpus_.empty() ? 0 : gpus_.front().model->max_batch()});
         replica.model = std::make_unique<loom::gpu::DeviceModel<Net>>(
-            model_, planned, loom::gpu::DeviceOptimizer::from(optimizer_.options()),
+            model_, planned, loom::gpu::device_optimizer(optimizer_.options()),
             loom::gpu::DeviceModelOptions{
                 .graphs = options_.cuda_graphs,
                 .allow_tf32 = options_.allow_tf32,
@@ -1524,7 +1524,7 @@ class Trainer {
       const bool first = !gpu_pipeline_;
       if (first) host_changed_ = false;
       auto made = std::make_unique<GpuPipeline>(
-          devices_, model_, loom::gpu::DeviceOptimizer::from(optimizer_.options()),
+          devices_, model_, loom::gpu::device_optimizer(optimizer_.options()),
           options_.schedule, options_.precision, options_.allow_tf32,
           std::max(batch, gpu_pipeline_ ? gpu_pipeline_->max_batch() : std::size_t{1}),
           gpu_pipeline_.get());

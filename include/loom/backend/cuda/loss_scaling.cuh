@@ -17,7 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../../optim/loss_scaler.hpp"
+#include "../../core/precision.hpp"
 #include "check.hpp"
 #include "launch.hpp"
 #include "softmax_xent.cuh"

@@ -15,8 +15,7 @@
 #include <cstdint>
 #include <cub/device/device_reduce.cuh>
 
-#include "../../optim/adam.hpp"
-#include "../../optim/sgd.hpp"
+#include "../cpu/adam.hpp"
 #include "check.hpp"
 #include "launch.hpp"
 #include "sgd.cuh"
@@ -42,34 +41,10 @@ struct DeviceOptimizer {
   // DeviceModel's callers have always written it.
   DeviceOptimizer() = default;
 
-  static DeviceOptimizer from(const SGD::Options& o) {
-    DeviceOptimizer d;
-    d.lr = o.lr;
-    d.momentum = o.momentum;
-    d.nesterov = o.nesterov;
-    d.weight_decay = o.weight_decay;
-    return d;
-  }
-  static DeviceOptimizer from(const Adam::Options& o) { return adam(o, false); }
-  static DeviceOptimizer from(const AdamW::Options& o) { return adam(o, true); }
-
   // Buffers per parameter: SGD's velocity; Adam's two moments.
   std::size_t buffers() const { return rule == Rule::adam ? 2 : 1; }
   const char* name() const { return rule == Rule::sgd ? "SGD" : decoupled ? "AdamW" : "Adam"; }
 
- private:
-  template <class AdamOptions>
-  static DeviceOptimizer adam(const AdamOptions& o, bool decoupled) {
-    DeviceOptimizer d;
-    d.rule = Rule::adam;
-    d.lr = o.lr;
-    d.beta1 = o.beta1;
-    d.beta2 = o.beta2;
-    d.eps = o.eps;
-    d.decoupled = decoupled;
-    d.weight_decay = o.weight_decay;
-    return d;
-  }
 };
 
 // What an update reads on the device, written before each optimizer step

@@ -10,11 +10,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../../comm/nccl_comm.hpp"
-#include "../../core/precision.hpp"
-#include "conv.cuh"
-#include "gemm.hpp"
-#include "stream.hpp"
+#include "../backend/cuda/conv.cuh"
+#include "../backend/cuda/gemm.hpp"
+#include "../backend/cuda/stream.hpp"
+#include "../comm/nccl_comm.hpp"
+#include "../core/precision.hpp"
 
 namespace loom::gpu {
 

@@ -42,12 +42,12 @@
 #include <utility>
 #include <vector>
 
-#include "../../layers/recurrent.hpp"
-#include "arena.hpp"
-#include "check.hpp"
-#include "conv.cuh"
+#include "../backend/cuda/arena.hpp"
+#include "../backend/cuda/check.hpp"
+#include "../backend/cuda/conv.cuh"
+#include "../backend/cuda/memory.hpp"
+#include "../layers/recurrent.hpp"
 #include "layer_call.hpp"
-#include "memory.hpp"
 
 namespace loom::gpu {
 

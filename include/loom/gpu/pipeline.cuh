@@ -40,13 +40,13 @@
 #include <utility>
 #include <vector>
 
-#include "../../data/dataset.hpp"
-#include "../../parallel/crew.hpp"
-#include "../../parallel/data_parallel.hpp"
-#include "../../parallel/model_split.hpp"
-#include "memory.hpp"
+#include "../backend/cuda/memory.hpp"
+#include "../backend/cuda/stream.hpp"
+#include "../data/dataset.hpp"
+#include "../parallel/crew.hpp"
+#include "../parallel/data_parallel.hpp"
+#include "../parallel/model_split.hpp"
 #include "model.cuh"
-#include "stream.hpp"
 
 namespace loom::gpu {
 

@@ -18,11 +18,11 @@
 #include <memory>
 #include <utility>
 
-#include "../../layers/recurrent.hpp"
-#include "arena.hpp"
-#include "check.hpp"
-#include "gemm.hpp"
-#include "launch.hpp"
+#include "../backend/cuda/arena.hpp"
+#include "../backend/cuda/check.hpp"
+#include "../backend/cuda/gemm.hpp"
+#include "../backend/cuda/launch.hpp"
+#include "../layers/recurrent.hpp"
 #include "layer_call.hpp"
 
 namespace loom::gpu {

@@ -53,29 +53,63 @@
 #include <type_traits>
 #include <utility>
 
-#include "../../comm/nccl_comm.hpp"
-#include "../../core/meta.hpp"
-#include "../../net/model.hpp"
-#include "../../optim/sgd.hpp"
-#include "arena.hpp"
-#include "conv.cuh"
+#include "../backend/cuda/arena.hpp"
+#include "../backend/cuda/conv.cuh"
+#include "../backend/cuda/epilogue.cuh"
+#include "../backend/cuda/gemm.hpp"
+#include "../backend/cuda/graph.hpp"
+#include "../backend/cuda/loss_scaling.cuh"
+#include "../backend/cuda/optimizer.cuh"
+#include "../backend/cuda/pool.cuh"
+#include "../backend/cuda/precision.cuh"
+#include "../backend/cuda/softmax_xent.cuh"
+#include "../backend/cuda/staging.hpp"
+#include "../backend/cuda/stream.hpp"
+#include "../comm/nccl_comm.hpp"
+#include "../core/meta.hpp"
+#include "../net/model.hpp"
+#include "../optim/adam.hpp"
+#include "../optim/loss_scaler.hpp"
+#include "../optim/sgd.hpp"
+#include "../parallel/buckets.hpp"
 #include "cudnn_rnn.cuh"
-#include "epilogue.cuh"
-#include "gemm.hpp"
-#include "graph.hpp"
 #include "layer_call.hpp"
 #include "layers.cuh"
-#include "loss_scaling.cuh"
-#include "../../parallel/buckets.hpp"
-#include "pool.cuh"
-#include "precision.cuh"
 #include "recurrent.cuh"
-#include "optimizer.cuh"
-#include "softmax_xent.cuh"
-#include "staging.hpp"
-#include "stream.hpp"
 
 namespace loom::gpu {
+
+// The device update of an optimizer's options: the mapping of optim/ onto
+// backend/cuda's kernels, which know no optimizer type.
+inline DeviceOptimizer device_optimizer(const SGD::Options& o) {
+  DeviceOptimizer d;
+  d.lr = o.lr;
+  d.momentum = o.momentum;
+  d.nesterov = o.nesterov;
+  d.weight_decay = o.weight_decay;
+  return d;
+}
+
+namespace detail {
+template <class AdamOptions>
+DeviceOptimizer adam_optimizer(const AdamOptions& o, bool decoupled) {
+  DeviceOptimizer d;
+  d.rule = DeviceOptimizer::Rule::adam;
+  d.lr = o.lr;
+  d.beta1 = o.beta1;
+  d.beta2 = o.beta2;
+  d.eps = o.eps;
+  d.decoupled = decoupled;
+  d.weight_decay = o.weight_decay;
+  return d;
+}
+}  // namespace detail
+inline DeviceOptimizer device_optimizer(const Adam::Options& o) {
+  return detail::adam_optimizer(o, false);
+}
+inline DeviceOptimizer device_optimizer(const AdamW::Options& o) {
+  return detail::adam_optimizer(o, true);
+}
 
 struct DeviceModelOptions {
   // Capture each step as a CUDA graph and replay it; off runs every kernel
@@ -856,7 +890,7 @@ class DeviceModel {
 
   DeviceModel(const Model<Net, float>& initial, std::size_t max_batch, SGD::Options sgd,
               DeviceModelOptions options = {})
-      : DeviceModel(initial, max_batch, DeviceOptimizer::from(sgd), options) {}
+      : DeviceModel(initial, max_batch, device_optimizer(sgd), options) {}
 
   DeviceModel(const DeviceModel&) = delete;
   DeviceModel& operator=(const DeviceModel&) = delete;

@@ -13,12 +13,12 @@
 #include <cstddef>
 #include <cub/block/block_reduce.cuh>
 
-#include "../../core/activation.hpp"
-#include "../../layers/normalization.hpp"
-#include "../cpu/epilogue.hpp"
-#include "arena.hpp"
-#include "check.hpp"
-#include "launch.hpp"
+#include "../backend/cpu/epilogue.hpp"
+#include "../backend/cuda/arena.hpp"
+#include "../backend/cuda/check.hpp"
+#include "../backend/cuda/launch.hpp"
+#include "../core/activation.hpp"
+#include "../layers/normalization.hpp"
 #include "layer_call.hpp"
 
 namespace loom::gpu {
