@@ -85,7 +85,8 @@ template <class Net, class Policy>
 PipelineFigures pipeline(const Batches& data, const Options& o, PipelineSchedule schedule) {
   constexpr std::size_t S = Policy::stages;
   const Model<Net, float> initial(0);
-  detail::PipelineEngine<Net, Policy, SGD> engine(devices::cpu(S), {}, initial, sgd, schedule);
+  detail::PipelineEngine<Net, typename Policy::partition, SGD> engine(
+      devices::cpu(S), {}, initial, sgd, detail::pipeline_grid<Policy>(S), schedule);
   std::vector<double> step, passes, bubble, mean_idle;
   std::vector<std::vector<double>> busy(S);
   run_steps(engine, data, o, [&](double step_ms) {
@@ -176,8 +177,9 @@ struct HybridFigures {
 template <class Net, class Policy>
 HybridFigures hybrid(const Batches& data, const Options& o) {
   const Model<Net, float> initial(0);
-  detail::PipelineEngine<Net, Policy, SGD> engine(devices::cpu(Policy::devices_needed), {},
-                                                  initial, sgd, Policy::schedule);
+  detail::PipelineEngine<Net, typename Policy::partition, SGD> engine(
+      devices::cpu(Policy::devices_needed), {}, initial, sgd,
+      detail::pipeline_grid<Policy>(Policy::devices_needed), Policy::schedule);
   std::vector<double> step, hidden;
   run_steps(engine, data, o, [&](double step_ms) {
     step.push_back(step_ms);

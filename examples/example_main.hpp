@@ -10,8 +10,9 @@
 //                     devices, or S stages over the GPUs (built by nvcc), or
 //                     the S processes of mpirun (CPU), with
 //                     --schedule gpipe|1f1b and --micro-batches M
-//   --policy hybrid   Hybrid<R, ModelSplit<Balanced<S>>>: R = --replicas
-//                     pipelines of S = --devices / R stages, on CPU worker
+//   --policy hybrid   Hybrid<replicas_from_devices, ModelSplit<Balanced<S>>>:
+//                     R = --replicas pipelines of S = --devices / R stages
+//                     (2 to 4; R is a run-time value), on CPU worker
 //                     devices or over the GPUs (built by nvcc), or over the
 //                     processes of mpirun (CPU)
 // Without --policy: single for one device, data for more, data under mpirun.
@@ -203,8 +204,12 @@ void train(const char* title, const Options& o, const data::Split& data,
                                 o.micro_batches};
     constexpr auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
     out << " (";
-    if constexpr (is_hybrid<Policy>)
-      out << Policy::replicas << " replicas x " << Policy::stages << " stages; ";
+    if constexpr (is_hybrid<Policy>) {
+      const std::size_t ranks = processes ? static_cast<std::size_t>(processes.size())
+                                          : devices.size();
+      out << (Policy::replicas > 0 ? Policy::replicas : ranks / Policy::stages) << " replicas x "
+          << Policy::stages << " stages; ";
+    }
     out << pipeline_kind_name(trainer_options.schedule.kind) << ", " << o.micro_batches
         << " micro-batches; stages start at layers";
     for (std::size_t k = 0; k < Policy::stages; ++k) out << ' ' << bounds[k] + 1;
@@ -305,30 +310,27 @@ void train_split(const char* title, const Options& o, const data::Split& data, i
   }
 }
 
-// Hybrid: `replicas` pipelines of balanced stages over `ranks` devices or
-// processes (each grid is a type of its own: 2 x 2, 2 x 3, 2 x 4, 3 x 2, 4 x 2).
+// Hybrid: `replicas` pipelines of S balanced stages over `ranks` devices or
+// processes. The replica count is a run-time value (replicas_from_devices):
+// one trainer type per stage count (2 to 4) lays out every grid.
 template <class Net>
 void train_hybrid(const char* title, const Options& o, const data::Split& data, int ranks,
                   std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
-  const int r = o.replicas, s = ranks / std::max(1, o.replicas);
-  const auto run = [&]<class Policy>() {
-    train<Net, Policy>(title, o, data, devices, processes, out);
+  const int r = std::max(1, o.replicas), s = ranks / r;
+  const auto run = [&]<std::size_t S>() {
+    train<Net, Hybrid<replicas_from_devices, ModelSplit<Balanced<S>>>>(title, o, data, devices,
+                                                                       processes, out);
   };
-  if (r * s == ranks && r == 2 && s == 2)
-    run.template operator()<Hybrid<2, ModelSplit<Balanced<2>>>>();
-  else if (r * s == ranks && r == 2 && s == 3)
-    run.template operator()<Hybrid<2, ModelSplit<Balanced<3>>>>();
-  else if (r * s == ranks && r == 2 && s == 4)
-    run.template operator()<Hybrid<2, ModelSplit<Balanced<4>>>>();
-  else if (r * s == ranks && r == 3 && s == 2)
-    run.template operator()<Hybrid<3, ModelSplit<Balanced<2>>>>();
-  else if (r * s == ranks && r == 4 && s == 2)
-    run.template operator()<Hybrid<4, ModelSplit<Balanced<2>>>>();
+  LOOM_CHECK(r * s == ranks && s >= 2 && s <= 4, "--policy hybrid lays ", ranks,
+             " devices (--devices, or mpirun -np) out as --replicas ", o.replicas,
+             " x stages; this example builds pipelines of 2 to 4 stages: give --replicas R and "
+             "R x 2, R x 3 or R x 4 devices");
+  if (s == 2)
+    run.template operator()<2>();
+  else if (s == 3)
+    run.template operator()<3>();
   else
-    LOOM_FAIL("--policy hybrid lays ", ranks, " devices (--devices, or mpirun -np) out as "
-              "--replicas ", o.replicas, " x stages; this example builds the grids 2 x 2, 2 x 3, "
-              "2 x 4, 3 x 2 and 4 x 2 (replicas x stages): give 4, 6 or 8 devices and a "
-              "matching --replicas");
+    run.template operator()<4>();
 }
 
 // Trains Net under the policy --policy names, over the processes of mpirun

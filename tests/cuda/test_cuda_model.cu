@@ -456,6 +456,25 @@ TEST_CASE("cuda Hybrid: replicas of pipelines on one GPU follow single-device tr
       24);
 }
 
+TEST_CASE("cuda Hybrid<replicas_from_devices>: R from the GPUs named, the numbers of Hybrid<R>") {
+  using Split = ModelSplit<Balanced<2>, OneFOneB<4>>;
+  const std::vector<Device> four(4, devices::gpus().front());
+  const auto part = head(fashion().train, 250);
+  const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
+  const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
+  Trainer<LeNet, Hybrid<replicas_from_devices, Split>> any(four, sgd, {.seed = 7});
+  Trainer<LeNet, Hybrid<2, Split>> fixed(four, sgd, {.seed = 7});
+  REQUIRE(any.placement().back().replica == 1);
+  any.fit(part, fit);
+  fixed.fit(part, fit);
+  // Equal but for cuDNN's choice of algorithms, which each trainer makes.
+  test::require_close(any.model().parameters(), fixed.model().parameters(), {1e-5, 1e-3},
+                      "replicas_from_devices against Hybrid<2> on 4 ranks of one GPU");
+  REQUIRE_THROWS_WITH((Trainer<LeNet, Hybrid<replicas_from_devices, Split>>(
+                          std::vector<Device>(3, devices::gpus().front()), sgd)),
+                      Catch::Contains("give a multiple of 2, not 3"));
+}
+
 TEST_CASE("cuda Hybrid: a NaN loss stops fit at the same step on every replica, weights kept") {
   // Sample 20 of step 6: in replica 1's share.
   nan_stops_at_step_6<LeNet, Hybrid<2, ModelSplit<At<8>, OneFOneB<4>>>>(5 * 32 + 20, {1e-5, 1e-3});

@@ -4,6 +4,9 @@
 // bit for bit. Also its placement, uneven and empty shares, accumulation,
 // evaluation, the overlap of a stage's reduction with backward, and errors.
 #include <loom/loom.hpp>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fashion_test.hpp"
@@ -71,6 +74,45 @@ TEST_CASE("Hybrid<1, Split> is ModelSplit and Hybrid<R, one stage> is DataParall
   test::require_equal(grid<LeNet, Hybrid<2, ModelSplit<At<>, GPipe<1>>>>(part, fit),
                       trained(data_parallel, part, fit),
                       "Hybrid<2, ModelSplit<At<>>> against DataParallel over 2");
+}
+
+// Hybrid<replicas_from_devices, Split> over R x S devices against Hybrid<R, Split>.
+template <std::size_t R, class Split>
+void require_same_as_fixed_grid(const data::Dataset& part, const FitOptions& fit) {
+  Trainer<LeNet, Hybrid<replicas_from_devices, Split>> trainer(devices::cpu(R * Split::stages),
+                                                               sgd, {.seed = 7});
+  REQUIRE(trainer.model_split().replicas() == R);
+  const auto places = trainer.placement();
+  REQUIRE(places.size() == R * Split::stages);
+  REQUIRE(places.back().replica == R - 1);
+  REQUIRE(places.back().stage == Split::stages - 1);
+  test::require_equal(trained(trainer, part, fit), grid<LeNet, Hybrid<R, Split>>(part, fit),
+                      "replicas_from_devices against Hybrid<" + std::to_string(R) + ", Split>");
+}
+
+TEST_CASE("Hybrid<replicas_from_devices, Split>: R from the devices, the numbers of Hybrid<R>") {
+  using Split = ModelSplit<Balanced<2>, OneFOneB<4>>;
+  using Any = Hybrid<replicas_from_devices, Split>;
+  STATIC_REQUIRE(Any::replicas == 0);
+  STATIC_REQUIRE(Any::devices_needed == 0);
+  const auto part = head(fashion().train, 250);
+  const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
+  require_same_as_fixed_grid<1, Split>(part, fit);
+  require_same_as_fixed_grid<2, Split>(part, fit);
+  require_same_as_fixed_grid<3, Split>(part, fit);
+  REQUIRE_THROWS_WITH((Trainer<LeNet, Any>(devices::cpu(5), sgd)),
+                      Catch::Contains("Hybrid<replicas_from_devices, ...> runs pipelines of 2 "
+                                      "stages, one device (or process) per stage: give a "
+                                      "multiple of 2, not 5"));
+  // Every pipelined policy over one cut runs one engine type: the grid,
+  // schedule and bucket size are values.
+  using Engine = decltype(std::declval<Trainer<LeNet, Any>&>().model_split());
+  STATIC_REQUIRE(std::is_same_v<
+                 Engine, decltype(std::declval<Trainer<LeNet, ModelSplit<Balanced<2>, GPipe<8>>>&>()
+                                      .model_split())>);
+  STATIC_REQUIRE(std::is_same_v<
+                 Engine, decltype(std::declval<Trainer<LeNet, Hybrid<3, Split, 1024>>&>()
+                                      .model_split())>);
 }
 
 TEST_CASE("Hybrid: reproducible, a replica without samples adds zeros, accumulation") {

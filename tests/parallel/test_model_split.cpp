@@ -117,6 +117,21 @@ TEST_CASE("ModelSplit: the measured high-water mark is the memory plan's") {
   }
 }
 
+TEST_CASE("ModelSplit: the policy's schedule runs unless TrainerOptions::schedule names one") {
+  const auto part = head(fashion().train, 128);
+  Trainer<LeNet, ModelSplit<Balanced<3>, GPipe<8>>> policy(devices::cpu(3), sgd, {.seed = 1});
+  REQUIRE(policy.model_split().schedule().kind == PipelineKind::gpipe);
+  REQUIRE(policy.model_split().schedule().micro_batches == 8);
+  policy.fit(part, {.epochs = 1, .batch_size = 64});
+  CHECK(policy.model_split().report(0).peak_in_flight == 8);  // GPipe's, not 1F1B's 3
+  Trainer<LeNet, ModelSplit<Balanced<3>, GPipe<8>>> chosen(
+      devices::cpu(3), sgd, {.seed = 1, .schedule = {PipelineKind::one_f_one_b, 4}});
+  REQUIRE(chosen.model_split().schedule().kind == PipelineKind::one_f_one_b);
+  REQUIRE(chosen.model_split().schedule().micro_batches == 4);
+  chosen.fit(part, {.epochs = 1, .batch_size = 64});
+  CHECK(chosen.model_split().report(0).peak_in_flight == 3);
+}
+
 TEST_CASE("ModelSplit on 2-4 CPU workers reaches the single-device weights, both schedules") {
   // 490 samples in batches of 60: 8 full steps, then 10 (micro-batches 3/3/2/2).
   const auto part = head(fashion().train, 490);

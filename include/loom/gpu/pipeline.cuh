@@ -699,7 +699,7 @@ class DeviceStage final : public DeviceStageBase {
 };
 
 // The pipelines of one process's GPUs: ModelSplit (one pipeline, stage k on
-// devices[k]) or Hybrid (Policy::replicas pipelines: rank w = replica w / S,
+// devices[k]) or Hybrid (grid.replicas pipelines: rank w = replica w / S,
 // stage w % S on devices[w]). A GPU may hold several ranks.
 //
 // Hybrid sums each stage's accumulated gradients over its copies after the
@@ -710,13 +710,10 @@ class DeviceStage final : public DeviceStageBase {
 // gradients, the copies for the sum (as fp16's unscaling left it), and the
 // leader's next step for every copy to have taken it; after a skipped step
 // each copy's next backward waits for the leader's reads of its gradients.
-template <class Net, class Policy>
+template <class Net, class Partition>
 class PipelineEngine {
  public:
-  using Partition = typename Policy::partition;
-  static constexpr std::size_t stages = Policy::stages;
-  static constexpr std::size_t replicas = Policy::replicas;
-  static constexpr std::size_t ranks = replicas * stages;
+  static constexpr std::size_t stages = Partition::stages;
   static constexpr std::size_t classes = Net::output_shape::size;
 
   // Planned for global batches of up to max_batch samples; `previous` (same
@@ -724,27 +721,34 @@ class PipelineEngine {
   // optimizer state, else it starts at zero (scatter_optimizer sets another).
   // `precision` is every step's and evaluation's (the stages' GEMMs are
   // planned for it).
+  // `grid`: the policy's replicas and schedule (see ::loom::detail::PipelineGrid);
+  // `schedule`: the one to run (micro_batches 0: the grid's).
   PipelineEngine(const std::vector<Device>& devices, const Model<Net, float>& initial,
-                 const DeviceOptimizer& optimizer, PipelineSchedule schedule, Precision precision,
-                 bool allow_tf32, std::size_t max_batch, PipelineEngine* previous = nullptr)
-      : schedule_(schedule),
+                 const DeviceOptimizer& optimizer, const ::loom::detail::PipelineGrid& grid,
+                 PipelineSchedule schedule, Precision precision, bool allow_tf32,
+                 std::size_t max_batch, PipelineEngine* previous = nullptr)
+      : name_(grid.policy),
+        replicas_(grid.replicas),
+        ranks_(grid.replicas * stages),
+        schedule_(schedule.micro_batches == 0 ? grid.schedule : schedule),
         max_batch_(max_batch),
         optimizer_(optimizer),
         precision_(precision),
         updates_(previous != nullptr ? previous->updates_ : 0),
-        crew_(Policy::name, devices::hardware_threads()) {
-    if (schedule_.micro_batches == 0) schedule_.micro_batches = Policy::schedule.micro_batches;
-    if constexpr (replicas > 1)
-      LOOM_CHECK(devices.size() == ranks, Policy::name, " has ", replicas, " replicas x ", stages,
-                 " stages and needs ", ranks, " GPUs, one per rank, but ", devices.size(),
+        totals_(grid.replicas),
+        crew_(name_.c_str(), devices::hardware_threads()) {
+    LOOM_CHECK(replicas_ >= 1, name_, " needs at least one replica");
+    if (replicas_ > 1)
+      LOOM_CHECK(devices.size() == ranks_, name_, " has ", replicas_, " replicas x ", stages,
+                 " stages and needs ", ranks_, " GPUs, one per rank, but ", devices.size(),
                  " were given (a GPU may be named more than once)");
     else
-      LOOM_CHECK(devices.size() == stages, Policy::name, " has ", stages, " stages but ",
+      LOOM_CHECK(devices.size() == stages, name_, " has ", stages, " stages but ",
                  devices.size(), " GPUs were given (a GPU may be named more than once)");
     try {
       make_stages(devices, initial, allow_tf32, previous);
       crew_.start(
-          ranks, [this](std::size_t w, const Job& job) { work(w, job); },
+          ranks_, [this](std::size_t w, const Job& job) { work(w, job); },
           [this](std::size_t, const std::string& why) {
             for (auto& link : forward_) link->cancel(why);
             for (auto& link : backward_) link->cancel(why);
@@ -764,15 +768,15 @@ class PipelineEngine {
 
   std::size_t max_batch() const { return max_batch_; }
   bool all_local() const { return true; }
-  std::size_t local_stages() const { return ranks; }
+  std::size_t local_stages() const { return ranks_; }
 
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings, const Pass& pass = {.training = true}) {
-    LOOM_CHECK(settings.precision == precision_, Policy::name, " on GPUs: a ",
+    LOOM_CHECK(settings.precision == precision_, name_, " on GPUs: a ",
                precision_name(settings.precision), " step; the stages were made for ",
                precision_name(precision_));
-    LOOM_CHECK(n <= max_batch_, Policy::name, ": a batch of ", n, " samples; planned for ",
+    LOOM_CHECK(n <= max_batch_, name_, ": a batch of ", n, " samples; planned for ",
                max_batch_);
     crew_.run({.kind = JobKind::train,
                .images = images,
@@ -790,14 +794,14 @@ class PipelineEngine {
     const LossTotals t = total(&replica);
     if (t.halted == halt_bad_label)
       LOOM_FAIL("label ", t.bad_label, " of sample ", t.bad_row, " of a micro-batch",
-                replicas > 1 ? " of replica " + std::to_string(replica) : std::string(),
+                replicas_ > 1 ? " of replica " + std::to_string(replica) : std::string(),
                 " is outside the network's ", classes, " classes");
     const cpu::LossSums sums{t.loss, static_cast<std::size_t>(t.correct)};
     if (!std::isfinite(sums.loss)) {
       skip_step(images, n, false);
       return sums;
     }
-    if constexpr (replicas > 1) crew_.run({.kind = JobKind::reduce});
+    if (replicas_ > 1) crew_.run({.kind = JobKind::reduce});
     // Replica 0's stages hold the sums (Hybrid reduced them there; fp16
     // unscales them there, before the copies take them); their squared
     // norms are finite exactly when every gradient is (a float's square
@@ -834,7 +838,7 @@ class PipelineEngine {
 
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
                          Precision precision = Precision::fp32) {
-    LOOM_CHECK(precision == precision_, Policy::name, " on GPUs: a ", precision_name(precision),
+    LOOM_CHECK(precision == precision_, name_, " on GPUs: a ", precision_name(precision),
                " evaluation; the stages were made for ", precision_name(precision_));
     crew_.run({.kind = JobKind::evaluate, .n = std::min(batch, max_batch_), .dataset = &dataset});
     const LossTotals t = total();
@@ -863,7 +867,7 @@ class PipelineEngine {
     }
   }
   void scatter_optimizer(std::size_t b, const float* whole) {
-    for (std::size_t w = 0; w < ranks; ++w) {
+    for (std::size_t w = 0; w < ranks_; ++w) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
       stages_[w]->copy_optimizer(b, const_cast<float*>(whole) + offsets_[w % stages],
                                  cudaMemcpyHostToDevice);
@@ -874,7 +878,7 @@ class PipelineEngine {
   void set_optimizer_steps(std::uint64_t steps) { updates_ = steps; }
 
   void scatter(const Model<Net, float>& whole) {
-    for (std::size_t w = 0; w < ranks; ++w) {
+    for (std::size_t w = 0; w < ranks_; ++w) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
       stages_[w]->copy_parameters(
           const_cast<float*>(whole.parameters().data()) + offsets_[w % stages],
@@ -903,13 +907,13 @@ class PipelineEngine {
   void make_stages(const std::vector<Device>& devices, const Model<Net, float>& initial,
                    bool allow_tf32, PipelineEngine* previous) {
     // Each replica pipelines its share of a batch.
-    replica_batch_ = std::max<std::size_t>(1, batch_share(max_batch_, replicas, 0).count);
+    replica_batch_ = std::max<std::size_t>(1, batch_share(max_batch_, replicas_, 0).count);
     diagnosis_ = std::make_unique<Model<Net, float>>();
     rounded_input_.resize(max_batch_ * Net::input_shape::size);
     const std::size_t micro =
         std::max<std::size_t>(1, std::min(schedule_.micro_batches, replica_batch_));
     const std::size_t most = batch_share(replica_batch_, micro, 0).count;
-    stages_.resize(ranks);
+    stages_.resize(ranks_);
     offsets_.resize(stages);
     state_offsets_.resize(stages);
     static_for<stages>([&](auto k) {
@@ -919,7 +923,7 @@ class PipelineEngine {
       constexpr std::size_t state_at = stage_state_offset<Net, Partition, K>;
       offsets_[K] = offset;
       state_offsets_[K] = state_at;
-      for (std::size_t r = 0; r < replicas; ++r) {
+      for (std::size_t r = 0; r < replicas_; ++r) {
         const std::size_t w = r * stages + K;
         const int device = devices[w].index;
         LOOM_CUDA_CHECK(cudaSetDevice(device));
@@ -930,22 +934,22 @@ class PipelineEngine {
         if (previous != nullptr) stages_[w]->copy_state_from(*previous->stages_[w]);
       }
     });
-    for (std::size_t r = 0; r < replicas; ++r)
+    for (std::size_t r = 0; r < replicas_; ++r)
       for (std::size_t k = 0; k + 1 < stages; ++k) {
         const int from = stages_[r * stages + k]->device(), to = stages_[r * stages + k + 1]->device();
         enable_peer_access(from, to);
         forward_.push_back(std::make_unique<DeviceLink>(from, to));
         backward_.push_back(std::make_unique<DeviceLink>(to, from));
       }
-    if constexpr (replicas > 1) {
-      for (std::size_t w = 0; w < ranks; ++w) {
+    if (replicas_ > 1) {
+      for (std::size_t w = 0; w < ranks_; ++w) {
         LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
         ready_.push_back(std::make_unique<Event>());
         pulled_.push_back(std::make_unique<Event>());
       }
       for (std::size_t k = 0; k < stages; ++k) {
         DeviceStageBase& leader = *stages_[k];
-        for (std::size_t r = 1; r < replicas; ++r)
+        for (std::size_t r = 1; r < replicas_; ++r)
           enable_peer_access(leader.device(), stages_[r * stages + k]->device());
         LOOM_CUDA_CHECK(cudaSetDevice(leader.device()));
         groups_.push_back({DeviceBuffer<float>(leader.device_parameters(),
@@ -1015,18 +1019,18 @@ class PipelineEngine {
           stage_squares_[stage_of(w)] =
               stage.squared_norm(job.settings.precision == Precision::fp16);
           // Hybrid: the copies take the sum as fp16's unscaling left it.
-          if constexpr (replicas > 1) groups_[w].reduced->record(stage.stream());
+          if (replicas_ > 1) groups_[w].reduced->record(stage.stream());
         }
         break;
       case JobKind::update:
-        if (replicas > 1 && replica_of(w) > 0) take_sum(w, stage);
+        if (replicas_ > 1 && replica_of(w) > 0) take_sum(w, stage);
         stage.update(scalars_, clip_squares_);
         break;
       case JobKind::restore:
         stage.restore_state();
         // Hybrid: a skipped step's copies take no sum, but their next
         // backward must not overwrite what their leader's reduce reads.
-        if (replicas > 1 && replica_of(w) > 0) groups_[stage_of(w)].reduced->wait_on(stage.stream());
+        if (replicas_ > 1 && replica_of(w) > 0) groups_[stage_of(w)].reduced->wait_on(stage.stream());
         break;
     }
   }
@@ -1069,7 +1073,7 @@ class PipelineEngine {
   void reduce(std::size_t k, DeviceStageBase& leader) {
     const std::size_t count = leader.device_parameters();
     StageGroup& group = groups_[k];
-    for (std::size_t r = 1; r < replicas; ++r) {
+    for (std::size_t r = 1; r < replicas_; ++r) {
       DeviceStageBase& copy = *stages_[r * stages + k];
       ready_[r * stages + k]->wait_on(leader.stream());
       LOOM_CUDA_CHECK(cudaMemcpyPeerAsync(group.scratch.data(), leader.device(), copy.accumulator(),
@@ -1135,13 +1139,13 @@ class PipelineEngine {
   void train(std::size_t w, DeviceStageBase& stage, const Job& job) {
     const std::size_t r = replica_of(w), k = stage_of(w);
     // This replica's share of the batch, in micro-batches.
-    const auto share = batch_share(job.n, replicas, r);
+    const auto share = batch_share(job.n, replicas_, r);
     const std::size_t micro = std::min(schedule_.micro_batches, share.count);
     // The leader overwrites its accumulator (the step's first backward)
     // only once every copy has taken the last step's sum out of it.
     const auto wait_for_copies = [&] {
-      if (replicas > 1 && r == 0)
-        for (std::size_t c = 1; c < replicas; ++c) pulled_[c * stages + k]->wait_on(stage.stream());
+      if (replicas_ > 1 && r == 0)
+        for (std::size_t c = 1; c < replicas_; ++c) pulled_[c * stages + k]->wait_on(stage.stream());
     };
     std::vector<std::size_t> free_slots, slot_of(micro, 0);
     for (std::size_t s = pipeline_in_flight(schedule_.kind, stages, k, micro); s-- > 0;)
@@ -1189,7 +1193,7 @@ class PipelineEngine {
       stage.zero_accumulator();
     }
     if (!job.last) return;
-    if constexpr (replicas > 1) ready_[w]->record(stage.stream());
+    if (replicas_ > 1) ready_[w]->record(stage.stream());
     if (k + 1 == stages) totals_[r] = stage.take_totals();
   }
 
@@ -1198,7 +1202,7 @@ class PipelineEngine {
   void evaluate(std::size_t w, DeviceStageBase& stage, const data::Dataset& data,
                 std::size_t batch) {
     const std::size_t r = replica_of(w), k = stage_of(w);
-    const auto share = batch_share(data.count, replicas, r);
+    const auto share = batch_share(data.count, replicas_, r);
     const std::size_t piece = std::min(batch, replica_batch_);
     const std::size_t sample = data.sample_size();
     const std::size_t micro = std::min(schedule_.micro_batches, piece);
@@ -1223,7 +1227,7 @@ class PipelineEngine {
   // replica halts the step. `replica`: whose label it is.
   LossTotals total(std::size_t* replica = nullptr) const {
     LossTotals sum{};
-    for (std::size_t r = 0; r < replicas; ++r) {
+    for (std::size_t r = 0; r < replicas_; ++r) {
       const LossTotals& t = totals_[r];
       sum.loss += t.loss + (t.skipped == skipped_loss ? t.nonfinite_loss : 0.0);
       sum.correct += t.correct;
@@ -1238,6 +1242,8 @@ class PipelineEngine {
     return sum;
   }
 
+  std::string name_;  // the policy's, for messages
+  std::size_t replicas_, ranks_;
   PipelineSchedule schedule_;
   std::size_t max_batch_;
   DeviceOptimizer optimizer_;
@@ -1256,7 +1262,7 @@ class PipelineEngine {
   std::vector<std::unique_ptr<DeviceLink>> forward_, backward_;  // by link(replica, stage)
   std::vector<StageGroup> groups_;                  // Hybrid: per stage
   std::vector<std::unique_ptr<Event>> ready_, pulled_;  // Hybrid: per rank
-  std::array<LossTotals, replicas> totals_{};  // per replica: its last stage's, after a step or an evaluation
+  std::vector<LossTotals> totals_;  // per replica: its last stage's, after a step or an evaluation
   NonFiniteSpot fault_;  // the last step's, when it was not finite (skip_step)
   bool gradients_nonfinite_ = false;
   // Where skip_step looks, made with the stages (a skipped step allocates

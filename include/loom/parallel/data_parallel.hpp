@@ -91,10 +91,11 @@ namespace detail {
 // Every rank of `c` checks that all run the same network, policy and
 // optimizer types (a hash of their names), before any other collective:
 // ranks built from different programs get this error, not a hang.
-template <class Net, class Policy, class Optimizer>
-void check_same_program(comm::Comm& c) {
-  const std::string identity = "network " + type_label<Net>() + ", policy " +
-                               type_label<Policy>() + ", optimizer " + type_label<Optimizer>();
+// `policy`: its type's label and what it fixes at run time (the replicas).
+template <class Net, class Optimizer>
+void check_same_program(comm::Comm& c, const std::string& policy) {
+  const std::string identity = "network " + type_label<Net>() + ", policy " + policy +
+                               ", optimizer " + type_label<Optimizer>();
   const auto ranks = static_cast<std::size_t>(c.size());
   std::vector<std::uint64_t> hashes(ranks, 0);
   const std::uint64_t mine = fnv1a(identity, Net::parameter_count);
@@ -105,6 +106,10 @@ void check_same_program(comm::Comm& c) {
                " trains a different network, policy or optimizer than rank ", c.rank(),
                " (identity hash ", hashes[r], " vs ", mine, "); rank ", c.rank(), " runs ",
                identity, ". Start every rank from the same program");
+}
+template <class Net, class Policy, class Optimizer>
+void check_same_program(comm::Comm& c) {
+  check_same_program<Net, Optimizer>(c, type_label<Policy>());
 }
 
 // A step's (loss sum, correct count) as the engines keep them, for the caller.

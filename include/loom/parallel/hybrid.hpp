@@ -17,6 +17,12 @@
 // the shares. Hybrid<1, Split> trains as Split does, bit for bit, and
 // Hybrid<R, ModelSplit<At<>, GPipe<1>>> (one stage, one micro-batch) as
 // DataParallel over R devices.
+//
+// Hybrid<replicas_from_devices, Split> takes its replica count at run time:
+// the devices (or MPI processes) given, divided by Split's stages. Every
+// grid over one stage cut is then one Trainer type, and every pipelined
+// policy over one cut (ModelSplit, any Hybrid) runs one engine type: the
+// replica count, schedule and bucket size are values (PipelineGrid).
 #pragma once
 
 #include <cstddef>
@@ -30,18 +36,19 @@
 
 namespace loom {
 
+inline constexpr std::size_t replicas_from_devices = 0;
+
 template <std::size_t Replicas, class Split, std::size_t BucketBytes = default_bucket_bytes>
 struct Hybrid {
   static_assert(is_model_split<Split>,
                 "Hybrid<R, Split>: Split must be a ModelSplit<Partition, Schedule>, the pipeline "
                 "each replica runs");
-  static_assert(Replicas >= 1, "Hybrid<R, Split>: R, the replica count, must be at least 1");
   using split = Split;
   using partition = typename Split::partition;
   using schedule_type = typename Split::schedule_type;
-  static constexpr std::size_t replicas = Replicas;
+  static constexpr std::size_t replicas = Replicas;  // 0: replicas_from_devices
   static constexpr std::size_t stages = Split::stages;
-  static constexpr std::size_t devices_needed = Replicas * stages;
+  static constexpr std::size_t devices_needed = Replicas * stages;  // 0: any multiple of stages
   static constexpr PipelineSchedule schedule = Split::schedule;
   static constexpr std::size_t bucket_bytes = BucketBytes;
   static constexpr const char* name = "Hybrid";
@@ -73,8 +80,9 @@ std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t
   std::size_t replicas = 1, stages = 1;
   std::vector<std::size_t> starts{0, Net::layer_count};  // stage k: layers starts[k] + 1 ...
   if constexpr (is_pipelined<Policy>) {
-    replicas = Policy::replicas;
     stages = Policy::stages;
+    replicas = Policy::replicas > 0 ? Policy::replicas
+                                    : (processes > 0 ? processes : devices.size()) / stages;
     const auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
     starts.assign(bounds.begin(), bounds.end());
   } else if constexpr (is_data_parallel<Policy>) {

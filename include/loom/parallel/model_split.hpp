@@ -325,43 +325,66 @@ class Outbox {
   std::thread thread_;
 };
 
-// The gradient-bucket size of a pipelined policy (Hybrid's; a lone
-// pipeline reduces nothing).
+// What a pipelined policy's engines take at run time. The engines are
+// types over the network, the stage cut (and, on the CPU, the optimizer)
+// only, so ModelSplit and every Hybrid grid over one cut share them: one
+// instantiation, whatever the replica count, schedule or bucket size.
+struct PipelineGrid {
+  std::string policy = "ModelSplit";  // its name, for messages
+  std::string identity;               // its type, which every process must share
+  std::size_t replicas = 1;
+  std::size_t bucket_bytes = default_bucket_bytes;  // Hybrid's gradient buckets
+  PipelineSchedule schedule{PipelineKind::one_f_one_b, 4};  // the policy's own
+};
+
+// A pipelined policy's grid over `ranks` devices or processes: its own
+// replica count, or (Hybrid<replicas_from_devices, ...>) ranks / stages.
 template <class Policy>
-constexpr std::size_t pipeline_bucket_bytes() {
-  if constexpr (requires { Policy::bucket_bytes; })
-    return Policy::bucket_bytes;
-  else
-    return default_bucket_bytes;
+PipelineGrid pipeline_grid(std::size_t ranks) {
+  PipelineGrid grid{.policy = Policy::name,
+                    .identity = type_label<Policy>(),
+                    .replicas = Policy::replicas,
+                    .schedule = Policy::schedule};
+  if constexpr (requires { Policy::bucket_bytes; }) grid.bucket_bytes = Policy::bucket_bytes;
+  if (grid.replicas == 0) {
+    LOOM_CHECK(ranks > 0 && ranks % Policy::stages == 0, Policy::name,
+               "<replicas_from_devices, ...> runs pipelines of ", Policy::stages,
+               " stages, one device (or process) per stage: give a multiple of ", Policy::stages,
+               ", not ", ranks);
+    grid.replicas = ranks / Policy::stages;
+  }
+  return grid;
 }
 
-// Runs ModelSplit (one pipeline) and Hybrid (Policy::replicas pipelines) on
-// a grid of ranks: rank w is replica w / S, stage w % S. Each replica
-// streams its share of every global batch through its own stages; stage k
-// of every replica sums its gradients with the other replicas' stage k.
-template <class Net, class Policy, class Optimizer>
+// Runs ModelSplit (one pipeline) and Hybrid (grid.replicas pipelines) on a
+// grid of ranks: rank w is replica w / S, stage w % S. Each replica streams
+// its share of every global batch through its own stages; stage k of every
+// replica sums its gradients with the other replicas' stage k.
+template <class Net, class Partition, class Optimizer>
 class PipelineEngine {
  public:
-  using Partition = typename Policy::partition;
-  static constexpr std::size_t stages = Policy::stages;
-  static constexpr std::size_t replicas = Policy::replicas;
-  static constexpr std::size_t ranks = replicas * stages;
+  static constexpr std::size_t stages = Partition::stages;
   static constexpr std::size_t classes = Net::output_shape::size;
 
   // One rank per device, ranks of a LocalComm; or, with `processes` (an MPI
   // world of R x S ranks), the rank of this process on its one device.
+  // `schedule`: the one to run (micro_batches 0: the grid's).
   PipelineEngine(const std::vector<Device>& devices, comm::Comm processes,
                  const Model<Net, float>& initial, typename Optimizer::Options options,
-                 PipelineSchedule schedule)
-      : schedule_(schedule), crew_(Policy::name, devices.front().threads) {
-    if (schedule_.micro_batches == 0) schedule_.micro_batches = Policy::schedule.micro_batches;
+                 PipelineGrid grid, PipelineSchedule schedule)
+      : grid_(std::move(grid)),
+        schedule_(schedule.micro_batches == 0 ? grid_.schedule : schedule),
+        crew_(grid_.policy.c_str(), devices.front().threads) {
+    LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
     std::vector<comm::Comm> comms;
     local_ = !processes;  // LocalComm: buffered sends
+    const char* name = grid_.policy.c_str();
+    const std::size_t ranks = grid_.replicas * stages;
     if (processes) {
-      LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, Policy::name, " has ",
-                 layout(), ", one per process, but ", processes.size(),
-                 " processes were started; start ", ranks, " (mpirun -np ", ranks, ")");
-      LOOM_CHECK(devices.size() == 1, Policy::name, " over processes runs one stage per process "
+      LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, name, " has ", layout(),
+                 ", one per process, but ", processes.size(), " processes were started; start ",
+                 ranks, " (mpirun -np ", ranks, ")");
+      LOOM_CHECK(devices.size() == 1, name, " over processes runs one stage per process "
                  "on one device, but this one was given ", devices.size(),
                  "; pass dist::Environment::devices()");
 #if defined(LOOM_WITH_MPI)
@@ -369,13 +392,13 @@ class PipelineEngine {
       int initialized = 0, level = MPI_THREAD_SINGLE;
       MPI_Initialized(&initialized);
       if (initialized) MPI_Query_thread(&level);
-      LOOM_CHECK(!initialized || level == MPI_THREAD_MULTIPLE, Policy::name,
+      LOOM_CHECK(!initialized || level == MPI_THREAD_MULTIPLE, name,
                  " over MPI processes sends and receives from several threads at once and needs "
                  "MPI_THREAD_MULTIPLE; this MPI library provides thread level ", level);
 #endif
       comms.push_back(std::move(processes));
     } else {
-      LOOM_CHECK(devices.size() == ranks, Policy::name, " has ", layout(), " and needs ", ranks,
+      LOOM_CHECK(devices.size() == ranks, name, " has ", layout(), " and needs ", ranks,
                  " devices, one each, but ", devices.size(), " were given");
       for (auto& local : comm::LocalComm::create(static_cast<int>(ranks)))
         comms.emplace_back(std::move(local));
@@ -385,7 +408,7 @@ class PipelineEngine {
       const auto w = static_cast<std::size_t>(c.rank());
       rank->replica = w / stages;
       rank->stage = w % stages;
-      rank->net = make_stage(rank->stage, initial, options);
+      rank->net = make_stage(rank->stage, initial, options, grid_.bucket_bytes);
       rank->world = std::move(c);
       ranks_.push_back(std::move(rank));
     }
@@ -405,9 +428,11 @@ class PipelineEngine {
   ~PipelineEngine() { crew_.stop(); }
 
   const PipelineSchedule& schedule() const { return schedule_; }
+  const PipelineGrid& grid() const { return grid_; }
+  std::size_t replicas() const { return grid_.replicas; }
   std::size_t local_stages() const { return ranks_.size(); }
   // Every rank of the grid is here (worker devices), or only this process's.
-  bool all_local() const { return ranks_.size() == ranks; }
+  bool all_local() const { return ranks_.size() == grid_.replicas * stages; }
 
   // One batch of an optimizer step (see DataParallelEngine::micro_step).
   // Returns the step's loss and correct-count sums when `last`; a
@@ -556,27 +581,30 @@ class PipelineEngine {
     Clock::time_point begin, end;
   };
 
-  static std::string layout() {
+  std::string layout() const {
     std::string text = std::to_string(stages) + " stage" + (stages == 1 ? "" : "s");
-    if constexpr (replicas > 1)
-      text = std::to_string(replicas) + " replicas x " + text + " = " + std::to_string(ranks) +
-             " ranks";
+    if (grid_.replicas > 1)
+      text = std::to_string(grid_.replicas) + " replicas x " + text + " = " +
+             std::to_string(grid_.replicas * stages) + " ranks";
     return text;
   }
 
   static std::unique_ptr<PipelineStage> make_stage(std::size_t k, const Model<Net, float>& whole,
-                                                   typename Optimizer::Options options) {
+                                                   typename Optimizer::Options options,
+                                                   std::size_t bucket_bytes) {
     std::unique_ptr<PipelineStage> made;
     static_for<stages>([&](auto K) {
       using StageNet = stage_net_t<Net, Partition, K>;
-      using Plan = BucketPlan<StageNet, pipeline_bucket_bytes<Policy>(), float>;
       constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
       constexpr std::size_t state_at = stage_state_offset<Net, Partition, K>;
       if (K == k) {
         made = std::make_unique<StageOf<StageNet, Optimizer>>(
             whole.parameters().subspan(offset, StageNet::parameter_count),
             whole.state().subspan(state_at, StageNet::state_count), options, offset, state_at);
-        made->buckets.assign(Plan::buckets.begin(), Plan::buckets.end());
+        // As BucketPlan<StageNet, bytes> plans them, for a size known at run time.
+        plan_buckets(detail::list_info<typename StageNet::executed>::param_offsets,
+                     std::max<std::size_t>(1, bucket_bytes / sizeof(float)),
+                     [&](const GradientBucket& b) { made->buckets.push_back(b); });
       }
     });
     return made;
@@ -647,8 +675,9 @@ class PipelineEngine {
   // Checks every rank runs this program, then makes the grid's groups:
   // each replica's pipeline, and (Hybrid) each stage's copies.
   void start(Rank& r) {
-    check_same_program<Net, Policy, Optimizer>(r.world);
-    if constexpr (replicas > 1) {
+    check_same_program<Net, Optimizer>(
+        r.world, grid_.identity + " (" + std::to_string(grid_.replicas) + " replicas)");
+    if (grid_.replicas > 1) {
       r.pipeline = r.world.split(static_cast<int>(r.replica), static_cast<int>(r.stage));
       r.reducer = std::make_unique<Reducer>(
           r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica)),
@@ -710,7 +739,7 @@ class PipelineEngine {
   void train(Rank& r, const Job& job) {
     share_state(r);
     // This replica's share of the global batch, in micro-batches.
-    const auto share = batch_share(job.n, replicas, r.replica);
+    const auto share = batch_share(job.n, grid_.replicas, r.replica);
     const std::size_t micro = std::min(schedule_.micro_batches, share.count);
     if (micro > 0)
       prepare(r, batch_share(share.count, micro, 0).count,
@@ -726,7 +755,7 @@ class PipelineEngine {
     bool accumulate = job.accumulate;
     // Hybrid: the step's last backward hands each bucket to the reducer as
     // soon as its layers are done.
-    const bool reduce = replicas > 1 && job.last;
+    const bool reduce = r.reducer != nullptr && job.last;
     std::size_t backwards = 0;
     r.next_bucket = 0;
     r.busy = 0.0;
@@ -850,8 +879,7 @@ class PipelineEngine {
   // Hybrid: a stage's copies take replica 0's running statistics (as
   // DataParallel's replicas do) before each step and evaluation.
   static void share_state(Rank& r) {
-    if constexpr (replicas > 1)
-      if (!r.net->state().empty()) r.reducer->comm().broadcast(r.net->state(), 0);
+    if (r.reducer && !r.net->state().empty()) r.reducer->comm().broadcast(r.net->state(), 0);
   }
 
   void evaluate(Rank& r, const Job& job) {
@@ -859,7 +887,7 @@ class PipelineEngine {
     r.net->set_precision(job.precision);
     const auto& data = *job.dataset;
     const std::size_t sample = data.sample_size();
-    const auto share = batch_share(data.count, replicas, r.replica);
+    const auto share = batch_share(data.count, grid_.replicas, r.replica);
     const std::size_t micro = std::min(schedule_.micro_batches, job.n);
     prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.inputs.size()));
     r.stats = {};
@@ -913,6 +941,7 @@ class PipelineEngine {
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
 
+  PipelineGrid grid_;
   PipelineSchedule schedule_;
   bool local_ = true;
   std::vector<std::unique_ptr<Rank>> ranks_;

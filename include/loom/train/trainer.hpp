@@ -237,10 +237,12 @@ class Trainer {
         processes_ = std::move(processes);
     }
     if constexpr (is_pipelined<Policy>) {
+      grid_ = detail::pipeline_grid<Policy>(
+          processes ? static_cast<std::size_t>(processes.size()) : devices_.size());
       // On GPUs the stages are made by the first fit() or evaluate(), for its batch size.
       if (devices_.front().kind == Device::Kind::cpu)
         pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
-                                               trainer_options.schedule);
+                                               grid_, trainer_options.schedule);
       else
         LOOM_CHECK(!processes, Policy::name, " across processes runs on CPU devices so far; on "
                    "GPUs give one process all the stages' GPUs (a GPU may hold several stages)");
@@ -1524,7 +1526,7 @@ class Trainer {
       const bool first = !gpu_pipeline_;
       if (first) host_changed_ = false;
       auto made = std::make_unique<GpuPipeline>(
-          devices_, model_, loom::gpu::device_optimizer(optimizer_.options()),
+          devices_, model_, loom::gpu::device_optimizer(optimizer_.options()), grid_,
           options_.schedule, options_.precision, options_.allow_tf32,
           std::max(batch, gpu_pipeline_ ? gpu_pipeline_->max_batch() : std::size_t{1}),
           gpu_pipeline_.get());
@@ -1590,10 +1592,10 @@ class Trainer {
   // " (R replicas x S stages)" for the policies laid out as a grid.
   static std::string grid_text() {
     if constexpr (is_hybrid<Policy>)
-      return " (" + std::to_string(Policy::replicas) + " replicas x " +
-             std::to_string(Policy::stages) + " stages)";
-    else
-      return "";
+      if (Policy::replicas > 0)
+        return " (" + std::to_string(Policy::replicas) + " replicas x " +
+               std::to_string(Policy::stages) + " stages)";
+    return "";
   }
 
   template <class C>
@@ -1652,13 +1654,25 @@ class Trainer {
   struct NoEngine {};
   using Engine = std::conditional_t<is_data_parallel<Policy>,
                                     detail::DataParallelEngine<Net, Policy, Optimizer>, NoEngine>;
+  // The pipelined policies' engines are types over the network and the
+  // stage cut: ModelSplit and every Hybrid over one cut share them.
   struct NoPipeline {};
-  using Pipeline =
-      std::conditional_t<is_pipelined<Policy>, detail::PipelineEngine<Net, Policy, Optimizer>,
-                         NoPipeline>;
+  static auto pipeline_types() {
+    if constexpr (is_pipelined<Policy>) {
+      using Partition = typename Policy::partition;
 #if defined(__CUDACC__)
-  using GpuPipeline =
-      std::conditional_t<is_pipelined<Policy>, gpu::PipelineEngine<Net, Policy>, NoPipeline>;
+      return std::pair<detail::PipelineEngine<Net, Partition, Optimizer>*,
+                       gpu::PipelineEngine<Net, Partition>*>{};
+#else
+      return std::pair<detail::PipelineEngine<Net, Partition, Optimizer>*, NoPipeline*>{};
+#endif
+    } else {
+      return std::pair<NoPipeline*, NoPipeline*>{};
+    }
+  }
+  using Pipeline = std::remove_pointer_t<decltype(pipeline_types().first)>;
+#if defined(__CUDACC__)
+  using GpuPipeline = std::remove_pointer_t<decltype(pipeline_types().second)>;
 #endif
 
   std::vector<Device> devices_;
@@ -1668,6 +1682,7 @@ class Trainer {
   cpu::LossSums pending_;  // the optimizer step's batches so far
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Pipeline> pipeline_;
+  detail::PipelineGrid grid_;  // pipelined policies: replicas, buckets, the policy's schedule
   comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
   std::size_t process_count_ = 0, process_rank_ = 0;  // across MPI processes
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
