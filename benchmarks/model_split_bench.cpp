@@ -86,7 +86,7 @@ PipelineFigures pipeline(const Batches& data, const Options& o, PipelineSchedule
   constexpr std::size_t S = Policy::stages;
   const Model<Net, float> initial(0);
   detail::PipelineEngine<Net, typename Policy::partition, SGD> engine(
-      devices::cpu(S), {}, initial, sgd, detail::pipeline_grid<Policy>(S), schedule);
+      devices::cpu(S), {}, initial, sgd, pipeline_grid<Policy>(S), schedule);
   std::vector<double> step, passes, bubble, mean_idle;
   std::vector<std::vector<double>> busy(S);
   run_steps(engine, data, o, [&](double step_ms) {
@@ -179,7 +179,7 @@ HybridFigures hybrid(const Batches& data, const Options& o) {
   const Model<Net, float> initial(0);
   detail::PipelineEngine<Net, typename Policy::partition, SGD> engine(
       devices::cpu(Policy::devices_needed), {}, initial, sgd,
-      detail::pipeline_grid<Policy>(Policy::devices_needed), Policy::schedule);
+      pipeline_grid<Policy>(Policy::devices_needed), Policy::schedule);
   std::vector<double> step, hidden;
   run_steps(engine, data, o, [&](double step_ms) {
     step.push_back(step_ms);

@@ -196,24 +196,23 @@ void train(const char* title, const Options& o, const data::Split& data,
   const bool cifar = data.train.channels == 3;
   out << "loom " << title << " on " << (cifar ? "CIFAR-10" : "Fashion-MNIST") << ": "
       << Net::parameter_count << " parameters, "
-      << data.train.count << " training and " << data.test.count << " test images, "
-      << Policy::name;
+      << data.train.count << " training and " << data.test.count << " test images, ";
   if constexpr (is_pipelined<Policy>) {
     trainer_options.schedule = {o.schedule == "gpipe" ? PipelineKind::gpipe
                                                       : PipelineKind::one_f_one_b,
                                 o.micro_batches};
     constexpr auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
-    out << " (";
-    if constexpr (is_hybrid<Policy>) {
-      const std::size_t ranks = processes ? static_cast<std::size_t>(processes.size())
-                                          : devices.size();
-      out << (Policy::replicas > 0 ? Policy::replicas : ranks / Policy::stages) << " replicas x "
-          << Policy::stages << " stages; ";
-    }
+    const auto grid = pipeline_grid<Policy>(
+        processes ? static_cast<std::size_t>(processes.size()) : devices.size());
+    out << grid.policy << " (";
+    if (grid.replicas > 1)
+      out << grid.replicas << " replicas x " << Policy::stages << " stages; ";
     out << pipeline_kind_name(trainer_options.schedule.kind) << ", " << o.micro_batches
         << " micro-batches; stages start at layers";
     for (std::size_t k = 0; k < Policy::stages; ++k) out << ' ' << bounds[k] + 1;
     out << ')';
+  } else {
+    out << Policy::name;
   }
   if (processes) out << " over " << processes.size() << " processes, each";
   out << " on";
@@ -294,43 +293,44 @@ void train(const char* title, const Options& o, const data::Split& data,
   out << line;
 }
 
-// ModelSplit into `stages` balanced stages (2 to 4: each is a type of its own).
+// ModelSplit and Hybrid: R pipelines of S balanced stages (S from 2 to 4:
+// each cut is a type of its own). R is a run-time value
+// (Hybrid<replicas_from_devices, ...>, a ModelSplit when it is one), so
+// three trainer types lay out every grid.
 template <class Net>
-void train_split(const char* title, const Options& o, const data::Split& data, int stages,
-                 std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
-  switch (stages) {
-    case 2:
-      return train<Net, ModelSplit<Balanced<2>>>(title, o, data, devices, processes, out);
-    case 3:
-      return train<Net, ModelSplit<Balanced<3>>>(title, o, data, devices, processes, out);
-    case 4:
-      return train<Net, ModelSplit<Balanced<4>>>(title, o, data, devices, processes, out);
-    default:
-      LOOM_FAIL("--policy split takes 2 to 4 stages (--devices, or mpirun -np), not ", stages);
-  }
-}
-
-// Hybrid: `replicas` pipelines of S balanced stages over `ranks` devices or
-// processes. The replica count is a run-time value (replicas_from_devices):
-// one trainer type per stage count (2 to 4) lays out every grid.
-template <class Net>
-void train_hybrid(const char* title, const Options& o, const data::Split& data, int ranks,
-                  std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
-  const int r = std::max(1, o.replicas), s = ranks / r;
+void train_pipelines(const char* title, const Options& o, const data::Split& data, int stages,
+                     std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
   const auto run = [&]<std::size_t S>() {
     train<Net, Hybrid<replicas_from_devices, ModelSplit<Balanced<S>>>>(title, o, data, devices,
                                                                        processes, out);
   };
+  if (stages == 2)
+    run.template operator()<2>();
+  else if (stages == 3)
+    run.template operator()<3>();
+  else
+    run.template operator()<4>();
+}
+
+// ModelSplit over `stages` devices or processes.
+template <class Net>
+void train_split(const char* title, const Options& o, const data::Split& data, int stages,
+                 std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+  LOOM_CHECK(stages >= 2 && stages <= 4, "--policy split takes 2 to 4 stages (--devices, or "
+             "mpirun -np), not ", stages);
+  train_pipelines<Net>(title, o, data, stages, std::move(devices), std::move(processes), out);
+}
+
+// Hybrid: --replicas pipelines over `ranks` devices or processes.
+template <class Net>
+void train_hybrid(const char* title, const Options& o, const data::Split& data, int ranks,
+                  std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+  const int r = std::max(1, o.replicas), s = ranks / r;
   LOOM_CHECK(r * s == ranks && s >= 2 && s <= 4, "--policy hybrid lays ", ranks,
              " devices (--devices, or mpirun -np) out as --replicas ", o.replicas,
              " x stages; this example builds pipelines of 2 to 4 stages: give --replicas R and "
              "R x 2, R x 3 or R x 4 devices");
-  if (s == 2)
-    run.template operator()<2>();
-  else if (s == 3)
-    run.template operator()<3>();
-  else
-    run.template operator()<4>();
+  train_pipelines<Net>(title, o, data, s, std::move(devices), std::move(processes), out);
 }
 
 // Trains Net under the policy --policy names, over the processes of mpirun

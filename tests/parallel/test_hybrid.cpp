@@ -82,6 +82,8 @@ void require_same_as_fixed_grid(const data::Dataset& part, const FitOptions& fit
   Trainer<LeNet, Hybrid<replicas_from_devices, Split>> trainer(devices::cpu(R * Split::stages),
                                                                sgd, {.seed = 7});
   REQUIRE(trainer.model_split().replicas() == R);
+  // One replica is a ModelSplit, and says so.
+  REQUIRE(std::string(trainer.policy_name()) == (R == 1 ? "ModelSplit" : "Hybrid"));
   const auto places = trainer.placement();
   REQUIRE(places.size() == R * Split::stages);
   REQUIRE(places.back().replica == R - 1);

@@ -721,10 +721,10 @@ class PipelineEngine {
   // optimizer state, else it starts at zero (scatter_optimizer sets another).
   // `precision` is every step's and evaluation's (the stages' GEMMs are
   // planned for it).
-  // `grid`: the policy's replicas and schedule (see ::loom::detail::PipelineGrid);
+  // `grid`: the policy's replicas and schedule (see ::loom::PipelineGrid);
   // `schedule`: the one to run (micro_batches 0: the grid's).
   PipelineEngine(const std::vector<Device>& devices, const Model<Net, float>& initial,
-                 const DeviceOptimizer& optimizer, const ::loom::detail::PipelineGrid& grid,
+                 const DeviceOptimizer& optimizer, const ::loom::PipelineGrid& grid,
                  PipelineSchedule schedule, Precision precision, bool allow_tf32,
                  std::size_t max_batch, PipelineEngine* previous = nullptr)
       : name_(grid.policy),

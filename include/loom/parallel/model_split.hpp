@@ -325,6 +325,8 @@ class Outbox {
   std::thread thread_;
 };
 
+}  // namespace detail
+
 // What a pipelined policy's engines take at run time. The engines are
 // types over the network, the stage cut (and, on the CPU, the optimizer)
 // only, so ModelSplit and every Hybrid grid over one cut share them: one
@@ -338,11 +340,12 @@ struct PipelineGrid {
 };
 
 // A pipelined policy's grid over `ranks` devices or processes: its own
-// replica count, or (Hybrid<replicas_from_devices, ...>) ranks / stages.
+// replica count, or (Hybrid<replicas_from_devices, ...>) ranks / stages,
+// named ModelSplit when that is one.
 template <class Policy>
 PipelineGrid pipeline_grid(std::size_t ranks) {
   PipelineGrid grid{.policy = Policy::name,
-                    .identity = type_label<Policy>(),
+                    .identity = detail::type_label<Policy>(),
                     .replicas = Policy::replicas,
                     .schedule = Policy::schedule};
   if constexpr (requires { Policy::bucket_bytes; }) grid.bucket_bytes = Policy::bucket_bytes;
@@ -352,9 +355,13 @@ PipelineGrid pipeline_grid(std::size_t ranks) {
                " stages, one device (or process) per stage: give a multiple of ", Policy::stages,
                ", not ", ranks);
     grid.replicas = ranks / Policy::stages;
+    // Hybrid<1, Split> trains as Split does, bit for bit.
+    if (grid.replicas == 1) grid.policy = "ModelSplit";
   }
   return grid;
 }
+
+namespace detail {
 
 // Runs ModelSplit (one pipeline) and Hybrid (grid.replicas pipelines) on a
 // grid of ranks: rank w is replica w / S, stage w % S. Each replica streams

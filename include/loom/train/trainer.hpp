@@ -237,16 +237,25 @@ class Trainer {
         processes_ = std::move(processes);
     }
     if constexpr (is_pipelined<Policy>) {
-      grid_ = detail::pipeline_grid<Policy>(
+      grid_ = pipeline_grid<Policy>(
           processes ? static_cast<std::size_t>(processes.size()) : devices_.size());
       // On GPUs the stages are made by the first fit() or evaluate(), for its batch size.
       if (devices_.front().kind == Device::Kind::cpu)
         pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
                                                grid_, trainer_options.schedule);
       else
-        LOOM_CHECK(!processes, Policy::name, " across processes runs on CPU devices so far; on "
+        LOOM_CHECK(!processes, policy_name(), " across processes runs on CPU devices so far; on "
                    "GPUs give one process all the stages' GPUs (a GPU may hold several stages)");
     }
+  }
+
+  // The policy's name (Hybrid<replicas_from_devices, ...> with one replica
+  // is a ModelSplit).
+  const char* policy_name() const {
+    if constexpr (is_pipelined<Policy>)
+      return grid_.policy.c_str();
+    else
+      return Policy::name;
   }
 
   // Which device (or MPI process) holds which replica and stage, and its
@@ -272,7 +281,7 @@ class Trainer {
                             .steps_per_epoch = steps_per_epoch(train.count, options),
                             .samples_per_epoch = train.count,
                             .batch_size = options.batch_size,
-                            .policy = Policy::name,
+                            .policy = policy_name(),
                             .placement = {}};
       (call_fit_prepare(callbacks, preview, fingerprint), ...);
     } catch (...) {
@@ -291,7 +300,7 @@ class Trainer {
     const std::size_t k = options.accumulation_steps;
     const FitInfo info{options.epochs,      (loader.batches_per_epoch() + k - 1) / k,
                        train.count,         options.batch_size,
-                       Policy::name,        placement()};
+                       policy_name(),       placement()};
     const FitIdentity identity{.samples = train.count,
                                .batch_size = options.batch_size,
                                .accumulation_steps = k,
@@ -633,7 +642,7 @@ class Trainer {
     image.position = position_;
     image.fit = fit_;
     image.network = detail::type_label<Net>();
-    image.policy = Policy::name;
+    image.policy = policy_name();
     // Rank 0 writes; every process learns whether it could.
     std::string failure;
     if (process_rank_ == 0) {
@@ -1682,7 +1691,7 @@ class Trainer {
   cpu::LossSums pending_;  // the optimizer step's batches so far
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Pipeline> pipeline_;
-  detail::PipelineGrid grid_;  // pipelined policies: replicas, buckets, the policy's schedule
+  PipelineGrid grid_;  // pipelined policies: replicas, buckets, the policy's schedule
   comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
   std::size_t process_count_ = 0, process_rank_ = 0;  // across MPI processes
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
