@@ -262,27 +262,19 @@ void train(const char* title, const Options& o, const data::Split& data,
       out << trainer.nonfinite_steps() << " step(s) skipped for a non-finite loss or gradient\n";
     return evaluate.last;
   };
-  const auto fit = [&]<class Optimizer>(typename Optimizer::Options options) {
-    Trainer<Net, Policy, Optimizer> trainer(devices, options, trainer_options, processes);
-    try {
-      return fit_with(trainer);
-    } catch (const ResumeMismatch& refused) {
-      throw resume_refusal(refused, o);
-    }
-  };
-  // Each optimizer is a trainer type of its own: AdamW is built for the
-  // policies single and data only, which keeps this example's compile time.
+  // One trainer type for both optimizers: AnyOptimizer runs the one
+  // --optimizer names.
+  AnyOptimizer::Options optimizer;
+  if (o.optimizer == "adamw")
+    optimizer = AdamW::Options{.lr = o.lr, .weight_decay = o.weight_decay};
+  else
+    optimizer = SGD::Options{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay};
+  Trainer<Net, Policy, AnyOptimizer> trainer(devices, optimizer, trainer_options, processes);
   EvalResult last;
-  if (o.optimizer == "adamw") {
-    if constexpr (std::is_same_v<Policy, SingleDevice> || is_data_parallel<Policy>)
-      last = fit.template operator()<AdamW>({.lr = o.lr, .weight_decay = o.weight_decay});
-    else
-      LOOM_FAIL("--optimizer adamw: this example builds AdamW for --policy single and data; "
-                "use sgd with split and hybrid (a program of your own can use "
-                "Trainer<Net, ModelSplit<...>, AdamW>)");
-  } else {
-    last = fit.template operator()<SGD>(
-        {.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
+  try {
+    last = fit_with(trainer);
+  } catch (const ResumeMismatch& refused) {
+    throw resume_refusal(refused, o);
   }
 
   const double seconds =

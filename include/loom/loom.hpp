@@ -22,6 +22,7 @@
 #include "net/sequential.hpp"
 #include "net/tensors.hpp"
 #include "optim/adam.hpp"
+#include "optim/any_optimizer.hpp"
 #include "optim/clip.hpp"
 #include "optim/lr_schedule.hpp"
 #include "optim/sgd.hpp"

@@ -100,6 +100,23 @@ TEST_CASE("training policies: AdamW with a schedule and clipping trains to one d
   }
 }
 
+TEST_CASE("training policies: AdamW chosen at run time (AnyOptimizer) trains as the AdamW type") {
+  const auto train = head(fashion().train, 240);
+  const auto same = [&]<class Policy>(std::size_t devices, const char* what) {
+    auto workers = devices::cpu(devices);
+    for (auto& d : workers) d.threads = 1;
+    auto typed = make<Policy>(devices);
+    Trainer<Mlp3, Policy, AnyOptimizer> chosen(workers, adamw, {.seed = 7});
+    typed.fit(train, fit, schedule);
+    chosen.fit(train, fit, schedule);
+    test::require_equal(chosen.model().parameters(), typed.model().parameters(), what);
+  };
+  same.template operator()<DataParallel<>>(2, "DataParallel over 2");
+  same.template operator()<ModelSplit<Balanced<3>, OneFOneB<4>>>(3, "ModelSplit, 3 stages");
+  same.template operator()<Hybrid<replicas_from_devices, ModelSplit<Balanced<2>>>>(
+      4, "Hybrid, 2 replicas x 2 stages");
+}
+
 TEST_CASE("training policies: a checkpoint moves between policies and device counts mid-fit") {
   TempDir dir;
   const auto train = head(fashion().train, 480);

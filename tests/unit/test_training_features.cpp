@@ -324,6 +324,57 @@ TEST_CASE("checkpoints: save and load give back weights, statistics and optimize
   REQUIRE(file.info("3.batchnorm.running_mean").shape == std::vector<std::size_t>{32});
 }
 
+TEST_CASE("AnyOptimizer: the chosen optimizer's numbers, name and checkpoints") {
+  TempDir dir;
+  const auto train = head(fashion().train, 256);
+  const FitOptions fit{.epochs = 1, .batch_size = 64};
+  // Chosen at run time, each trains bit for bit as its own type.
+  Trainer<Regularised, SingleDevice, AdamW> typed(devices::cpu(1), {.lr = 0.002f});
+  Trainer<Regularised, SingleDevice, AnyOptimizer> chosen(devices::cpu(1),
+                                                          AdamW::Options{.lr = 0.002f});
+  typed.fit(train, fit);
+  chosen.fit(train, fit);
+  test::require_equal(chosen.model().parameters(), typed.model().parameters(), "AdamW");
+  REQUIRE(std::string(chosen.optimizer().optimizer()) == "AdamW");
+  REQUIRE(chosen.optimizer().buffer_count() == 2);
+  REQUIRE(chosen.optimizer().steps() == 4);
+  Trainer<Mlp> sgd(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  Trainer<Mlp, SingleDevice, AnyOptimizer> chosen_sgd(devices::cpu(1),
+                                                      SGD::Options{.lr = 0.01f, .momentum = 0.9f});
+  sgd.fit(train, fit);
+  chosen_sgd.fit(train, fit);
+  test::require_equal(chosen_sgd.model().parameters(), sgd.model().parameters(), "SGD");
+  REQUIRE(chosen_sgd.optimizer().buffer_name(0) == "momentum_buffer");
+  // A schedule's rate reaches the chosen optimizer.
+  chosen_sgd.optimizer().set_lr(0.005f);
+  REQUIRE(chosen_sgd.optimizer().options().lr == 0.005f);
+  REQUIRE(std::get<SGD::Options>(chosen_sgd.optimizer().options().chosen).lr == 0.005f);
+
+  // Checkpoints carry the chosen one's name and buffers, both ways.
+  chosen.save(dir.file("chosen.safetensors"));
+  REQUIRE(io::SafetensorsFile::read(dir.file("chosen.safetensors")).metadata("optimizer") ==
+          "AdamW");
+  Trainer<Regularised, SingleDevice, AdamW> back(devices::cpu(1), {.lr = 0.002f}, {.seed = 9});
+  back.load(dir.file("chosen.safetensors"));
+  test::require_equal(back.optimizer().buffer(1), chosen.optimizer().buffer(1), "exp_avg_sq");
+  typed.save(dir.file("typed.safetensors"));
+  Trainer<Regularised, SingleDevice, AnyOptimizer> forth(devices::cpu(1),
+                                                         AdamW::Options{.lr = 0.002f}, {.seed = 9});
+  forth.load(dir.file("typed.safetensors"));
+  test::require_equal(forth.model().parameters(), typed.model().parameters(), "loaded weights");
+  REQUIRE(forth.optimizer().steps() == 4);
+  // One that chose SGD refuses AdamW's state, as the SGD type does.
+  Trainer<Regularised, SingleDevice, AnyOptimizer> other(devices::cpu(1),
+                                                         SGD::Options{.lr = 0.01f});
+  REQUIRE_THROWS_WITH(other.load(dir.file("typed.safetensors")),
+                      Catch::Contains("was written by a trainer using AdamW, but this one uses "
+                                      "SGD"));
+  // The chosen optimizer checks its options as its type does.
+  REQUIRE_THROWS_WITH((Trainer<Mlp, SingleDevice, AnyOptimizer>(devices::cpu(1),
+                                                                 AdamW::Options{.beta1 = 1.0f})),
+                      Catch::Contains("AdamW: beta1 must be in [0, 1), got 1"));
+}
+
 TEST_CASE("checkpoints: a checkpoint that does not fit is refused, and loses nothing") {
   TempDir dir;
   const auto train = head(fashion().train, 128);

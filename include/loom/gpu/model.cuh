@@ -52,6 +52,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <variant>
 
 #include "../backend/cuda/arena.hpp"
 #include "../backend/cuda/conv.cuh"
@@ -69,6 +70,7 @@
 #include "../core/meta.hpp"
 #include "../net/model.hpp"
 #include "../optim/adam.hpp"
+#include "../optim/any_optimizer.hpp"
 #include "../optim/loss_scaler.hpp"
 #include "../optim/sgd.hpp"
 #include "../parallel/buckets.hpp"
@@ -109,6 +111,13 @@ inline DeviceOptimizer device_optimizer(const Adam::Options& o) {
 }
 inline DeviceOptimizer device_optimizer(const AdamW::Options& o) {
   return detail::adam_optimizer(o, true);
+}
+// The chosen optimizer's, at the learning rate the options hold now.
+inline DeviceOptimizer device_optimizer(const AnyOptimizer::Options& o) {
+  DeviceOptimizer d = std::visit([](const auto& chosen) { return device_optimizer(chosen); },
+                                 o.chosen);
+  d.lr = o.lr;
+  return d;
 }
 
 struct DeviceModelOptions {

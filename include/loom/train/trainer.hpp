@@ -13,6 +13,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "../optim/adam.hpp"
+#include "../optim/any_optimizer.hpp"
 #include "../optim/clip.hpp"
 #include "../optim/loss_scaler.hpp"
 #include "../optim/sgd.hpp"
@@ -616,7 +618,7 @@ class Trainer {
       }
       image.buffers.emplace_back(optimizer.buffer(b).begin(), optimizer.buffer(b).end());
     }
-    image.optimizer = Optimizer::name;
+    image.optimizer = detail::optimizer_name<Optimizer>(optimizer_);
     image.optimizer_steps = optimizer.steps();
     if constexpr (is_pipelined<Policy>) {
       if (gather) {
@@ -677,7 +679,8 @@ class Trainer {
     std::exception_ptr failure;
     Fingerprint read;
     try {
-      image = detail::read_checkpoint<Net>(path, Optimizer::name, names, options);
+      image = detail::read_checkpoint<Net>(path, detail::optimizer_name<Optimizer>(optimizer_),
+                                           names, options);
       if (resume) detail::check_resumed_options(image, options, path.string());
       read.add("checkpoint contents", detail::fingerprint(image)).add("load.resume", resume);
     } catch (...) {
@@ -840,7 +843,7 @@ class Trainer {
         .add("policy", detail::type_label<Policy>())
         .add("device kind", devices_.front().kind == Device::Kind::cpu ? "cpu" : "cuda")
         .add("devices per process", devices_.size())
-        .add("optimizer", Optimizer::name)
+        .add("optimizer", detail::optimizer_name<Optimizer>(optimizer_))
         .add("optimizer.lr", base_lr_);
     for (const auto& [name, value] : optimizer_.options().hyperparameters())
       f.add(std::string("optimizer.") + name, value);
@@ -1148,7 +1151,9 @@ class Trainer {
     // an fp16 overflow or a non-finite value does not take, and only the
     // device knows whether it did: then each step is reported before the
     // next is enqueued.
-    const bool report_each_step = (fp16 || skip_nonfinite) && !std::is_same_v<Optimizer, SGD>;
+    const bool report_each_step =
+        (fp16 || skip_nonfinite) &&
+        std::string_view(detail::optimizer_name<Optimizer>(optimizer_)) != SGD::name;
     for (auto& replica : replicas) {
       replica.use();
       replica.model->set_max_grad_norm(options.max_grad_norm);
