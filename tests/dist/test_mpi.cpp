@@ -295,8 +295,10 @@ TEST_CASE("mpi: processes whose fit settings differ all raise at once, naming th
   require_refused<LeNet, Split>("micro_batches", "rank 0 has 4, rank 1 has 8",
                                 [](Settings& s) { s.trainer.schedule.micro_batches = 8; },
                                 [](Settings& s) { s.trainer.schedule.micro_batches = 4; });
-  require_refused<LeNet, Split>("schedule", "rank 0 has 1F1B, rank 1 has GPipe",
-                                [](Settings& s) { s.trainer.schedule.kind = PipelineKind::gpipe; });
+  // (A kind with micro_batches 0 would be ignored: the policy's schedule runs.)
+  require_refused<LeNet, Split>("schedule", "rank 0 has 1F1B, rank 1 has GPipe", [](Settings& s) {
+    s.trainer.schedule = {PipelineKind::gpipe, 4};
+  });
   require_refused<LeNet, Split>("fit.batch_size", "rank 0 has 60, rank 1 has 30",
                                 [](Settings& s) { s.fit.batch_size = 30; });
 

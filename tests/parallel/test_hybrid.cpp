@@ -76,9 +76,11 @@ TEST_CASE("Hybrid<1, Split> is ModelSplit and Hybrid<R, one stage> is DataParall
                       "Hybrid<2, ModelSplit<At<>>> against DataParallel over 2");
 }
 
-// Hybrid<replicas_from_devices, Split> over R x S devices against Hybrid<R, Split>.
+// Hybrid<replicas_from_devices, Split> over R x S devices against Hybrid<R, Split>
+// (the same engine type: the grid's values must be its) and against one device.
 template <std::size_t R, class Split>
-void require_same_as_fixed_grid(const data::Dataset& part, const FitOptions& fit) {
+void require_same_as_fixed_grid(const data::Dataset& part, const FitOptions& fit,
+                                const std::vector<float>& one_device) {
   Trainer<LeNet, Hybrid<replicas_from_devices, Split>> trainer(devices::cpu(R * Split::stages),
                                                                sgd, {.seed = 7});
   REQUIRE(trainer.model_split().replicas() == R);
@@ -88,8 +90,10 @@ void require_same_as_fixed_grid(const data::Dataset& part, const FitOptions& fit
   REQUIRE(places.size() == R * Split::stages);
   REQUIRE(places.back().replica == R - 1);
   REQUIRE(places.back().stage == Split::stages - 1);
-  test::require_equal(trained(trainer, part, fit), grid<LeNet, Hybrid<R, Split>>(part, fit),
-                      "replicas_from_devices against Hybrid<" + std::to_string(R) + ", Split>");
+  const auto weights = trained(trainer, part, fit);
+  const std::string what = "replicas_from_devices, " + std::to_string(R) + " replica(s)";
+  test::require_equal(weights, grid<LeNet, Hybrid<R, Split>>(part, fit), what + " vs Hybrid<R>");
+  test::require_close(weights, one_device, {1e-6, 1e-4}, what + " vs one device");
 }
 
 TEST_CASE("Hybrid<replicas_from_devices, Split>: R from the devices, the numbers of Hybrid<R>") {
@@ -99,9 +103,10 @@ TEST_CASE("Hybrid<replicas_from_devices, Split>: R from the devices, the numbers
   STATIC_REQUIRE(Any::devices_needed == 0);
   const auto part = head(fashion().train, 250);
   const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
-  require_same_as_fixed_grid<1, Split>(part, fit);
-  require_same_as_fixed_grid<2, Split>(part, fit);
-  require_same_as_fixed_grid<3, Split>(part, fit);
+  const auto reference = single_device<LeNet>(part, fit);
+  require_same_as_fixed_grid<1, Split>(part, fit, reference);
+  require_same_as_fixed_grid<2, Split>(part, fit, reference);
+  require_same_as_fixed_grid<3, Split>(part, fit, reference);
   REQUIRE_THROWS_WITH((Trainer<LeNet, Any>(devices::cpu(5), sgd)),
                       Catch::Contains("Hybrid<replicas_from_devices, ...> runs pipelines of 2 "
                                       "stages, one device (or process) per stage: give a "

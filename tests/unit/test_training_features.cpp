@@ -348,7 +348,14 @@ TEST_CASE("AnyOptimizer: the chosen optimizer's numbers, name and checkpoints") 
   // A schedule's rate reaches the chosen optimizer.
   chosen_sgd.optimizer().set_lr(0.005f);
   REQUIRE(chosen_sgd.optimizer().options().lr == 0.005f);
-  REQUIRE(std::get<SGD::Options>(chosen_sgd.optimizer().options().chosen).lr == 0.005f);
+  REQUIRE(std::get<SGD::Options>(chosen_sgd.optimizer().options().chosen()).lr == 0.005f);
+  // lr is the one that counts: the chosen options follow it.
+  AnyOptimizer::Options edited = AdamW::Options{.lr = 0.002f, .weight_decay = 0.05f};
+  edited.lr = 0.004f;
+  REQUIRE(std::get<AdamW::Options>(edited.chosen()).lr == 0.004f);
+  REQUIRE(std::get<AdamW::Options>(edited.chosen()).weight_decay == 0.05f);
+  Trainer<Mlp, SingleDevice, AnyOptimizer> edited_trainer(devices::cpu(1), edited);
+  REQUIRE(edited_trainer.base_lr() == 0.004f);
 
   // Checkpoints carry the chosen one's name and buffers, both ways.
   chosen.save(dir.file("chosen.safetensors"));

@@ -114,10 +114,7 @@ inline DeviceOptimizer device_optimizer(const AdamW::Options& o) {
 }
 // The chosen optimizer's, at the learning rate the options hold now.
 inline DeviceOptimizer device_optimizer(const AnyOptimizer::Options& o) {
-  DeviceOptimizer d = std::visit([](const auto& chosen) { return device_optimizer(chosen); },
-                                 o.chosen);
-  d.lr = o.lr;
-  return d;
+  return std::visit([](const auto& chosen) { return device_optimizer(chosen); }, o.chosen());
 }
 
 struct DeviceModelOptions {

@@ -30,15 +30,24 @@ struct AnyOptimizer {
   struct Options {
     Options() = default;
     // Implicit: a trainer of AnyOptimizer takes any of the three's options.
-    Options(SGD::Options o) : lr(o.lr), chosen(o) {}    // NOLINT(google-explicit-constructor)
-    Options(Adam::Options o) : lr(o.lr), chosen(o) {}   // NOLINT(google-explicit-constructor)
-    Options(AdamW::Options o) : lr(o.lr), chosen(o) {}  // NOLINT(google-explicit-constructor)
+    Options(SGD::Options o) : lr(o.lr), chosen_(o) {}    // NOLINT(google-explicit-constructor)
+    Options(Adam::Options o) : lr(o.lr), chosen_(o) {}   // NOLINT(google-explicit-constructor)
+    Options(AdamW::Options o) : lr(o.lr), chosen_(o) {}  // NOLINT(google-explicit-constructor)
 
-    float lr = SGD::Options{}.lr;  // the chosen one's, which schedules change
-    std::variant<SGD::Options, Adam::Options, AdamW::Options> chosen;
+    // The learning rate: this one counts (schedules change it), the
+    // chosen options' own follows it.
+    float lr = SGD::Options{}.lr;
 
+    using Chosen = std::variant<SGD::Options, Adam::Options, AdamW::Options>;
+    // The chosen optimizer's options, at `lr`. Read-only: a new choice is
+    // a new Options (options = AdamW::Options{...}), so lr cannot go stale.
+    Chosen chosen() const {
+      Chosen at_lr = chosen_;
+      std::visit([&](auto& o) { o.lr = lr; }, at_lr);
+      return at_lr;
+    }
     const char* optimizer() const {
-      return std::visit([](const auto& o) { return optimizer_of(o); }, chosen);
+      return std::visit([](const auto& o) { return optimizer_of(o); }, chosen_);
     }
     // The chosen one's (every option but lr).
     std::vector<std::pair<const char*, float>> hyperparameters() const {
@@ -47,10 +56,11 @@ struct AnyOptimizer {
             const auto all = o.hyperparameters();
             return std::vector<std::pair<const char*, float>>(all.begin(), all.end());
           },
-          chosen);
+          chosen_);
     }
 
    private:
+    Chosen chosen_;
     static const char* optimizer_of(const SGD::Options&) { return SGD::name; }
     static const char* optimizer_of(const Adam::Options&) { return Adam::name; }
     static const char* optimizer_of(const AdamW::Options&) { return AdamW::name; }
@@ -60,7 +70,7 @@ struct AnyOptimizer {
   class State {
    public:
     State(Options options, std::size_t parameter_count)
-        : options_(with_lr(options)), state_(make(options_, parameter_count)) {}
+        : options_(options), state_(make(options_, parameter_count)) {}
 
     void step(std::span<T> weights, std::span<const T> grads) {
       std::visit([&](auto& s) { s.step(weights, grads); }, state_);
@@ -71,7 +81,6 @@ struct AnyOptimizer {
     void set_lr(float lr) {
       std::visit([&](auto& s) { s.set_lr(lr); }, state_);
       options_.lr = lr;
-      std::visit([&](auto& o) { o.lr = lr; }, options_.chosen);
     }
 
     std::size_t buffer_count() const {
@@ -95,11 +104,6 @@ struct AnyOptimizer {
 
    private:
     using Chosen = std::variant<SGD::State<T>, Adam::State<T>, AdamW::State<T>>;
-    // Options::lr is the one that counts (a caller may have changed it).
-    static Options with_lr(Options options) {
-      std::visit([&](auto& o) { o.lr = options.lr; }, options.chosen);
-      return options;
-    }
     static Chosen make(const Options& options, std::size_t parameter_count) {
       return std::visit(
           [&](const auto& o) -> Chosen {
@@ -111,7 +115,7 @@ struct AnyOptimizer {
             else
               return AdamW::State<T>(o, parameter_count);
           },
-          options.chosen);
+          options.chosen());
     }
 
     Options options_;

@@ -332,7 +332,7 @@ class Outbox {
 // only, so ModelSplit and every Hybrid grid over one cut share them: one
 // instantiation, whatever the replica count, schedule or bucket size.
 struct PipelineGrid {
-  std::string policy = "ModelSplit";  // its name, for messages
+  const char* policy = "ModelSplit";  // its name, for messages (a literal: it outlives the trainer)
   std::string identity;               // its type, which every process must share
   std::size_t replicas = 1;
   std::size_t bucket_bytes = default_bucket_bytes;  // Hybrid's gradient buckets
@@ -381,11 +381,11 @@ class PipelineEngine {
                  PipelineGrid grid, PipelineSchedule schedule)
       : grid_(std::move(grid)),
         schedule_(schedule.micro_batches == 0 ? grid_.schedule : schedule),
-        crew_(grid_.policy.c_str(), devices.front().threads) {
+        crew_(grid_.policy, devices.front().threads) {
     LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
     std::vector<comm::Comm> comms;
     local_ = !processes;  // LocalComm: buffered sends
-    const char* name = grid_.policy.c_str();
+    const char* name = grid_.policy;
     const std::size_t ranks = grid_.replicas * stages;
     if (processes) {
       LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, name, " has ", layout(),

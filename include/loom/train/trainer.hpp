@@ -255,7 +255,7 @@ class Trainer {
   // is a ModelSplit).
   const char* policy_name() const {
     if constexpr (is_pipelined<Policy>)
-      return grid_.policy.c_str();
+      return grid_.policy;
     else
       return Policy::name;
   }
@@ -860,9 +860,13 @@ class Trainer {
           .add("loss_scaling.min_scale", l.min_scale)
           .add("loss_scaling.max_scale", l.max_scale);
     }
-    if constexpr (is_pipelined<Policy>)
-      f.add("schedule", pipeline_kind_name(options_.schedule.kind))
-          .add("micro_batches", options_.schedule.micro_batches);
+    if constexpr (is_pipelined<Policy>) {
+      // The one that runs (micro_batches 0: the policy's).
+      const auto& schedule =
+          options_.schedule.micro_batches == 0 ? grid_.schedule : options_.schedule;
+      f.add("schedule", pipeline_kind_name(schedule.kind))
+          .add("micro_batches", schedule.micro_batches);
+    }
     f.add("resume", resume_ ? "after batch " + std::to_string(resume_->batches) + " of epoch " +
                                   std::to_string(resume_->epoch)
                             : std::string("none"))
