@@ -47,7 +47,8 @@ struct AnyOptimizer {
       return at_lr;
     }
     const char* optimizer() const {
-      return std::visit([](const auto& o) { return optimizer_of(o); }, chosen_);
+      constexpr const char* names[] = {SGD::name, Adam::name, AdamW::name};  // Chosen's order
+      return names[chosen_.index()];
     }
     // The chosen one's (every option but lr).
     std::vector<std::pair<const char*, float>> hyperparameters() const {
@@ -61,9 +62,6 @@ struct AnyOptimizer {
 
    private:
     Chosen chosen_;
-    static const char* optimizer_of(const SGD::Options&) { return SGD::name; }
-    static const char* optimizer_of(const Adam::Options&) { return Adam::name; }
-    static const char* optimizer_of(const AdamW::Options&) { return AdamW::name; }
   };
 
   template <class T>

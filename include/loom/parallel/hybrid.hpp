@@ -81,8 +81,7 @@ std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t
   std::vector<std::size_t> starts{0, Net::layer_count};  // stage k: layers starts[k] + 1 ...
   if constexpr (is_pipelined<Policy>) {
     stages = Policy::stages;
-    replicas = Policy::replicas > 0 ? Policy::replicas
-                                    : (processes > 0 ? processes : devices.size()) / stages;
+    replicas = pipeline_grid<Policy>(processes > 0 ? processes : devices.size()).replicas;
     const auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
     starts.assign(bounds.begin(), bounds.end());
   } else if constexpr (is_data_parallel<Policy>) {
