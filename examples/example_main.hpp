@@ -18,7 +18,6 @@
 // Without --policy: single for one device, data for more, data under mpirun.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -34,40 +33,9 @@
 #include <type_traits>
 #include <vector>
 
-namespace loom::examples {
+#include "example_cli.hpp"
 
-struct Options {
-  int epochs = 10;
-  std::size_t batch_size = 64;
-  float lr = 0.01f;
-  float momentum = 0.9f;
-  std::string data_dir = data::default_fashion_mnist_dir;
-  std::uint64_t seed = 0;
-  std::vector<int> lr_milestones{7};
-  float lr_factor = 0.1f;
-  int devices = 1;
-  std::string policy;  // empty: by the device count
-  std::string schedule = "1f1b";
-  std::size_t micro_batches = 4;
-  int replicas = 2;
-  std::size_t train_samples = 0;  // 0: all (short runs take the first ones)
-  std::size_t test_samples = 0;
-  float weight_decay = 0.0f;
-  bool augment = false;   // random crops (padding 2, or 4 on CIFAR-10) and flips
-  std::string cifar_dir;  // examples with a CIFAR-10 network: train on CIFAR-10 instead
-  std::string optimizer = "sgd";  // or adamw
-  std::string lr_schedule = "step";  // MultiStepLR by --lr-milestones, or cosine
-  std::size_t warmup_steps = 0;
-  std::size_t lr_reference_batch = 0;  // > 0: --lr is for this global batch, scaled linearly
-  float clip_norm = 0.0f;
-  std::string on_nonfinite = "raise";
-  std::size_t accumulation = 1;
-  std::string precision = "fp32";
-  std::string checkpoint;  // save here after each epoch (and every --checkpoint-every steps)
-  std::size_t checkpoint_every = 0;
-  std::string resume;   // load this checkpoint first and go on from where it stopped
-  std::string metrics;  // JSON lines of every step and epoch
-};
+namespace loom::examples {
 
 // The learning rate the command line asks for, before every step: --lr
 // times a warm-up ramp (--warmup-steps, from a tenth), times the cosine or
@@ -371,72 +339,6 @@ void run_policy(const char* title, const Options& o, const data::Split& data,
   }
 }
 
-// A path option's value that starts with '-' is a forgotten value that
-// swallowed the next flag (--checkpoint --augment); a file of such a name
-// is still reachable as ./--augment.
-inline CLI::Validator path_value() {
-  return CLI::Validator(
-      [](std::string& value) -> std::string {
-        if (value.empty()) return "an empty path";
-        if (value.front() != '-') return {};
-        return "'" + value + "' looks like a flag, not a path: is this option's value "
-               "missing? (a path that starts with '-' is written ./" + value + ")";
-      },
-      "PATH");
-}
-
-// A number in [low, high] (or (low, high] when low is open), with a message
-// that prints both bounds as numbers ("1e-08", not "0.000000") and says
-// when the value is not a number at all.
-inline CLI::Validator number_between(double low, double high, bool low_open = false) {
-  const auto text = [](double x) {
-    char buffer[32];
-    std::snprintf(buffer, sizeof buffer, "%g", x);
-    return std::string(buffer);
-  };
-  const std::string range =
-      std::string(low_open ? "above " : "from ") + text(low) + (low_open ? " up to " : " to ") +
-      text(high);
-  return CLI::Validator(
-      [=](std::string& value) -> std::string {
-        char* end = nullptr;
-        const double x = std::strtod(value.c_str(), &end);
-        if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(x))
-          return "'" + value + "' is not a number; give one " + range;
-        if (x < low || (low_open && x == low) || x > high)
-          return value + " is out of range; give a number " + range;
-        return {};
-      },
-      "NUMBER " + range);
-}
-
-// Options that would have no effect with the others given: refused, so
-// that nothing typed is silently ignored.
-inline void check_combinations(const CLI::App& app, const Options& o, bool distributed) {
-  const auto given = [&](const char* flag) { return app.count(flag) > 0; };
-  const auto refuse = [](const char* flag, const std::string& why) {
-    throw CLI::ValidationError(flag, why);
-  };
-  if (given("--checkpoint-every") && !given("--checkpoint"))
-    refuse("--checkpoint-every", "needs --checkpoint (the file it saves to)");
-  const bool pipelined = o.policy == "split" || o.policy == "hybrid";
-  for (const char* flag : {"--schedule", "--micro-batches"})
-    if (given(flag) && !pipelined)
-      refuse(flag, "applies to --policy split and hybrid only (this run's policy is " +
-                       (o.policy.empty() ? std::string(distributed || o.devices > 1 ? "data"
-                                                                                    : "single")
-                                         : o.policy) + ")");
-  if (given("--replicas") && o.policy != "hybrid")
-    refuse("--replicas", "applies to --policy hybrid only");
-  if (given("--momentum") && o.optimizer == "adamw")
-    refuse("--momentum", "is SGD's; --optimizer adamw has no momentum (its moments are built in)");
-  for (const char* flag : {"--lr-milestones", "--lr-factor"})
-    if (given(flag) && o.lr_schedule == "cosine")
-      refuse(flag, "applies to --lr-schedule step only; cosine follows its own curve");
-  if (given("--data") && !o.cifar_dir.empty())
-    refuse("--data", "is the Fashion-MNIST folder; with --cifar the data come from there");
-}
-
 // CifarNet: the network --cifar DIR trains on CIFAR-10 (void: no such option).
 template <class Net, class CifarNet = void>
 int example_main(int argc, char** argv, const char* title, Options o) {
@@ -455,134 +357,19 @@ int example_main(int argc, char** argv, const char* title, Options o) {
 #else
   const bool talks = true;
 #endif
-  CLI::App app{std::string("Train ") + title + " on Fashion-MNIST with loom"};
-  app.add_option("--epochs", o.epochs, "passes over the training set")
-      ->check(CLI::Range(1, 100000))
-      ->capture_default_str();
-  app.add_option("--batch-size", o.batch_size, "samples per step (the global batch)")
-      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
-      ->capture_default_str();
-  app.add_option("--lr", o.lr, "learning rate (the base the schedule scales)")
-      ->check(number_between(1e-8, 100.0))
-      ->capture_default_str();
-  app.add_option("--lr-milestones", o.lr_milestones, "epochs after which the learning rate drops")
-      ->capture_default_str();
-  app.add_option("--lr-factor", o.lr_factor, "learning-rate multiplier at each milestone")
-      ->check(number_between(1e-6, 1.0))
-      ->capture_default_str();
-  app.add_option("--momentum", o.momentum, "SGD momentum")
-      ->check(number_between(0.0, 0.999))
-      ->capture_default_str();
-  app.add_option("--weight-decay", o.weight_decay, "weight decay (SGD: L2; AdamW: decoupled)")
-      ->check(number_between(0.0, 1.0))
-      ->capture_default_str();
-  app.add_option("--optimizer", o.optimizer,
-                 "sgd (with --momentum) or adamw (--weight-decay is then AdamW's decoupled decay)")
-      ->check(CLI::IsMember({"sgd", "adamw"}))
-      ->capture_default_str();
-  app.add_option("--lr-schedule", o.lr_schedule,
-                 "step (x --lr-factor after each of --lr-milestones) or cosine (over the whole run)")
-      ->check(CLI::IsMember({"step", "cosine"}))
-      ->capture_default_str();
-  app.add_option("--warmup-steps", o.warmup_steps,
-                 "ramp the learning rate up linearly from a tenth over this many steps")
-      ->capture_default_str();
-  app.add_option("--lr-reference-batch", o.lr_reference_batch,
-                 "--lr is for this global batch: scale it linearly with the real one (0: off)")
-      ->capture_default_str();
-  app.add_option("--clip-norm", o.clip_norm,
-                 "clip the gradients to this global norm (0: off)")
-      ->check(number_between(0.0, 1e6))
-      ->capture_default_str();
-  app.add_option("--on-nonfinite", o.on_nonfinite,
-                 "a step whose loss or gradients go NaN or infinite: raise (stop with an error "
-                 "naming the step and layer) or skip it (CPU devices)")
-      ->check(CLI::IsMember({"raise", "skip"}))
-      ->capture_default_str();
-  app.add_option("--accumulate", o.accumulation,
-                 "batches per optimizer step (gradient accumulation)")
-      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
-      ->capture_default_str();
-  app.add_option("--precision", o.precision,
-                 "fp32, bf16 or fp16 (fp32 master weights; fp16 with dynamic loss scaling); "
-                 "on the CPU bf16 and fp16 are emulated by rounding")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
-      ->capture_default_str();
-  app.add_option("--checkpoint", o.checkpoint,
-                 "save a checkpoint (safetensors) here after every epoch and at the end")
-      ->check(path_value());
-  app.add_option("--checkpoint-every", o.checkpoint_every,
-                 "also save it every N optimizer steps")
-      ->capture_default_str();
-  app.add_option("--resume", o.resume,
-                 "load this checkpoint and go on from where it stopped (same data options)")
-      ->check(path_value());
-  app.add_option("--metrics", o.metrics,
-                 "write every step's and epoch's figures here as JSON lines "
-                 "(draw them: python3 scripts/plot_metrics.py FILE)")
-      ->check(path_value());
-  app.add_flag("--augment", o.augment,
-               "random crops (zero padding 2, or 4 on CIFAR-10) and horizontal flips of the "
-               "training images, drawn from --seed");
-  if constexpr (!std::is_void_v<CifarNet>)
-    app.add_option("--cifar", o.cifar_dir,
-                   "train on CIFAR-10 instead: the folder of its binary version "
-                   "(cifar-10-batches-bin)")
-        ->check(path_value());
-  app.add_option("--data", o.data_dir, "folder with the Fashion-MNIST IDX files (.gz or plain)")
-      ->check(path_value())
-      ->capture_default_str();
-  app.add_option("--train-samples", o.train_samples,
-                 "train on the first N training images only (0: all 60000)")
-      ->capture_default_str();
-  app.add_option("--test-samples", o.test_samples,
-                 "evaluate on the first N test images only (0: all 10000)")
-      ->capture_default_str();
-  app.add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
-  app.add_option("--devices", o.devices,
-                 "CPU worker devices in this process for --policy data or split (1: one device "
-                 "with every core, or the GPU); under mpirun each process is one")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--policy", o.policy,
-                 "single, data (DataParallel), split (ModelSplit, a pipeline of --devices "
-                 "balanced stages) or hybrid (--replicas pipelines sharing --devices); default: "
-                 "single for one device, data for more")
-      ->check(CLI::IsMember({"single", "data", "split", "hybrid"}));
-  app.add_option("--replicas", o.replicas, "pipelines of --policy hybrid")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--schedule", o.schedule, "pipeline schedule of --policy split or hybrid")
-      ->check(CLI::IsMember({"gpipe", "1f1b"}))
-      ->capture_default_str();
-  app.add_option("--micro-batches", o.micro_batches,
-                 "micro-batches per step (of each pipeline) of --policy split or hybrid")
-      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
-      ->capture_default_str();
-#if defined(LOOM_WITH_MPI)
-  double collective_timeout = mpi->collective_timeout().count();
-  app.add_option("--collective-timeout", collective_timeout,
-                 "under mpirun: seconds a rank waits for the others in a collective before it "
-                 "raises and the job is aborted (a rank died or hangs); default: "
-                 "LOOM_COLLECTIVE_TIMEOUT, else 600")
-      ->check(number_between(0.001, 1e8));
-#endif
   // A command line refused on one process ends every process at once: they
   // all compare their parse's outcome first (under mpirun a rank that left
   // alone would leave the others waiting in their first collective).
-  int parse_status = 0;
-  bool asked_help = false;
-  try {
-    app.parse(argc, argv);
 #if defined(LOOM_WITH_MPI)
-    check_combinations(app, o, distributed);
+  const auto parsed =
+      parse_command_line(argc, argv, title, o, !std::is_void_v<CifarNet>, distributed,
+                         mpi->collective_timeout().count());
 #else
-    check_combinations(app, o, false);
+  const auto parsed =
+      parse_command_line(argc, argv, title, o, !std::is_void_v<CifarNet>, false, std::nullopt);
 #endif
-  } catch (const CLI::ParseError& error) {
-    asked_help = error.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success);
-    parse_status = app.exit(error);
-  }
+  const int parse_status = parsed.status;
+  const bool asked_help = parsed.help;
 #if defined(LOOM_WITH_MPI)
   if (distributed) {
     comm::Comm world(mpi->world());
@@ -604,8 +391,8 @@ int example_main(int argc, char** argv, const char* title, Options o) {
 #endif
   if (parse_status != 0 || asked_help) return parse_status;
 #if defined(LOOM_WITH_MPI)
-  mpi->set_collective_timeout(comm::Timeout(collective_timeout));
-  if (!distributed && app.count("--collective-timeout") > 0)
+  mpi->set_collective_timeout(comm::Timeout(parsed.collective_timeout));
+  if (!distributed && parsed.collective_timeout_given)
     std::cerr << "note: --collective-timeout has no effect in a single process (no mpirun)\n";
 #endif
 
