@@ -37,9 +37,11 @@
 #include "train/callbacks.hpp"
 #include "train/trainer.hpp"
 
-// Compiled by nvcc: NCCL's communicator too.
+// Compiled by nvcc: the CUDA executor, with which Trainers run on GPUs,
+// and NCCL's communicator.
 #if defined(__CUDACC__)
 #include "comm/nccl_comm.hpp"
+#include "gpu/trainer_executor.cuh"
 #endif
 
 // With loom::mpi (Open MPI): dist::Environment and MpiComm.

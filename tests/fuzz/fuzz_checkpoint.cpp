@@ -29,7 +29,10 @@ loom::fuzz::Outcome loom::fuzz::run(std::span<const std::uint8_t> bytes) {
   static const auto options = trainer.optimizer().options().hyperparameters();
   const std::string& path = scratch_file(bytes);
   return outcome_of([&] {
-    const auto image = detail::read_checkpoint<CheckpointNet>(path, SGD::name, buffers, options);
+    const auto image = detail::read_checkpoint(path, SGD::name, buffers, options,
+                                               tensor_table<CheckpointNet>(),
+                                               CheckpointNet::parameter_count,
+                                               CheckpointNet::state_count);
     detail::check_resumed_options(image, options, path);  // load() resumes
     LOOM_FUZZ_REQUIRE(outcome_of([&] { trainer.load(path); }) == Outcome::parsed);
     LOOM_FUZZ_REQUIRE(same_bits(trainer.model().parameters(), image.parameters));

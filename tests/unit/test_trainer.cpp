@@ -113,6 +113,14 @@ TEST_CASE("trainer: misuse is a clear loom::Error") {
     REQUIRE_THROWS_WITH((Trainer<Mlp>(devices::cpu(2), {})),
                         Catch::Contains("SingleDevice runs on 1 device(s) but 2 were given"));
   }
+  SECTION("a GPU in a program the host compiler built (it has no CUDA executor)") {
+    const Device gpu{.kind = Device::Kind::cuda, .index = 0};
+    REQUIRE_THROWS_WITH((Trainer<Mlp>({gpu}, {})),
+                        Catch::StartsWith("loom: device cuda:0 needs the CUDA backend: compile "
+                                          "with nvcc, including <loom/loom.hpp>, to use GPUs ["));
+    REQUIRE_THROWS_WITH((Trainer<Mlp, ModelSplit<Balanced<2>>>({gpu, gpu}, {})),
+                        Catch::Contains("device cuda:0 needs the CUDA backend"));
+  }
   SECTION("dataset shape") {
     using Wrong = Sequential<Input<1, 32, 32>, Flatten, Linear<10>>;
     Trainer<Wrong> trainer(devices::cpu(1), {});

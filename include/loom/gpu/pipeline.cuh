@@ -46,6 +46,7 @@
 #include "../parallel/crew.hpp"
 #include "../parallel/data_parallel.hpp"
 #include "../parallel/model_split.hpp"
+#include "../parallel/step_protocol.hpp"
 #include "model.cuh"
 
 namespace loom::gpu {
@@ -711,7 +712,7 @@ class DeviceStage final : public DeviceStageBase {
 // leader's next step for every copy to have taken it; after a skipped step
 // each copy's next backward waits for the leader's reads of its gradients.
 template <class Net, class Partition>
-class PipelineEngine {
+class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
  public:
   static constexpr std::size_t stages = Partition::stages;
   static constexpr std::size_t classes = Net::output_shape::size;
@@ -761,18 +762,19 @@ class PipelineEngine {
   }
   PipelineEngine(const PipelineEngine&) = delete;
   PipelineEngine& operator=(const PipelineEngine&) = delete;
-  ~PipelineEngine() {
+  ~PipelineEngine() override {
     crew_.stop();
     release();
   }
 
   std::size_t max_batch() const { return max_batch_; }
-  bool all_local() const { return true; }
+  bool all_local() const override { return true; }
   std::size_t local_stages() const { return ranks_; }
 
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
-                           const StepSettings& settings, const Pass& pass = {.training = true}) {
+                           const StepSettings& settings,
+                           const Pass& pass = {.training = true}) override {
     LOOM_CHECK(settings.precision == precision_, name_, " on GPUs: a ",
                precision_name(settings.precision), " step; the stages were made for ",
                precision_name(precision_));
@@ -796,48 +798,68 @@ class PipelineEngine {
       LOOM_FAIL("label ", t.bad_label, " of sample ", t.bad_row, " of a micro-batch",
                 replicas_ > 1 ? " of replica " + std::to_string(replica) : std::string(),
                 " is outside the network's ", classes, " classes");
-    const cpu::LossSums sums{t.loss, static_cast<std::size_t>(t.correct)};
-    if (!std::isfinite(sums.loss)) {
-      skip_step(images, n, false);
-      return sums;
-    }
-    if (replicas_ > 1) crew_.run({.kind = JobKind::reduce});
-    // Replica 0's stages hold the sums (Hybrid reduced them there; fp16
-    // unscales them there, before the copies take them); their squared
-    // norms are finite exactly when every gradient is (a float's square
-    // cannot overflow a double, nor can any count of them).
-    const bool fp16 = precision_ == Precision::fp16;
-    crew_.run({.kind = JobKind::norm, .settings = settings});
-    double squares = 0.0;
-    for (const double stage_squares : stage_squares_) squares += stage_squares;
-    if (!std::isfinite(squares) && fp16) {
-      // An overflow: the trainer's scale backs off, or (at its minimum)
-      // reports the step as non-finite, naming the gradient.
-      crew_.run({.kind = JobKind::restore});
-      if (settings.at_min_scale) fault_ = gradient_spot();
-      return {sums.loss, sums.correct, true};
-    }
-    if (!std::isfinite(squares)) {
-      skip_step(images, n, true);
-      return sums;
-    }
-    // Read by the update jobs (the crew's run orders the writes before them).
-    clip_squares_ = settings.max_grad_norm > 0.0f ? squares : -1.0;
-    scalars_ = update_scalars(optimizer_, settings.lr, updates_ + 1, settings.max_grad_norm);
-    crew_.run({.kind = JobKind::update});
-    updates_ += 1;
+    cpu::LossSums sums{t.loss, static_cast<std::size_t>(t.correct)};
+    clip_squares_ = -1.0;  // no clipping unless the protocol clips
+    StageExecutor executor{*this, settings, images, n, sums.loss};
+    sums.overflowed =
+        ::loom::detail::step_protocol(executor, settings) == ::loom::detail::StepEnd::overflowed;
     return sums;
   }
+
+  // The GPUs' executor of the step protocol: the host decides, from the
+  // loss the last stages summed and the squared norms every stage reads
+  // back (finite exactly when every gradient is: a float's square cannot
+  // overflow a double, nor can any count of them); the stages' jobs do.
+  struct StageExecutor {
+    PipelineEngine& e;
+    const StepSettings& settings;
+    const float* images;  // the step's last batch, which a non-finite step searches
+    std::size_t n;
+    double loss;
+    double squares = 0.0;
+    bool summed = false;
+
+    bool loss_finite() const { return std::isfinite(loss); }
+    bool gradients_finite() { return std::isfinite(summed_squares()); }
+    // fp16: the norm job unscales replica 0's sums before it squares them
+    // (the copies take them as unscaled).
+    bool unscale(float) { return std::isfinite(summed_squares()); }
+    void skip_nonfinite(bool gradients_bad) { e.skip_step(images, n, gradients_bad); }
+    // The trainer's scale backs off, or (at its minimum) reports the step
+    // as non-finite, naming the gradient.
+    void skip_overflow(bool name_spot) {
+      e.crew_.run({.kind = JobKind::restore});
+      if (name_spot) e.fault_ = e.gradient_spot();
+    }
+    void clip(float) { e.clip_squares_ = summed_squares(); }
+    // Read by the update jobs (the crew's run orders the writes before them).
+    void update(float lr) {
+      e.scalars_ = update_scalars(e.optimizer_, lr, e.updates_ + 1, settings.max_grad_norm);
+      e.crew_.run({.kind = JobKind::update});
+      e.updates_ += 1;
+    }
+
+    // Hybrid first sums each stage's copies into replica 0's stages, which
+    // then hold the step's gradients.
+    double summed_squares() {
+      if (summed) return squares;
+      summed = true;
+      if (e.replicas_ > 1) e.crew_.run({.kind = JobKind::reduce});
+      e.crew_.run({.kind = JobKind::norm, .settings = settings});
+      for (const double stage_squares : e.stage_squares_) squares += stage_squares;
+      return squares;
+    }
+  };
 
   // After a step whose loss or gradients went non-finite, which no stage
   // took: the first non-finite value the host could find (the step's last
   // batch, the weights, with a finite loss the summed gradients), else
   // nowhere; and whether the gradients were the ones.
-  const NonFiniteSpot& fault() const { return fault_; }
-  bool gradients_nonfinite() const { return gradients_nonfinite_; }
+  const NonFiniteSpot& fault() const override { return fault_; }
+  bool gradients_nonfinite() const override { return gradients_nonfinite_; }
 
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
-                         Precision precision = Precision::fp32) {
+                         Precision precision = Precision::fp32) override {
     LOOM_CHECK(precision == precision_, name_, " on GPUs: a ", precision_name(precision),
                " evaluation; the stages were made for ", precision_name(precision_));
     crew_.run({.kind = JobKind::evaluate, .n = std::min(batch, max_batch_), .dataset = &dataset});
@@ -850,7 +872,7 @@ class PipelineEngine {
 
   // Replica 0's stages hold the weights (the copies are equal) and the
   // running statistics (each copy keeps its own).
-  void gather(Model<Net, float>& whole) {
+  void gather(Model<Net, float>& whole) override {
     for (std::size_t k = 0; k < stages; ++k) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
       stages_[k]->copy_parameters(whole.parameters().data() + offsets_[k], cudaMemcpyDeviceToHost);
@@ -860,13 +882,13 @@ class PipelineEngine {
   }
   // Optimizer buffer b of the whole network into `whole` (replica 0's
   // stages: the copies are equal), or every stage's slice from it.
-  void gather_optimizer(std::size_t b, float* whole) {
+  void gather_optimizer(std::size_t b, float* whole) override {
     for (std::size_t k = 0; k < stages; ++k) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
       stages_[k]->copy_optimizer(b, whole + offsets_[k], cudaMemcpyDeviceToHost);
     }
   }
-  void scatter_optimizer(std::size_t b, const float* whole) {
+  void scatter_optimizer(std::size_t b, const float* whole) override {
     for (std::size_t w = 0; w < ranks_; ++w) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
       stages_[w]->copy_optimizer(b, const_cast<float*>(whole) + offsets_[w % stages],
@@ -874,10 +896,10 @@ class PipelineEngine {
     }
   }
   // Optimizer steps taken (Adam's bias corrections count them).
-  std::uint64_t optimizer_steps() const { return updates_; }
-  void set_optimizer_steps(std::uint64_t steps) { updates_ = steps; }
+  std::uint64_t optimizer_steps() const override { return updates_; }
+  void set_optimizer_steps(std::uint64_t steps) override { updates_ = steps; }
 
-  void scatter(const Model<Net, float>& whole) {
+  void scatter(const Model<Net, float>& whole) override {
     for (std::size_t w = 0; w < ranks_; ++w) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
       stages_[w]->copy_parameters(

@@ -45,6 +45,7 @@
 #include "crew.hpp"
 #include "reducer.hpp"
 #include "single_device.hpp"
+#include "step_protocol.hpp"
 
 namespace loom {
 
@@ -116,40 +117,6 @@ void check_same_program(comm::Comm& c) {
 template <std::size_t N>
 cpu::LossSums loss_sums(const std::array<double, N>& stats) {
   return {stats[0], static_cast<std::size_t>(stats[1])};
-}
-
-// The spot of a non-finite step that comes first over every rank of `c`
-// (NonFiniteSpot::before; the lowest rank on a tie), on every rank: each
-// rank's spot as numbers in its own entries, one sum (one non-zero term
-// per entry: exact). Collective; run only for a step gone non-finite.
-inline NonFiniteSpot agree_on_spot(comm::Comm& c, const NonFiniteSpot& mine) {
-  constexpr std::size_t fields = 7;
-  const auto ranks = static_cast<std::size_t>(c.size());
-  std::vector<double> all(ranks * fields, 0.0);
-  double* own = all.data() + static_cast<std::size_t>(c.rank()) * fields;
-  own[0] = static_cast<double>(mine.where);
-  own[1] = static_cast<double>(mine.layer);
-  own[2] = static_cast<double>(mine.block);
-  own[3] = static_cast<double>(mine.element);
-  own[4] = static_cast<double>(mine.size);
-  own[5] = static_cast<double>(mine.sample);
-  own[6] = std::isnan(mine.value) ? 0.0 : mine.value > 0 ? 1.0 : -1.0;  // no nan in the sum
-  c.all_reduce(std::span<double>(all), comm::ReduceOp::sum);
-  NonFiniteSpot first;
-  for (std::size_t r = 0; r < ranks; ++r) {
-    const double* f = all.data() + r * fields;
-    const NonFiniteSpot spot{static_cast<NonFiniteSpot::Where>(f[0]),
-                             static_cast<std::size_t>(f[1]),
-                             static_cast<std::size_t>(f[2]),
-                             static_cast<std::size_t>(f[3]),
-                             static_cast<std::size_t>(f[4]),
-                             static_cast<std::size_t>(f[5]),
-                             f[6] == 0.0 ? std::numeric_limits<float>::quiet_NaN()
-                                         : static_cast<float>(f[6]) *
-                                               std::numeric_limits<float>::infinity()};
-    if (spot && (!first || spot.before(first))) first = spot;
-  }
-  return first;
 }
 
 template <class Net, class Policy, class Optimizer>
@@ -408,29 +375,14 @@ class DataParallelEngine {
     replica.timeline.reduce_end = replica.reducer.ended();
     // Every rank holds the same global sums and reduced gradients, so all
     // skip or all update; a skipped step keeps the running statistics of
-    // the step before, too. fp16's gradients are checked by unscaling
-    // (non-finite there is an overflow: the scale backs off).
-    const auto& settings = job.settings;
-    const bool fp16 = settings.precision == Precision::fp16;
-    if (!std::isfinite(replica.stats[0]) || (!fp16 && !model.gradients_finite())) {
-      if (!replica.fault && share.count > 0) replica.fault = model.find_nonfinite_output(0);
-      if (!replica.fault) replica.fault = model.find_nonfinite_gradient();
-      replica.fault = agree_on_spot(replica.comm, replica.fault);
-      return model.restore_state();
-    }
-    // The reduced gradients are the same on every replica: so are their
-    // overflow and their norm.
-    // fp16 checks every step, whatever the scale (it may have come down to 1).
-    if (fp16 && !unscale_gradients(model.gradients(), settings.loss_scale)) {
-      replica.overflowed = true;
-      // Every replica overflowed alike (the same reduced gradients).
-      if (settings.at_min_scale)
-        replica.fault = agree_on_spot(replica.comm, model.find_nonfinite_gradient());
-      return model.restore_state();
-    }
-    if (settings.max_grad_norm > 0.0f) clip_gradients<Net>(model.gradients(), settings.max_grad_norm);
-    if (replica.optimizer.options().lr != settings.lr) replica.optimizer.set_lr(settings.lr);
-    replica.optimizer.step(model.parameters(), model.gradients());
+    // the step before, too.
+    ModelExecutor<Net, OptimizerState> executor{.model = model,
+                                                 .optimizer = replica.optimizer,
+                                                 .spot = replica.fault,
+                                                 .loss = replica.stats[0],
+                                                 .has_outputs = share.count > 0,
+                                                 .replicas = &replica.comm};
+    replica.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
   }
 
   void evaluate(Replica& replica, const Job& job) {

@@ -52,6 +52,8 @@
 #include "partition.hpp"
 #include "reducer.hpp"
 #include "schedule.hpp"
+#include "split_engine.hpp"
+#include "step_protocol.hpp"
 
 #if defined(LOOM_WITH_MPI)
 #include <mpi.h>
@@ -368,7 +370,7 @@ namespace detail {
 // its share of every global batch through its own stages; stage k of every
 // replica sums its gradients with the other replicas' stage k.
 template <class Net, class Partition, class Optimizer>
-class PipelineEngine {
+class PipelineEngine final : public SplitEngine<Net> {
  public:
   static constexpr std::size_t stages = Partition::stages;
   static constexpr std::size_t classes = Net::output_shape::size;
@@ -432,21 +434,22 @@ class PipelineEngine {
 
   PipelineEngine(const PipelineEngine&) = delete;
   PipelineEngine& operator=(const PipelineEngine&) = delete;
-  ~PipelineEngine() { crew_.stop(); }
+  ~PipelineEngine() override { crew_.stop(); }
 
   const PipelineSchedule& schedule() const { return schedule_; }
   const PipelineGrid& grid() const { return grid_; }
   std::size_t replicas() const { return grid_.replicas; }
   std::size_t local_stages() const { return ranks_.size(); }
   // Every rank of the grid is here (worker devices), or only this process's.
-  bool all_local() const { return ranks_.size() == grid_.replicas * stages; }
+  bool all_local() const override { return ranks_.size() == grid_.replicas * stages; }
 
   // One batch of an optimizer step (see DataParallelEngine::micro_step).
   // Returns the step's loss and correct-count sums when `last`; a
   // non-finite loss skips the update on every rank (checked by the caller).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
-                           const StepSettings& settings, const Pass& pass = {.training = true}) {
+                           const StepSettings& settings,
+                           const Pass& pass = {.training = true}) override {
     crew_.run({.kind = JobKind::train,
                .images = images,
                .labels = labels,
@@ -463,13 +466,13 @@ class PipelineEngine {
 
   // After a step whose loss or gradients went non-finite (and which every
   // rank skipped): where it happened first, over every stage and replica.
-  const NonFiniteSpot& fault() const { return ranks_.front()->fault; }
+  const NonFiniteSpot& fault() const override { return ranks_.front()->fault; }
 
   // Loss and correct-count sums over a data set: each replica takes its
   // share, in pieces of `batch` samples, each streamed through its stages
   // in micro-batches.
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
-                         Precision precision = Precision::fp32) {
+                         Precision precision = Precision::fp32) override {
     crew_.run({.kind = JobKind::evaluate, .n = batch, .precision = precision, .dataset = &dataset});
     return loss_sums(ranks_.front()->stats);
   }
@@ -489,13 +492,13 @@ class PipelineEngine {
 
   // Every stage's weights and running statistics into `whole`'s slices
   // (collective across processes: every rank gets all of them).
-  void gather(Model<Net, float>& whole) {
+  void gather(Model<Net, float>& whole) override {
     crew_.run({.kind = JobKind::gather, .whole = whole.parameters().data()});
     if constexpr (Net::state_count > 0)
       crew_.run({.kind = JobKind::gather_state, .whole = whole.state().data()});
   }
   // Each stage takes its slices of `whole`.
-  void scatter(const Model<Net, float>& whole) {
+  void scatter(const Model<Net, float>& whole) override {
     crew_.run({.kind = JobKind::scatter, .whole = const_cast<float*>(whole.parameters().data())});
     if constexpr (Net::state_count > 0)
       crew_.run({.kind = JobKind::scatter_state, .whole = const_cast<float*>(whole.state().data())});
@@ -503,15 +506,15 @@ class PipelineEngine {
 
   // Optimizer buffer i of every stage into `whole` (the whole network's
   // size), or each stage's slice from it; as gather() and scatter().
-  void gather_optimizer(std::size_t i, float* whole) {
+  void gather_optimizer(std::size_t i, float* whole) override {
     crew_.run({.kind = JobKind::gather_buffer, .n = i, .whole = whole});
   }
-  void scatter_optimizer(std::size_t i, const float* whole) {
+  void scatter_optimizer(std::size_t i, const float* whole) override {
     crew_.run({.kind = JobKind::scatter_buffer, .n = i, .whole = const_cast<float*>(whole)});
   }
   // Every stage takes the same number of optimizer steps.
-  std::uint64_t optimizer_steps() const { return ranks_.front()->net->optimizer_steps(); }
-  void set_optimizer_steps(std::uint64_t steps) {
+  std::uint64_t optimizer_steps() const override { return ranks_.front()->net->optimizer_steps(); }
+  void set_optimizer_steps(std::uint64_t steps) override {
     for (auto& r : ranks_) r->net->set_optimizer_steps(steps);
   }
 
@@ -834,54 +837,58 @@ class PipelineEngine {
     // reduced ones under Hybrid); every rank learns the sums, so all skip a
     // non-finite step or all take it. (fp16 checks its gradients when it
     // unscales them: non-finite there is an overflow.)
-    const auto& settings = job.settings;
-    const bool fp16 = settings.precision == Precision::fp16;
+    const bool fp16 = job.settings.precision == Precision::fp16;
     r.stats[2] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
     r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-    if (!std::isfinite(r.stats[0]) || r.stats[2] > 0.0) {
-      diagnose(r, micro);
-      return r.net->restore_state();  // its running statistics too
-    }
-    if (fp16 && overflowed(r, settings.loss_scale)) {
-      r.overflowed = true;
-      // Every rank learned it (overflowed sums over the pipeline, whose
-      // replicas hold the same reduced gradients): all agree on where.
-      if (settings.at_min_scale) r.fault = agree_on_spot(r.world, r.net->find_nonfinite_gradient());
-      return r.net->restore_state();
-    }
-    if (settings.max_grad_norm > 0.0f) clip(r, settings.max_grad_norm);
-    r.net->update(settings.lr);
+    RankExecutor executor{r, micro};
+    r.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
   }
 
-  // A step gone non-finite: this rank's first non-finite value (the
-  // outputs its slots still hold, else its gradients), then the grid's.
-  static void diagnose(Rank& r, std::size_t micro) {
-    std::vector<bool> seen(r.inputs.size(), false);
-    for (std::size_t m = micro; m-- > 0 && !r.fault;) {
-      const std::size_t slot = r.slot_of[m];
-      if (seen[slot]) continue;
-      seen[slot] = true;
-      r.fault = r.net->find_nonfinite_output(slot, r.stage == 0);
+  // A pipeline rank's executor: its answers are the grid's (the sums
+  // all-reduced before, the overflow and the norm over the stages).
+  struct RankExecutor {
+    Rank& r;
+    std::size_t micro;  // the step's last batch's micro-batches on this replica
+
+    bool loss_finite() const { return std::isfinite(r.stats[0]); }
+    bool gradients_finite() const { return r.stats[2] == 0.0; }
+    // Unscales the stage's gradients; whether no stage's overflowed (the
+    // replicas' copies hold the same reduced gradients).
+    bool unscale(float loss_scale) {
+      std::array<double, 1> bad{unscale_gradients(r.net->gradients(), loss_scale) ? 0.0 : 1.0};
+      r.pipeline.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
+      return bad[0] == 0.0;
     }
-    if (!r.fault) r.fault = r.net->find_nonfinite_gradient();
-    r.fault = agree_on_spot(r.world, r.fault);
-  }
-
-  // Unscales the stage's gradients; whether any stage's overflowed (the
-  // replicas' copies hold the same reduced gradients).
-  static bool overflowed(Rank& r, float loss_scale) {
-    std::array<double, 1> bad{unscale_gradients(r.net->gradients(), loss_scale) ? 0.0 : 1.0};
-    r.pipeline.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
-    return bad[0] > 0.0;
-  }
-
-  // The norm is the whole pipeline's: each stage gives its layers' squares.
-  static void clip(Rank& r, float max_norm) {
-    std::array<double, norm_segments<Net>.size()> squares{};
-    r.net->add_layer_squares(norm_segments<Net>, squares);
-    r.pipeline.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
-    clip_gradients(r.net->gradients(), global_norm(squares), max_norm);
-  }
+    // This rank's first non-finite value (the outputs its slots still
+    // hold, else its gradients), then the grid's; its running statistics
+    // put back.
+    void skip_nonfinite(bool) {
+      std::vector<bool> seen(r.inputs.size(), false);
+      for (std::size_t m = micro; m-- > 0 && !r.fault;) {
+        const std::size_t slot = r.slot_of[m];
+        if (seen[slot]) continue;
+        seen[slot] = true;
+        r.fault = r.net->find_nonfinite_output(slot, r.stage == 0);
+      }
+      if (!r.fault) r.fault = r.net->find_nonfinite_gradient();
+      r.fault = agree_on_spot(r.world, r.fault);
+      r.net->restore_state();
+    }
+    // Every rank learned of the overflow (summed over the pipeline, whose
+    // replicas hold the same reduced gradients): all agree on where.
+    void skip_overflow(bool name_spot) {
+      if (name_spot) r.fault = agree_on_spot(r.world, r.net->find_nonfinite_gradient());
+      r.net->restore_state();
+    }
+    // The norm is the whole pipeline's: each stage gives its layers' squares.
+    void clip(float max_norm) {
+      std::array<double, norm_segments<Net>.size()> squares{};
+      r.net->add_layer_squares(norm_segments<Net>, squares);
+      r.pipeline.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
+      clip_gradients(r.net->gradients(), global_norm(squares), max_norm);
+    }
+    void update(float lr) { r.net->update(lr); }
+  };
 
   // Hybrid: a stage's copies take replica 0's running statistics (as
   // DataParallel's replicas do) before each step and evaluation.

@@ -117,10 +117,11 @@ N parse_number(const io::SafetensorsFile& file, const std::string& key, const st
   return value;
 }
 
-template <class Net>
-void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& image) {
+// `table`: the network's tensors (tensor_table<Net>()). Not a template, so
+// that it is compiled once however many networks a program checkpoints.
+inline void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& image,
+                             const std::vector<TensorSlot>& table) {
   io::SafetensorsWriter writer;
-  const auto table = tensor_table<Net>();
   for (const auto& slot : table) {
     const auto& from = slot.state ? image.state : image.parameters;
     writer.add(slot.name, std::span<const float>(from).subspan(slot.offset, slot.size()),
@@ -223,10 +224,14 @@ using OptimizerOptions = std::span<const std::pair<const char*, float>>;
 // checkpoint that does not fit leaves the trainer as it was.
 // `buffer_names`: the optimizer's buffers this trainer keeps; `options`:
 // its options, whose names are read (check_resumed_options compares them).
-template <class Net>
-CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_view optimizer,
-                                const std::vector<std::string>& buffer_names,
-                                OptimizerOptions options) {
+// `table`: the network's tensors (tensor_table<Net>()), `parameter_count`
+// and `state_count` its sizes.
+inline CheckpointImage read_checkpoint(const std::filesystem::path& path,
+                                       std::string_view optimizer,
+                                       const std::vector<std::string>& buffer_names,
+                                       OptimizerOptions options,
+                                       const std::vector<TensorSlot>& table,
+                                       std::size_t parameter_count, std::size_t state_count) {
   const std::string where = path.string();
   const auto file = io::SafetensorsFile::read(path);
   LOOM_CHECK(file.metadata().contains("format") && file.metadata("format") == checkpoint_format,
@@ -240,9 +245,8 @@ CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_v
   LOOM_CHECK(image.optimizer == optimizer, "checkpoint '", where, "' was written by a trainer "
              "using ", image.optimizer, ", but this one uses ", optimizer,
              "; its optimizer state would not fit");
-  const auto table = tensor_table<Net>();
-  image.parameters.assign(Net::parameter_count, 0.0f);
-  image.state.assign(Net::state_count, 0.0f);
+  image.parameters.assign(parameter_count, 0.0f);
+  image.state.assign(state_count, 0.0f);
   std::size_t expected = table.size();
   for (const auto& slot : table) {
     LOOM_CHECK(file.contains(slot.name), "checkpoint '", where, "' has no tensor '", slot.name,
@@ -252,7 +256,7 @@ CheckpointImage read_checkpoint(const std::filesystem::path& path, std::string_v
   }
   image.buffer_names = buffer_names;
   for (const auto& name : buffer_names) {
-    auto& buffer = image.buffers.emplace_back(Net::parameter_count, 0.0f);
+    auto& buffer = image.buffers.emplace_back(parameter_count, 0.0f);
     for (const auto& slot : table) {
       if (slot.state) continue;
       const std::string key = "optimizer." + name + "." + slot.name;

@@ -1,0 +1,51 @@
+// What a trainer asks of a pipelined policy's engine (ModelSplit, Hybrid),
+// whichever backend runs its stages: the CPU's worker devices or MPI
+// processes (PipelineEngine in model_split.hpp) or the GPUs
+// (gpu/pipeline.cuh). One interface per network, so the trainer's step,
+// checkpoint and evaluation code is written once for both.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../backend/cpu/softmax_xent.hpp"
+#include "../core/precision.hpp"
+#include "../data/dataset.hpp"
+#include "../layers/layer.hpp"
+#include "../net/model.hpp"
+#include "crew.hpp"
+
+namespace loom::detail {
+
+template <class Net>
+class SplitEngine {
+ public:
+  virtual ~SplitEngine() = default;
+
+  // Every rank of the grid is in this process.
+  virtual bool all_local() const = 0;
+  // One batch of an optimizer step: the step's loss and correct-count sums
+  // when `last`; a non-finite loss skips the update on every rank (the
+  // caller checks).
+  virtual cpu::LossSums micro_step(const float* images, const std::int32_t* labels,
+                                   std::size_t n, std::size_t group_samples, bool accumulate,
+                                   bool last, const StepSettings& settings,
+                                   const Pass& pass) = 0;
+  // After a step that every rank skipped as non-finite: where first, when
+  // the engine looked; and whether the gradients were non-finite where no
+  // spot was found (a GPU's summed gradients).
+  virtual const NonFiniteSpot& fault() const = 0;
+  virtual bool gradients_nonfinite() const { return false; }
+  virtual cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
+                                 Precision precision) = 0;
+  // The stages' weights and running statistics into the whole network, and
+  // back; optimizer buffer b likewise; the optimizer's step count.
+  virtual void gather(Model<Net, float>& whole) = 0;
+  virtual void scatter(const Model<Net, float>& whole) = 0;
+  virtual void gather_optimizer(std::size_t b, float* whole) = 0;
+  virtual void scatter_optimizer(std::size_t b, const float* whole) = 0;
+  virtual std::uint64_t optimizer_steps() const = 0;
+  virtual void set_optimizer_steps(std::uint64_t steps) = 0;
+};
+
+}  // namespace loom::detail
