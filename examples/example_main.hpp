@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "example_cli.hpp"
+#include "example_trainers.hpp"
 
 namespace loom::examples {
 
@@ -159,6 +160,8 @@ inline Precision precision_of(const std::string& name) {
 template <class Net, class Policy>
 void train(const char* title, const Options& o, const data::Split& data,
            std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+  static_assert(example_policy<Policy>, "example_trainers.hpp names the examples' trainers: "
+                "their CUDA side registers executors for those alone");
   const auto started = std::chrono::steady_clock::now();
   TrainerOptions trainer_options{.seed = o.seed, .precision = precision_of(o.precision)};
   const bool cifar = data.train.channels == 3;
@@ -230,14 +233,12 @@ void train(const char* title, const Options& o, const data::Split& data,
       out << trainer.nonfinite_steps() << " step(s) skipped for a non-finite loss or gradient\n";
     return evaluate.last;
   };
-  // One trainer type for both optimizers: AnyOptimizer runs the one
-  // --optimizer names.
   AnyOptimizer::Options optimizer;
   if (o.optimizer == "adamw")
     optimizer = AdamW::Options{.lr = o.lr, .weight_decay = o.weight_decay};
   else
     optimizer = SGD::Options{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay};
-  Trainer<Net, Policy, AnyOptimizer> trainer(devices, optimizer, trainer_options, processes);
+  ExampleTrainer<Net, Policy> trainer(devices, optimizer, trainer_options, processes);
   EvalResult last;
   try {
     last = fit_with(trainer);
@@ -253,16 +254,14 @@ void train(const char* title, const Options& o, const data::Split& data,
   out << line;
 }
 
-// ModelSplit and Hybrid: R pipelines of S balanced stages (S from 2 to 4:
-// each cut is a type of its own). R is a run-time value
-// (Hybrid<replicas_from_devices, ...>, a ModelSplit when it is one), so
-// three trainer types lay out every grid.
+// ModelSplit and Hybrid: R pipelines of S balanced stages (a Hybrid with one
+// replica is a ModelSplit, and names itself so), so three trainer types lay
+// out every grid.
 template <class Net>
 void train_pipelines(const char* title, const Options& o, const data::Split& data, int stages,
                      std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
   const auto run = [&]<std::size_t S>() {
-    train<Net, Hybrid<replicas_from_devices, ModelSplit<Balanced<S>>>>(title, o, data, devices,
-                                                                       processes, out);
+    train<Net, PipelinePolicy<S>>(title, o, data, devices, processes, out);
   };
   if (stages == 2)
     run.template operator()<2>();

@@ -2,11 +2,13 @@
 // Fashion-MNIST image is read as a sequence of 28 rows of 28 features by a
 // GRU, and its last hidden state is classified. The same command line as
 // the LeNet example, --policy single|data|split|hybrid included.
+// The network: examples::RowGru (networks.hpp); built with CUDA, gru_gpu.cu
+// adds the GPU side.
 #include "example_main.hpp"
+#include "networks.hpp"
 
 using namespace loom;
-
-using RowGru = Sequential<Input<1, 28, 28>, Reshape<28, 28>, GRU<128>, Linear<64>, ReLU, Linear<10>>;
+using examples::RowGru;
 
 int main(int argc, char** argv) {
   examples::Options defaults;

@@ -2,27 +2,15 @@
 // and 64 channels, batch normalisation, global average pooling) on
 // Fashion-MNIST's 28 x 28 images, or with --cifar DIR on CIFAR-10's 32 x 32
 // colour images. The same command line as the LeNet example, --policy
-// single|data|split|hybrid included.
+// single|data|split|hybrid included. The network: examples::ResNet20
+// (networks.hpp); built with CUDA, resnet_gpu.cu adds the GPU side.
 #include "example_main.hpp"
+#include "networks.hpp"
 
 using namespace loom;
 
-// conv-BN-ReLU-conv-BN plus the shortcut; a strided first block halves the
-// image and doubles the channels through a 1 x 1 projection.
-template <std::size_t Channels, std::size_t Stride = 1>
-using Block = Residual<Conv2d<Channels, 3, Stride, 1>, BatchNorm2d, ReLU,
-                       Conv2d<Channels, 3, 1, 1>, BatchNorm2d>;
-
-template <class In>
-using ResNet20 = Sequential<In, Conv2d<16, 3, 1, 1>, BatchNorm2d, ReLU,  //
-                            Block<16>, ReLU, Block<16>, ReLU, Block<16>, ReLU,
-                            Block<32, 2>, ReLU, Block<32>, ReLU, Block<32>, ReLU,
-                            Block<64, 2>, ReLU, Block<64>, ReLU, Block<64>, ReLU,  //
-                            GlobalAvgPool, Linear<10>>;
-using FashionResNet = ResNet20<Input<1, 28, 28>>;
-using CifarResNet = ResNet20<Input<3, 32, 32>>;
-static_assert(std::is_same_v<type_at_t<20, FashionResNet::layers>::output_shape, Shape<64, 7, 7>>);
-static_assert(std::is_same_v<type_at_t<20, CifarResNet::layers>::output_shape, Shape<64, 8, 8>>);
+using examples::CifarResNet;
+using examples::FashionResNet;
 
 int main(int argc, char** argv) {
   examples::Options defaults;

@@ -117,7 +117,9 @@ TEST_CASE("trainer: misuse is a clear loom::Error") {
     const Device gpu{.kind = Device::Kind::cuda, .index = 0};
     REQUIRE_THROWS_WITH((Trainer<Mlp>({gpu}, {})),
                         Catch::StartsWith("loom: device cuda:0 needs the CUDA backend: compile "
-                                          "with nvcc, including <loom/loom.hpp>, to use GPUs ["));
+                                          "with nvcc, including <loom/loom.hpp>, or register "
+                                          "this trainer from a CUDA translation unit "
+                                          "(loom::gpu::register_trainers), to use GPUs ["));
     REQUIRE_THROWS_WITH((Trainer<Mlp, ModelSplit<Balanced<2>>>({gpu, gpu}, {})),
                         Catch::Contains("device cuda:0 needs the CUDA backend"));
   }

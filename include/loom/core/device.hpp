@@ -1,5 +1,5 @@
 // Devices a network runs on. A CPU device is a worker with its own thread
-// budget; a CUDA device is one GPU, used when the program is compiled by nvcc.
+// budget; a CUDA device is one GPU, in a program with a translation unit nvcc compiles.
 #pragma once
 
 #include <algorithm>
@@ -58,18 +58,28 @@ inline std::vector<Device> cpu(int n = 1) {
   return list;
 }
 
-// The GPUs present, when compiled by nvcc; none otherwise, and none where
-// the driver is missing (a build machine), which is not an error.
+}  // namespace devices
+
+namespace detail {
+// The CUDA runtime's answers, set by every translation unit nvcc compiles
+// (below), so that code the host compiler built finds the GPUs as well, in
+// a program that links a CUDA translation unit. Unset: no CUDA in the program.
+struct CudaRuntime {
+  int (*device_count)() = nullptr;  // 0 without a driver (a build machine)
+  bool (*free_memory)(int, std::size_t&) = nullptr;
+};
+inline constinit CudaRuntime cuda_runtime{};
+}  // namespace detail
+
+namespace devices {
+
+// The GPUs present, in a program with a translation unit nvcc compiled;
+// none otherwise, and none where the driver is missing (a build machine),
+// which is not an error.
 inline std::vector<Device> gpus() {
   std::vector<Device> list;
-#if defined(__CUDACC__)
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // leaves no error behind for the next checked call
-    return list;
-  }
+  const int count = detail::cuda_runtime.device_count ? detail::cuda_runtime.device_count() : 0;
   for (int i = 0; i < count; ++i) list.push_back(Device{Device::Kind::cuda, i, 1});
-#endif
   return list;
 }
 
@@ -78,16 +88,12 @@ inline std::vector<Device> gpus() {
 // device, which its workers share.
 inline std::size_t memory_available(const Device& device) {
   if (device.kind == Device::Kind::cuda) {
-#if defined(__CUDACC__)
-    std::size_t free = 0, total = 0;
-    int previous = 0;
-    LOOM_CHECK(cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device.index) == cudaSuccess &&
-                   cudaMemGetInfo(&free, &total) == cudaSuccess && cudaSetDevice(previous) == cudaSuccess,
+    LOOM_CHECK(detail::cuda_runtime.free_memory != nullptr, "devices::memory_available: ",
+               device.name(), " needs the CUDA backend (a translation unit nvcc compiles)");
+    std::size_t free = 0;
+    LOOM_CHECK(detail::cuda_runtime.free_memory(device.index, free),
                "devices::memory_available: cannot query ", device.name());
     return free;
-#else
-    LOOM_FAIL("devices::memory_available: ", device.name(), " needs the CUDA backend (nvcc)");
-#endif
   }
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
@@ -117,4 +123,27 @@ inline std::vector<Device> all() {
 }
 
 }  // namespace devices
+
+#if defined(__CUDACC__)
+namespace detail {
+inline int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // leaves no error behind for the next checked call
+    return 0;
+  }
+  return count;
+}
+inline bool cuda_free_memory(int index, std::size_t& free) {
+  std::size_t total = 0;
+  int previous = 0;
+  return cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(index) == cudaSuccess &&
+         cudaMemGetInfo(&free, &total) == cudaSuccess && cudaSetDevice(previous) == cudaSuccess;
+}
+// Set before main() by each translation unit nvcc compiles (one is enough).
+inline const bool cuda_runtime_set =
+    (cuda_runtime = {.device_count = &cuda_device_count, .free_memory = &cuda_free_memory}, true);
+}  // namespace detail
+#endif
+
 }  // namespace loom

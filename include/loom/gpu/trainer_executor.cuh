@@ -553,4 +553,27 @@ std::unique_ptr<detail::GpuExecutor<Trainer<Net, Policy, Optimizer>>> make_gpu_e
   return std::make_unique<gpu::TrainerExecutor<Trainer<Net, Policy, Optimizer>>>();
 }
 
+namespace gpu {
+
+// For a program whose trainers the host compiler builds: its CUDA
+// translation unit (nvcc, including <loom/loom.hpp>) registers the CUDA
+// executor of each trainer type the program puts on GPUs, before any is
+// made, e.g. at static initialisation:
+//
+//   static const bool registered = loom::gpu::register_trainers<Trainer<Net>>();
+//
+// That unit compiles the GPU side alone (the trainers' CPU engines are not
+// instantiated there). It must not construct those trainers itself: there
+// the constructor finds make_gpu_executor, and would differ from the host's.
+template <class... Trainers>
+bool register_trainers() {
+  ((::loom::detail::gpu_executor_factory<Trainers> =
+        []() -> std::unique_ptr<::loom::detail::GpuExecutor<Trainers>> {
+          return std::make_unique<TrainerExecutor<Trainers>>();
+        }),
+   ...);
+  return true;
+}
+
+}  // namespace gpu
 }  // namespace loom

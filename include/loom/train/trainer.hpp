@@ -87,13 +87,18 @@ class Trainer : public detail::TrainerCore {
       LOOM_CHECK(device.kind == devices_.front().kind, "devices ", devices_.front().name(), " and ",
                  device.name(), " are of different kinds; give one kind");
     }
-    // GPUs run on the CUDA executor, which a program built by nvcc has
-    // (loom.hpp brings gpu/trainer_executor.cuh); the host compiler's has none.
+    // GPUs run on the CUDA executor: a program built by nvcc has it (loom.hpp
+    // brings gpu/trainer_executor.cuh); one built by the host compiler has
+    // what its CUDA translation unit registered (gpu::register_trainers).
     if (on_gpu()) {
-      if constexpr (requires(Trainer& t) { make_gpu_executor(t); }) gpu_ = make_gpu_executor(*this);
+      if constexpr (requires(Trainer& t) { make_gpu_executor(t); })
+        gpu_ = make_gpu_executor(*this);
+      else if (detail::gpu_executor_factory<Trainer> != nullptr)
+        gpu_ = detail::gpu_executor_factory<Trainer>();
       LOOM_CHECK(gpu_ != nullptr, "device ", devices_.front().name(),
-                 " needs the CUDA backend: compile with nvcc, including <loom/loom.hpp>, to use "
-                 "GPUs");
+                 " needs the CUDA backend: compile with nvcc, including <loom/loom.hpp>, or "
+                 "register this trainer from a CUDA translation unit "
+                 "(loom::gpu::register_trainers), to use GPUs");
     }
     if constexpr (is_data_parallel<Policy>) {
       if (devices_.front().kind == Device::Kind::cpu)

@@ -15,6 +15,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -228,6 +229,16 @@ class GpuExecutor {
   virtual void plan_split(Trainer& trainer, std::size_t batch) = 0;
   virtual SplitEngine<typename Trainer::Net>* split() const = 0;
 };
+
+// A program whose trainers the host compiler builds runs them on GPUs with
+// the CUDA executors its CUDA translation unit registers here
+// (gpu::register_trainers, at static initialisation), so that each side is
+// compiled by its own compiler; one that nvcc compiles whole finds the
+// executor directly (make_gpu_executor).
+template <class Trainer>
+using GpuExecutorFactory = std::unique_ptr<GpuExecutor<Trainer>> (*)();
+template <class Trainer>
+inline constinit GpuExecutorFactory<Trainer> gpu_executor_factory = nullptr;
 
 class TrainerCore {
  public:

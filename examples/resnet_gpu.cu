@@ -1,0 +1,10 @@
+// The ResNet example's CUDA side, compiled by nvcc: the CUDA executor of
+// each trainer the example (compiled by the host compiler) builds.
+#include "example_trainers.hpp"
+#include "networks.hpp"
+
+namespace {
+using loom::examples::CifarResNet;
+using loom::examples::FashionResNet;
+const bool registered = loom::examples::register_gpu_trainers<FashionResNet, CifarResNet>();
+}  // namespace
