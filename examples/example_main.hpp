@@ -160,7 +160,7 @@ inline Precision precision_of(const std::string& name) {
 template <class Net, class Policy>
 void train(const char* title, const Options& o, const data::Split& data,
            std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
-  static_assert(example_policy<Policy>, "example_trainers.hpp names the examples' trainers: "
+  static_assert(ExamplePolicies::contains<Policy>, "example_trainers.hpp names the examples' trainers: "
                 "their CUDA side registers executors for those alone");
   const auto started = std::chrono::steady_clock::now();
   TrainerOptions trainer_options{.seed = o.seed, .precision = precision_of(o.precision)};

@@ -20,24 +20,25 @@ using PipelinePolicy = Hybrid<replicas_from_devices, ModelSplit<Balanced<S>>>;
 template <class Net, class Policy>
 using ExampleTrainer = Trainer<Net, Policy, AnyOptimizer>;
 
-template <class Policy>
-inline constexpr bool example_policy =
-    std::is_same_v<Policy, SingleDevice> || std::is_same_v<Policy, DataParallel<>> ||
-    std::is_same_v<Policy, PipelinePolicy<2>> || std::is_same_v<Policy, PipelinePolicy<3>> ||
-    std::is_same_v<Policy, PipelinePolicy<4>>;
-
+// The examples' policies, listed once for both sides.
+template <class... Policies>
+struct PolicyList {
+  template <class Policy>
+  static constexpr bool contains = (std::is_same_v<Policy, Policies> || ...);
 #if defined(__CUDACC__)
-// In the example's CUDA translation unit: every example trainer of each
-// network gets the CUDA executor.
-template <class... Nets>
-bool register_gpu_trainers() {
-  return (gpu::register_trainers<ExampleTrainer<Nets, SingleDevice>,
-                                 ExampleTrainer<Nets, DataParallel<>>,
-                                 ExampleTrainer<Nets, PipelinePolicy<2>>,
-                                 ExampleTrainer<Nets, PipelinePolicy<3>>,
-                                 ExampleTrainer<Nets, PipelinePolicy<4>>>() &&
-          ...);
-}
+  // In the example's CUDA translation unit: every example trainer of each
+  // network gets the CUDA executor.
+  template <class... Nets>
+  static bool register_gpu_trainers() {
+    return (register_net<Nets>() && ...);
+  }
+  template <class Net>
+  static bool register_net() {
+    return gpu::register_trainers<ExampleTrainer<Net, Policies>...>();
+  }
 #endif
+};
+using ExamplePolicies = PolicyList<SingleDevice, DataParallel<>, PipelinePolicy<2>,
+                                   PipelinePolicy<3>, PipelinePolicy<4>>;
 
 }  // namespace loom::examples

@@ -4,5 +4,6 @@
 #include "networks.hpp"
 
 namespace {
-const bool registered = loom::examples::register_gpu_trainers<loom::examples::LeNet>();
+using loom::examples::ExamplePolicies;
+const bool registered = ExamplePolicies::register_gpu_trainers<loom::examples::LeNet>();
 }  // namespace

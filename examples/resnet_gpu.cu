@@ -6,5 +6,6 @@
 namespace {
 using loom::examples::CifarResNet;
 using loom::examples::FashionResNet;
-const bool registered = loom::examples::register_gpu_trainers<FashionResNet, CifarResNet>();
+using loom::examples::ExamplePolicies;
+const bool registered = ExamplePolicies::register_gpu_trainers<FashionResNet, CifarResNet>();
 }  // namespace
