@@ -1,7 +1,7 @@
 // What every CUDA test file shares: Catch2 with a main that reports "skipped"
 // (exit code 77, CTest's SKIP_RETURN_CODE) when no usable GPU is present,
 // and helpers to move vectors to and from the device. Write
-// LOOM_CUDA_TEST_MAIN once at the end of each test file.
+// LOOM_CUDA_TEST_MAIN once in each test program.
 #pragma once
 
 #define CATCH_CONFIG_RUNNER

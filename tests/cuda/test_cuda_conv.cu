@@ -266,5 +266,3 @@ TEST_CASE("cuda conv: rejected shapes and a short workspace are loom::Errors nam
   REQUIRE(refused >= 1);
   LOOM_CUDA_CHECK(cudaDeviceSynchronize());
 }
-
-LOOM_CUDA_TEST_MAIN

@@ -300,5 +300,3 @@ TEST_CASE("cuda gemm: an impossible plan and a wrong run are loom::Errors naming
   REQUIRE_THROWS_WITH(plan.run(misaligned), Catch::Contains(".run: a (") &&
                                                 Catch::Contains("is not aligned to 16 bytes"));
 }
-
-LOOM_CUDA_TEST_MAIN

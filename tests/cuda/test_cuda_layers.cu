@@ -343,5 +343,3 @@ TEST_CASE("cuda layers: SyncBatchNorm all-reduced over one rank equals BatchNorm
   // Without replicas a SyncBatchNorm is a BatchNorm.
   check_batch_norm<Bind<loom::SyncBatchNorm2d, Shape<16, 28, 28>, 3>>(8, 63);
 }
-
-LOOM_CUDA_TEST_MAIN

@@ -154,5 +154,3 @@ TEST_CASE("cuda: standalone ReLU forward and backward equal the CPU backend, NaN
     if (i != 17) REQUIRE(got[i] == y[i]);
   test::require_equal(to_host(d_dx), dx, "dx");
 }
-
-LOOM_CUDA_TEST_MAIN

@@ -198,5 +198,3 @@ TEST_CASE("cuda: the recurrent runner refuses a scratch smaller than it asked fo
       Catch::Contains("bytes of scratch given") &&
           Catch::Contains(std::to_string(runner.scratch_bytes()) + " needed for a batch of 2"));
 }
-
-LOOM_CUDA_TEST_MAIN

@@ -140,5 +140,3 @@ TEST_CASE("cuda nccl: a wait past the timeout aborts the communicator and raises
                       Catch::Contains("the communicator was aborted"));
   LOOM_CUDA_CHECK(cudaDeviceSynchronize());  // the busy kernel ends in its own time
 }
-
-LOOM_CUDA_TEST_MAIN
