@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cmath>
+#include <ostream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace loom {
@@ -28,13 +30,31 @@ class ResumeMismatch : public Error {
 
 namespace detail {
 
-template <class... Parts>
-[[noreturn]] void raise(const char* file, int line, const Parts&... parts) {
+// Writes a message's parts (see raise).
+using MessageWriter = void (*)(std::ostream& out, const void* parts);
+
+// The one place a message is built and thrown: each raise<Parts...> below
+// holds only its parts' `<<`s, not a stream of its own (a program has
+// hundreds of them).
+[[noreturn]] inline void throw_error(const char* file, int line, MessageWriter write,
+                                     const void* parts) {
   std::ostringstream message;
   message << "loom: ";
-  (message << ... << parts);
+  write(message, parts);
   message << " [" << file << ':' << line << ']';
   throw Error(message.str());
+}
+
+template <class... Parts>
+[[noreturn]] void raise(const char* file, int line, const Parts&... parts) {
+  const std::tuple<const Parts&...> all(parts...);
+  throw_error(
+      file, line,
+      [](std::ostream& out, const void* erased) {
+        std::apply([&](const auto&... part) { (out << ... << part); },
+                   *static_cast<const std::tuple<const Parts&...>*>(erased));
+      },
+      &all);
 }
 
 }  // namespace detail

@@ -21,6 +21,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -381,31 +382,46 @@ class Metrics {
 
   template <class TrainerT>
   void on_step(const StepInfo& step, TrainerT& trainer) {
+    write_step(step, trainer.steps(), trainer.optimizer().options().lr,
+               trainer.device_step_seconds(),
+               trainer.precision() == Precision::fp16 ? std::optional(trainer.loss_scale())
+                                                      : std::nullopt);
+  }
+
+  template <class TrainerT>
+  void on_epoch_end(const EpochInfo& epoch, TrainerT& trainer) {
+    write_epoch(epoch, trainer.steps(), trainer.optimizer().options().lr);
+  }
+
+ private:
+  // The lines, written once for every trainer type. loss_scale: fp16's.
+  void write_step(const StepInfo& step, std::uint64_t steps, float lr,
+                  const std::vector<double>& device_step_seconds,
+                  std::optional<float> loss_scale) {
     const auto now = std::chrono::steady_clock::now();
     const double seconds = std::chrono::duration<double>(now - last_).count();
     last_ = now;
     nlohmann::json line{{"kind", "step"},
-                        {"step", trainer.steps()},
+                        {"step", steps},
                         {"epoch", step.epoch},
                         {"epoch_step", step.step},
                         {"loss", step.step_loss},
                         {"accuracy", step.step_accuracy},
                         {"epoch_loss", step.loss},
                         {"epoch_accuracy", step.accuracy},
-                        {"lr", trainer.optimizer().options().lr},
+                        {"lr", lr},
                         {"skipped", step.skipped},
                         {"samples_per_second",
                          seconds > 0 ? static_cast<double>(step.step_samples) / seconds : 0.0},
-                        {"device_step_seconds", trainer.device_step_seconds()}};
-    if (trainer.precision() == Precision::fp16) line["loss_scale"] = trainer.loss_scale();
+                        {"device_step_seconds", device_step_seconds}};
+    if (loss_scale) line["loss_scale"] = *loss_scale;
     if (!step.nonfinite.empty()) line["nonfinite"] = step.nonfinite;
     write(line);
   }
 
-  template <class TrainerT>
-  void on_epoch_end(const EpochInfo& epoch, TrainerT& trainer) {
+  void write_epoch(const EpochInfo& epoch, std::uint64_t steps, float lr) {
     nlohmann::json line{{"kind", "epoch"},
-                        {"step", trainer.steps()},
+                        {"step", steps},
                         {"epoch", epoch.epoch},
                         {"loss", epoch.loss},
                         {"accuracy", epoch.accuracy},
@@ -413,7 +429,7 @@ class Metrics {
                         {"samples_per_second",
                          epoch.seconds > 0 ? static_cast<double>(epoch.samples) / epoch.seconds
                                            : 0.0},
-                        {"lr", trainer.optimizer().options().lr}};
+                        {"lr", lr}};
     if (options_.evaluate != nullptr && !options_.evaluate->history.empty()) {
       line["test_loss"] = options_.evaluate->last.loss;
       line["test_accuracy"] = options_.evaluate->last.accuracy;
@@ -422,7 +438,6 @@ class Metrics {
     last_ = std::chrono::steady_clock::now();  // the evaluation is not the next step's
   }
 
- private:
   void open() {
     file_.open(options_.path, options_.append ? std::ios::app : std::ios::trunc);
     LOOM_CHECK(file_.is_open(), "callbacks::Metrics: cannot open '", options_.path.string(),
