@@ -88,6 +88,10 @@ class Crew {
     for (std::size_t i = 0; i < workers; ++i) threads_list_.emplace_back([this, i] { work(i); });
   }
 
+  // The only rank of its group (a grid of one): no other rank can be left
+  // apart from it, so it may go on after a job that failed.
+  void set_alone() { alone_ = true; }
+
   // Ends the threads (after their current job). Idempotent.
   void stop() {
     {
@@ -112,7 +116,7 @@ class Crew {
     wake_.notify_all();
     finished_.wait(lock, [&] { return running_ == 0; });
     if (errors_.empty()) return;
-    failed_ = true;
+    failed_ = !alone_;
     std::exception_ptr first = errors_.front();
     for (const auto& error : errors_) {
       try {
@@ -173,6 +177,7 @@ class Crew {
   std::size_t running_ = 0;
   bool stop_ = false;
   bool failed_ = false;
+  bool alone_ = false;
   std::vector<std::exception_ptr> errors_;
 };
 

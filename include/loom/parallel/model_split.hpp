@@ -13,51 +13,26 @@
 // network's flat buffer from stage_parameter_offset, initialised from the
 // whole network's seeded weights.
 //
-// Overlap: a stage never waits to send (see Outbox): it goes on with its
-// next pass while an activation or gradient is on its way, and waits only
-// to receive what its next pass needs.
+// The engine is the grid engine (grid_engine.hpp), over one Model per stage.
 #pragma once
 
-#include <algorithm>
 #include <array>
-#include <chrono>
-#include <cmath>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
-#include <exception>
-#include <functional>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
-#include "../comm/communicator.hpp"
-#include "../comm/local_comm.hpp"
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../data/dataset.hpp"
-#include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
-#include "../optim/clip.hpp"
-#include "../optim/loss_scaler.hpp"
-#include "buckets.hpp"
-#include "crew.hpp"
-#include "data_parallel.hpp"
+#include "grid_engine.hpp"
 #include "partition.hpp"
-#include "reducer.hpp"
 #include "schedule.hpp"
 #include "split_engine.hpp"
-#include "step_protocol.hpp"
-
-#if defined(LOOM_WITH_MPI)
-#include <mpi.h>
-#endif
 
 namespace loom {
 
@@ -121,226 +96,6 @@ constexpr std::array<StageMemory, Policy::stages> pipeline_memory_plan(
   return plan;
 }
 
-// What a stage measured in its last step (ModelSplit's engine on CPU devices).
-struct StageReport {
-  std::size_t stage = 0;
-  std::size_t replica = 0;              // Hybrid: which pipeline (0 for ModelSplit)
-  std::size_t peak_in_flight = 0;       // since the engine started
-  std::size_t activation_elements = 0;  // held now: Model's arena plus kept inputs
-  double busy_seconds = 0.0;            // forward, loss and backward passes, last step
-  std::chrono::steady_clock::time_point begin, end;  // the last step's passes
-  // Hybrid: when each gradient bucket went to the stage's communication
-  // thread in the last step, and when its all-reduce over the stage's
-  // copies began and ended (empty for ModelSplit).
-  std::vector<std::chrono::steady_clock::time_point> reduce_posted, reduce_begin, reduce_end;
-};
-
-namespace detail {
-
-// One stage's network and optimizer state behind a type-erased face, so the
-// engine's code is written once for stages of different types.
-class PipelineStage {
- public:
-  virtual ~PipelineStage() = default;
-  virtual void reserve(std::size_t micro_batch, std::size_t slots) = 0;
-  virtual const float* forward(const float* input, std::size_t n, std::size_t slot,
-                               const Pass& pass) = 0;
-  virtual float* output_gradient() = 0;
-  virtual void backward(std::size_t slot, bool accumulate, float* input_gradient) = 0;
-  // The same, calling done(i) as each executed layer's gradients become final.
-  virtual void backward(std::size_t slot, bool accumulate, float* input_gradient,
-                        const std::function<void(std::size_t)>& done) = 0;
-  virtual void update(float lr) = 0;
-  virtual void set_precision(Precision precision) = 0;
-  // Its layers' squared gradient norms into their entries of the whole
-  // network's (see optim/clip.hpp).
-  virtual void add_layer_squares(std::span<const std::size_t> starts,
-                                 std::span<double> squares) const = 0;
-  virtual std::span<float> parameters() = 0;
-  virtual std::span<float> gradients() = 0;
-  virtual std::span<float> state() = 0;
-  virtual void keep_state() = 0;
-  virtual void restore_state() = 0;
-  // A non-finite step's diagnosis (see Model).
-  virtual bool gradients_finite() const = 0;
-  virtual NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) = 0;
-  virtual NonFiniteSpot find_nonfinite_gradient() = 0;
-  virtual std::size_t arena_elements() const = 0;
-  // The optimizer's per-parameter buffers (momentum, moments) and step count.
-  virtual std::size_t optimizer_buffers() const = 0;
-  virtual std::span<float> optimizer_buffer(std::size_t i) = 0;
-  virtual std::uint64_t optimizer_steps() const = 0;
-  virtual void set_optimizer_steps(std::uint64_t steps) = 0;
-  std::size_t input_size = 0, output_size = 0, parameter_offset = 0, state_offset = 0;
-  std::vector<GradientBucket> buckets;  // Hybrid: the stage's gradients, reduced over its copies
-};
-
-template <class StageNet, class Optimizer>
-class StageOf final : public PipelineStage {
- public:
-  StageOf(std::span<const float> weights, std::span<const float> state,
-          typename Optimizer::Options options, std::size_t offset, std::size_t state_at)
-      : optimizer_(options, StageNet::parameter_count) {
-    input_size = StageNet::input_shape::size;
-    output_size = StageNet::output_shape::size;
-    parameter_offset = offset;
-    state_offset = state_at;
-    std::copy(weights.begin(), weights.end(), model_.parameters().begin());
-    std::copy(state.begin(), state.end(), model_.state().begin());
-  }
-  void reserve(std::size_t micro_batch, std::size_t slots) override {
-    model_.reserve(micro_batch, slots);
-  }
-  const float* forward(const float* input, std::size_t n, std::size_t slot,
-                       const Pass& pass) override {
-    return model_.forward(input, n, slot, pass);
-  }
-  float* output_gradient() override { return model_.output_gradient(); }
-  void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
-    model_.backward(slot, accumulate, input_gradient);
-  }
-  void backward(std::size_t slot, bool accumulate, float* input_gradient,
-                const std::function<void(std::size_t)>& done) override {
-    model_.backward(slot, accumulate, input_gradient, done);
-  }
-  void update(float lr) override {
-    if (optimizer_.options().lr != lr) optimizer_.set_lr(lr);
-    optimizer_.step(model_.parameters(), model_.gradients());
-  }
-  void set_precision(Precision precision) override { model_.set_precision(precision); }
-  void add_layer_squares(std::span<const std::size_t> starts,
-                         std::span<double> squares) const override {
-    detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares);
-  }
-  std::span<float> parameters() override { return model_.parameters(); }
-  std::span<float> gradients() override { return model_.gradients(); }
-  std::span<float> state() override { return model_.state(); }
-  void keep_state() override { model_.keep_state(); }
-  void restore_state() override { model_.restore_state(); }
-  bool gradients_finite() const override { return model_.gradients_finite(); }
-  NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) override {
-    return model_.find_nonfinite_output(slot, input);
-  }
-  NonFiniteSpot find_nonfinite_gradient() override { return model_.find_nonfinite_gradient(); }
-  std::size_t arena_elements() const override { return model_.arena_elements(); }
-  std::size_t optimizer_buffers() const override { return optimizer_.buffer_count(); }
-  std::span<float> optimizer_buffer(std::size_t i) override { return optimizer_.buffer(i); }
-  std::uint64_t optimizer_steps() const override { return optimizer_.steps(); }
-  void set_optimizer_steps(std::uint64_t steps) override { optimizer_.set_steps(steps); }
-
- private:
-  Model<StageNet, float> model_;
-  typename Optimizer::template State<float> optimizer_;
-};
-
-// Sends a stage's messages to one neighbour without making the stage wait:
-// on a communicator whose sends are buffered (LocalComm) straight from the
-// calling thread; otherwise (MPI, whose large sends wait for the matching
-// receive) from a thread of its own, in the order sent, the data copied
-// into a reused buffer first.
-class Outbox {
- public:
-  Outbox(comm::Comm comm, int peer, bool threaded) : comm_(std::move(comm)), peer_(peer) {
-    if (threaded) thread_ = std::thread([this] { run(); });
-  }
-  Outbox(const Outbox&) = delete;
-  Outbox& operator=(const Outbox&) = delete;
-  ~Outbox() {
-    if (!thread_.joinable()) return;
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    changed_.notify_all();
-    thread_.join();
-  }
-
-  void send(std::span<const float> data) {
-    if (!thread_.joinable()) {
-      comm_.send(data, peer_);
-      return;
-    }
-    std::vector<float> message;
-    {
-      std::lock_guard lock(mutex_);
-      if (!free_.empty()) {
-        message = std::move(free_.back());
-        free_.pop_back();
-      }
-    }
-    message.assign(data.begin(), data.end());
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(std::move(message));
-      ++posted_;
-    }
-    changed_.notify_all();
-  }
-
-  // Waits until everything posted is sent; raises the send's error if one failed.
-  void drain() {
-    std::unique_lock lock(mutex_);
-    changed_.wait(lock, [&] { return sent_ == posted_; });
-    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-  }
-
- private:
-  void run() {
-    for (;;) {
-      std::vector<float> message;
-      bool skip = false;
-      {
-        std::unique_lock lock(mutex_);
-        changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        message = std::move(queue_.front());
-        queue_.pop_front();
-        skip = error_ != nullptr || stop_;
-      }
-      if (!skip) {
-        try {
-          comm_.send(std::span<const float>(message), peer_);
-        } catch (const std::exception& error) {
-          comm_.cancel(error.what());
-          std::lock_guard lock(mutex_);
-          error_ = std::current_exception();
-        }
-      }
-      {
-        std::lock_guard lock(mutex_);
-        free_.push_back(std::move(message));
-        ++sent_;
-      }
-      changed_.notify_all();
-    }
-  }
-
-  comm::Comm comm_;
-  int peer_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::deque<std::vector<float>> queue_;
-  std::vector<std::vector<float>> free_;
-  std::size_t posted_ = 0, sent_ = 0;
-  std::exception_ptr error_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
-}  // namespace detail
-
-// What a pipelined policy's engines take at run time. The engines are
-// types over the network, the stage cut (and, on the CPU, the optimizer)
-// only, so ModelSplit and every Hybrid grid over one cut share them: one
-// instantiation, whatever the replica count, schedule or bucket size.
-struct PipelineGrid {
-  const char* policy = "ModelSplit";  // its name, for messages (a literal: it outlives the trainer)
-  std::string identity;               // its type, which every process must share
-  std::size_t replicas = 1;
-  std::size_t bucket_bytes = default_bucket_bytes;  // Hybrid's gradient buckets
-  PipelineSchedule schedule{PipelineKind::one_f_one_b, 4};  // the policy's own
-};
-
 // A pipelined policy's grid over `ranks` devices or processes: its own
 // replica count, or (Hybrid<replicas_from_devices, ...>) ranks / stages,
 // named ModelSplit when that is one.
@@ -365,240 +120,57 @@ PipelineGrid pipeline_grid(std::size_t ranks) {
 
 namespace detail {
 
-// Runs ModelSplit (one pipeline) and Hybrid (grid.replicas pipelines) on a
-// grid of ranks: rank w is replica w / S, stage w % S. Each replica streams
-// its share of every global batch through its own stages; stage k of every
-// replica sums its gradients with the other replicas' stage k.
+// ModelSplit and Hybrid on CPU devices or processes: the grid engine over
+// the stages of Net cut by Partition, each stage a Model of its own
+// sub-network (StageOf), made from the whole network's initial weights.
 template <class Net, class Partition, class Optimizer>
-class PipelineEngine final : public SplitEngine<Net> {
+class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
  public:
   static constexpr std::size_t stages = Partition::stages;
-  static constexpr std::size_t classes = Net::output_shape::size;
 
-  // One rank per device, ranks of a LocalComm; or, with `processes` (an MPI
-  // world of R x S ranks), the rank of this process on its one device.
-  // `schedule`: the one to run (micro_batches 0: the grid's).
   PipelineEngine(const std::vector<Device>& devices, comm::Comm processes,
                  const Model<Net, float>& initial, typename Optimizer::Options options,
                  PipelineGrid grid, PipelineSchedule schedule)
-      : grid_(std::move(grid)),
-        schedule_(schedule.micro_batches == 0 ? grid_.schedule : schedule),
-        crew_(grid_.policy, devices.front().threads) {
-    LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
-    std::vector<comm::Comm> comms;
-    local_ = !processes;  // LocalComm: buffered sends
-    const char* name = grid_.policy;
-    const std::size_t ranks = grid_.replicas * stages;
-    if (processes) {
-      LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, name, " has ", layout(),
-                 ", one per process, but ", processes.size(), " processes were started; start ",
-                 ranks, " (mpirun -np ", ranks, ")");
-      LOOM_CHECK(devices.size() == 1, name, " over processes runs one stage per process "
-                 "on one device, but this one was given ", devices.size(),
-                 "; pass dist::Environment::devices()");
-#if defined(LOOM_WITH_MPI)
-      // A stage's outboxes send while its compute thread receives.
-      int initialized = 0, level = MPI_THREAD_SINGLE;
-      MPI_Initialized(&initialized);
-      if (initialized) MPI_Query_thread(&level);
-      LOOM_CHECK(!initialized || level == MPI_THREAD_MULTIPLE, name,
-                 " over MPI processes sends and receives from several threads at once and needs "
-                 "MPI_THREAD_MULTIPLE; this MPI library provides thread level ", level);
-#endif
-      comms.push_back(std::move(processes));
-    } else {
-      LOOM_CHECK(devices.size() == ranks, name, " has ", layout(), " and needs ", ranks,
-                 " devices, one each, but ", devices.size(), " were given");
-      for (auto& local : comm::LocalComm::create(static_cast<int>(ranks)))
-        comms.emplace_back(std::move(local));
-    }
-    for (auto& c : comms) {
-      auto rank = std::make_unique<Rank>();
-      const auto w = static_cast<std::size_t>(c.rank());
-      rank->replica = w / stages;
-      rank->stage = w % stages;
-      rank->net = make_stage(rank->stage, initial, options, grid_.bucket_bytes);
-      rank->world = std::move(c);
-      ranks_.push_back(std::move(rank));
-    }
-    crew_.start(
-        ranks_.size(), [this](std::size_t i, const Job& job) { work(*ranks_[i], job); },
-        [this](std::size_t i, const std::string& why) { cancel(*ranks_[i], why); });
-    try {
-      crew_.run({.kind = JobKind::start});
-    } catch (...) {
-      crew_.stop();  // no destructor runs for a constructor that throws
-      throw;
-    }
-  }
+      : GridEngine(grid_net<Net, Optimizer>(stages, false),
+                   [&](std::size_t k) { return make_stage(k, initial, options, grid.bucket_bytes); },
+                   devices, std::move(processes), grid, schedule) {}
 
-  PipelineEngine(const PipelineEngine&) = delete;
-  PipelineEngine& operator=(const PipelineEngine&) = delete;
-  ~PipelineEngine() override { crew_.stop(); }
-
-  const PipelineSchedule& schedule() const { return schedule_; }
-  const PipelineGrid& grid() const { return grid_; }
-  std::size_t replicas() const { return grid_.replicas; }
-  std::size_t local_stages() const { return ranks_.size(); }
-  // Every rank of the grid is here (worker devices), or only this process's.
-  bool all_local() const override { return ranks_.size() == grid_.replicas * stages; }
-
-  // One batch of an optimizer step (see DataParallelEngine::micro_step).
-  // Returns the step's loss and correct-count sums when `last`; a
-  // non-finite loss skips the update on every rank (checked by the caller).
+  bool all_local() const override { return GridEngine::all_local(); }
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings,
                            const Pass& pass = {.training = true}) override {
-    crew_.run({.kind = JobKind::train,
-               .images = images,
-               .labels = labels,
-               .n = n,
-               .group_samples = group_samples,
-               .accumulate = accumulate,
-               .last = last,
-               .settings = settings,
-               .pass = pass});
-    auto sums = loss_sums(ranks_.front()->stats);
-    sums.overflowed = ranks_.front()->overflowed;
-    return sums;
+    return GridEngine::micro_step(images, labels, n, group_samples, accumulate, last, settings,
+                                  pass);
   }
-
-  // After a step whose loss or gradients went non-finite (and which every
-  // rank skipped): where it happened first, over every stage and replica.
-  const NonFiniteSpot& fault() const override { return ranks_.front()->fault; }
-
-  // Loss and correct-count sums over a data set: each replica takes its
-  // share, in pieces of `batch` samples, each streamed through its stages
-  // in micro-batches.
+  const NonFiniteSpot& fault() const override { return GridEngine::fault(); }
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
                          Precision precision = Precision::fp32) override {
-    crew_.run({.kind = JobKind::evaluate, .n = batch, .precision = precision, .dataset = &dataset});
-    return loss_sums(ranks_.front()->stats);
+    return GridEngine::evaluate(dataset, batch, precision);
   }
-
-  // Every rank's `row` (see DataParallelEngine::gather_rows).
-  std::vector<double> gather_rows(std::span<const double> row) {
-    std::vector<double> rows;
-    crew_.run({.kind = JobKind::agree, .row = row, .rows = &rows});
-    return rows;
-  }
-
-  // The sum of `value` over the ranks (see DataParallelEngine::sum_over_ranks).
-  double sum_over_ranks(double value) {
-    crew_.run({.kind = JobKind::agree, .value = value});
-    return ranks_.front()->stats[0];
-  }
-
-  // Every stage's weights and running statistics into `whole`'s slices
-  // (collective across processes: every rank gets all of them).
   void gather(Model<Net, float>& whole) override {
-    crew_.run({.kind = JobKind::gather, .whole = whole.parameters().data()});
-    if constexpr (Net::state_count > 0)
-      crew_.run({.kind = JobKind::gather_state, .whole = whole.state().data()});
+    GridEngine::gather(whole.parameters().data(), whole.state().data());
   }
-  // Each stage takes its slices of `whole`.
   void scatter(const Model<Net, float>& whole) override {
-    crew_.run({.kind = JobKind::scatter, .whole = const_cast<float*>(whole.parameters().data())});
-    if constexpr (Net::state_count > 0)
-      crew_.run({.kind = JobKind::scatter_state, .whole = const_cast<float*>(whole.state().data())});
+    GridEngine::scatter(whole.parameters().data(), whole.state().data());
   }
-
-  // Optimizer buffer i of every stage into `whole` (the whole network's
-  // size), or each stage's slice from it; as gather() and scatter().
-  void gather_optimizer(std::size_t i, float* whole) override {
-    crew_.run({.kind = JobKind::gather_buffer, .n = i, .whole = whole});
+  void gather_optimizer(std::size_t b, float* whole) override {
+    GridEngine::gather_optimizer(b, whole);
   }
-  void scatter_optimizer(std::size_t i, const float* whole) override {
-    crew_.run({.kind = JobKind::scatter_buffer, .n = i, .whole = const_cast<float*>(whole)});
+  void scatter_optimizer(std::size_t b, const float* whole) override {
+    GridEngine::scatter_optimizer(b, whole);
   }
-  // Every stage takes the same number of optimizer steps.
-  std::uint64_t optimizer_steps() const override { return ranks_.front()->net->optimizer_steps(); }
+  std::uint64_t optimizer_steps() const override { return GridEngine::optimizer_steps(); }
   void set_optimizer_steps(std::uint64_t steps) override {
-    for (auto& r : ranks_) r->net->set_optimizer_steps(steps);
-  }
-
-  // i: this process's ranks in grid order (replica-major).
-  StageReport report(std::size_t i) const {
-    const Rank& r = *ranks_.at(i);
-    std::size_t inputs = 0;
-    for (const auto& buffer : r.inputs) inputs += buffer.size();
-    StageReport report;
-    report.stage = r.stage;
-    report.replica = r.replica;
-    report.peak_in_flight = r.peak_in_flight;
-    report.activation_elements = r.net->arena_elements() + inputs;
-    report.busy_seconds = r.busy;
-    report.begin = r.begin;
-    report.end = r.end;
-    if (r.reducer) {
-      report.reduce_posted = r.reducer->posted();
-      report.reduce_begin = r.reducer->begun();
-      report.reduce_end = r.reducer->ended();
-    }
-    return report;
-  }
-
-  // Each local rank's time in the last optimizer step, in grid order.
-  std::vector<double> step_seconds() const {
-    std::vector<double> seconds;
-    for (const auto& r : ranks_) seconds.push_back(r->step_seconds);
-    return seconds;
+    GridEngine::set_optimizer_steps(steps);
   }
 
   // A rank's stage weights (Hybrid: the replicas' copies stay equal).
-  std::span<const float> stage_parameters(std::size_t i) const {
-    return ranks_.at(i)->net->parameters();
+  std::span<const float> stage_parameters(std::size_t i) {
+    return GridEngine::stage(i).parameters();
   }
 
  private:
-  using Clock = std::chrono::steady_clock;
-
-  enum class JobKind {
-    start,
-    train,
-    evaluate,
-    gather,
-    scatter,
-    gather_state,
-    scatter_state,
-    gather_buffer,
-    scatter_buffer,
-    agree
-  };
-  using Job = EngineJob<JobKind>;
-
-  struct Rank {
-    std::size_t replica = 0, stage = 0;
-    std::unique_ptr<PipelineStage> net;
-    comm::Comm world;     // every rank of the grid
-    comm::Comm pipeline;  // this replica's stages (rank = stage)
-    std::unique_ptr<Reducer> reducer;              // Hybrid: over this stage's copies
-    std::unique_ptr<Outbox> to_next, to_previous;  // destroyed first
-    std::vector<std::vector<float>> inputs;        // per slot: the received activations
-    std::vector<float> input_gradient;             // the backward's, for the stage before
-    std::vector<const float*> outputs;             // per slot: the forward's output
-    std::vector<std::size_t> free_slots, slot_of;  // slot_of: per micro-batch
-    std::size_t capacity = 0, in_flight = 0, peak_in_flight = 0;
-    std::size_t next_bucket = 0;  // Hybrid: the next gradient bucket to reduce this step
-    // Loss sum, correct count, and (training) how many stages' gradients
-    // are not finite.
-    std::array<double, 3> stats{};
-    double busy = 0.0;
-    double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
-    bool overflowed = false;    // the last step's scaled gradients were not finite
-    NonFiniteSpot fault;        // the step's first non-finite value (agreed by the ranks)
-    Clock::time_point begin, end;
-  };
-
-  std::string layout() const {
-    std::string text = std::to_string(stages) + " stage" + (stages == 1 ? "" : "s");
-    if (grid_.replicas > 1)
-      text = std::to_string(grid_.replicas) + " replicas x " + text + " = " +
-             std::to_string(grid_.replicas * stages) + " ranks";
-    return text;
-  }
-
   static std::unique_ptr<PipelineStage> make_stage(std::size_t k, const Model<Net, float>& whole,
                                                    typename Optimizer::Options options,
                                                    std::size_t bucket_bytes) {
@@ -607,359 +179,14 @@ class PipelineEngine final : public SplitEngine<Net> {
       using StageNet = stage_net_t<Net, Partition, K>;
       constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
       constexpr std::size_t state_at = stage_state_offset<Net, Partition, K>;
-      if (K == k) {
-        made = std::make_unique<StageOf<StageNet, Optimizer>>(
+      if (K == k)
+        made = make_stage_of<StageNet, Optimizer>(
             whole.parameters().subspan(offset, StageNet::parameter_count),
-            whole.state().subspan(state_at, StageNet::state_count), options, offset, state_at);
-        // As BucketPlan<StageNet, bytes> plans them, for a size known at run time.
-        plan_buckets(detail::list_info<typename StageNet::executed>::param_offsets,
-                     std::max<std::size_t>(1, bucket_bytes / sizeof(float)),
-                     [&](const GradientBucket& b) { made->buckets.push_back(b); });
-      }
+            whole.state().subspan(state_at, StageNet::state_count), options, offset, state_at,
+            bucket_bytes);
     });
     return made;
   }
-
-  bool first(const Rank& r) const { return r.stage == 0; }
-  bool last(const Rank& r) const { return r.stage + 1 == stages; }
-
-  // A failing rank wakes every group it belongs to, so no rank waits for it.
-  static void cancel(Rank& r, const std::string& why) {
-    r.world.cancel(why);
-    if (r.pipeline) r.pipeline.cancel(why);
-    if (r.reducer) r.reducer->comm().cancel(why);
-  }
-
-  void work(Rank& r, const Job& job) {
-    switch (job.kind) {
-      case JobKind::start:
-        start(r);
-        break;
-      case JobKind::train: {
-        const auto began = Clock::now();
-        if (!job.accumulate) r.step_seconds = 0.0;
-        train(r, job);
-        r.step_seconds += seconds_since(began);
-        break;
-      }
-      case JobKind::evaluate:
-        evaluate(r, job);
-        break;
-      case JobKind::gather:
-        gather(r, r.net->parameters(), r.net->parameter_offset, Net::parameter_count, job.whole);
-        break;
-      case JobKind::gather_state:
-        gather(r, r.net->state(), r.net->state_offset, Net::state_count, job.whole);
-        break;
-      case JobKind::scatter: {
-        auto mine = r.net->parameters();
-        std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
-        break;
-      }
-      case JobKind::scatter_state: {
-        auto mine = r.net->state();
-        std::copy_n(job.whole + r.net->state_offset, mine.size(), mine.begin());
-        break;
-      }
-      case JobKind::gather_buffer:
-        gather(r, r.net->optimizer_buffer(job.n), r.net->parameter_offset, Net::parameter_count,
-               job.whole);
-        break;
-      case JobKind::agree:
-        if (job.rows != nullptr) {
-          auto all = comm::gather_rows(r.world, job.row);
-          if (&r == ranks_.front().get()) *job.rows = std::move(all);
-          break;
-        }
-        r.stats = {job.value, 0.0};
-        r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-        break;
-      case JobKind::scatter_buffer: {
-        auto mine = r.net->optimizer_buffer(job.n);
-        std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
-        break;
-      }
-    }
-  }
-
-  // Checks every rank runs this program, then makes the grid's groups:
-  // each replica's pipeline, and (Hybrid) each stage's copies.
-  void start(Rank& r) {
-    check_same_program<Net, Optimizer>(
-        r.world, grid_.identity + " (" + std::to_string(grid_.replicas) + " replicas)");
-    if (grid_.replicas > 1) {
-      r.pipeline = r.world.split(static_cast<int>(r.replica), static_cast<int>(r.stage));
-      r.reducer = std::make_unique<Reducer>(
-          r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica)),
-          r.net->buckets.size());
-    } else {
-      r.pipeline = r.world;
-    }
-    const bool threaded = !local_;
-    if (!last(r))
-      r.to_next = std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage + 1), threaded);
-    if (!first(r))
-      r.to_previous =
-          std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage - 1), threaded);
-  }
-
-  // Room for micro-batches of up to `micro_batch` samples, `slots` at once;
-  // made before a step's passes (growing the arena mid-step would move the
-  // activations of micro-batches in flight).
-  void prepare(Rank& r, std::size_t micro_batch, std::size_t slots) {
-    r.net->reserve(micro_batch, slots);
-    if (micro_batch > r.capacity || slots > r.inputs.size()) {
-      r.capacity = std::max(r.capacity, micro_batch);
-      r.inputs.resize(std::max(slots, r.inputs.size()));
-      if (!first(r)) {
-        for (auto& buffer : r.inputs) buffer.resize(r.capacity * r.net->input_size);
-        r.input_gradient.resize(r.capacity * r.net->input_size);
-      }
-      r.outputs.resize(r.inputs.size());
-    }
-    r.free_slots.clear();
-    for (std::size_t s = slots; s-- > 0;) r.free_slots.push_back(s);
-  }
-
-  // The input of a micro-batch of n samples: the batch's own (stage 0), or
-  // received from the stage before into the slot's buffer.
-  const float* receive_input(Rank& r, const float* images, std::size_t n, std::size_t slot) {
-    if (first(r)) return images;
-    float* buffer = r.inputs[slot].data();
-    r.pipeline.recv(std::span<float>(buffer, n * r.net->input_size),
-                    static_cast<int>(r.stage - 1));
-    return buffer;
-  }
-
-  void send_output(Rank& r, const float* output, std::size_t n) {
-    r.to_next->send(std::span<const float>(output, n * r.net->output_size));
-  }
-
-  // Hands the reducer every bucket that executed layer `layer` completes
-  // (all that are left, with no layer).
-  static void post_ready(Rank& r, std::optional<std::size_t> layer) {
-    const auto& buckets = r.net->buckets;
-    while (r.next_bucket < buckets.size() &&
-           (!layer || buckets[r.next_bucket].ready_after == *layer)) {
-      const auto& bucket = buckets[r.next_bucket];
-      r.reducer->post(r.net->gradients().subspan(bucket.begin, bucket.size()), r.next_bucket++);
-    }
-  }
-
-  void train(Rank& r, const Job& job) {
-    share_state(r);
-    // This replica's share of the global batch, in micro-batches.
-    const auto share = batch_share(job.n, grid_.replicas, r.replica);
-    const std::size_t micro = std::min(schedule_.micro_batches, share.count);
-    if (micro > 0)
-      prepare(r, batch_share(share.count, micro, 0).count,
-              pipeline_in_flight(schedule_.kind, stages, r.stage, micro));
-    r.slot_of.assign(micro, 0);
-    if (!job.accumulate) {
-      r.stats = {};
-      r.overflowed = false;
-      r.fault = {};
-      r.net->keep_state();
-    }
-    r.net->set_precision(job.settings.precision);
-    bool accumulate = job.accumulate;
-    // Hybrid: the step's last backward hands each bucket to the reducer as
-    // soon as its layers are done.
-    const bool reduce = r.reducer != nullptr && job.last;
-    std::size_t backwards = 0;
-    r.next_bucket = 0;
-    r.busy = 0.0;
-    r.begin = Clock::now();
-    for_each_pipeline_op(schedule_.kind, stages, r.stage, micro, [&](PipelineOp op) {
-      const auto piece = batch_share(share.count, micro, op.micro_batch);
-      const std::size_t first_sample = share.first + piece.first;
-      if (op.forward) {
-        const std::size_t slot = r.free_slots.back();
-        r.free_slots.pop_back();
-        r.slot_of[op.micro_batch] = slot;
-        r.peak_in_flight = std::max(r.peak_in_flight, ++r.in_flight);
-        const float* input = receive_input(
-            r, job.images + first_sample * Net::input_shape::size, piece.count, slot);
-        const auto started = Clock::now();
-        Pass pass = job.pass;
-        pass.first_sample = first_sample;
-        const float* output = r.net->forward(input, piece.count, slot, pass);
-        r.busy += seconds_since(started);
-        if (last(r)) {
-          r.outputs[slot] = output;
-        } else {
-          // Looked at now: by the step's end a later micro-batch may hold the slot.
-          if (!r.fault && !all_finite(output, piece.count * r.net->output_size))
-            r.fault = r.net->find_nonfinite_output(slot, first(r));
-          send_output(r, output, piece.count);
-        }
-      } else {
-        const std::size_t slot = r.slot_of[op.micro_batch];
-        float* dy = r.net->output_gradient();
-        if (!last(r))
-          r.pipeline.recv(std::span<float>(dy, piece.count * r.net->output_size),
-                          static_cast<int>(r.stage + 1));
-        const auto started = Clock::now();
-        if (last(r)) {
-          const auto sums = SoftmaxCrossEntropy::evaluate<float>(
-              r.outputs[slot], job.labels + first_sample, piece.count, classes,
-              job.group_samples, dy, job.settings.loss_scale);
-          r.stats[0] += sums.loss;
-          r.stats[1] += static_cast<double>(sums.correct);
-          if (!std::isfinite(sums.loss) && !r.fault)
-            r.fault = r.net->find_nonfinite_output(slot, first(r));
-        }
-        float* input_gradient = first(r) ? nullptr : r.input_gradient.data();
-        // The capture is one pointer: std::function holds it without allocating.
-        if (reduce && ++backwards == micro)
-          r.net->backward(slot, accumulate, input_gradient,
-                          [rank = &r](std::size_t layer) { post_ready(*rank, layer); });
-        else
-          r.net->backward(slot, accumulate, input_gradient);
-        r.busy += seconds_since(started);
-        if (!first(r))
-          r.to_previous->send(std::span<const float>(r.input_gradient.data(),
-                                                     piece.count * r.net->input_size));
-        accumulate = true;
-        r.free_slots.push_back(slot);
-        --r.in_flight;
-      }
-    });
-    r.end = Clock::now();
-    // A replica with no sample of the step adds zeros to the sums.
-    if (micro == 0 && !job.accumulate) std::ranges::fill(r.net->gradients(), 0.0f);
-    if (!job.last) return;
-    if (reduce)
-      post_ready(r, std::nullopt);
-    drain(r);
-    if (reduce) r.reducer->drain();
-    // Only the last stages have the loss, and each stage its gradients (the
-    // reduced ones under Hybrid); every rank learns the sums, so all skip a
-    // non-finite step or all take it. (fp16 checks its gradients when it
-    // unscales them: non-finite there is an overflow.)
-    const bool fp16 = job.settings.precision == Precision::fp16;
-    r.stats[2] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
-    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-    RankExecutor executor{r, micro};
-    r.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
-  }
-
-  // A pipeline rank's executor: its answers are the grid's (the sums
-  // all-reduced before, the overflow and the norm over the stages).
-  struct RankExecutor {
-    Rank& r;
-    std::size_t micro;  // the step's last batch's micro-batches on this replica
-
-    bool loss_finite() const { return std::isfinite(r.stats[0]); }
-    bool gradients_finite() const { return r.stats[2] == 0.0; }
-    // Unscales the stage's gradients; whether no stage's overflowed (the
-    // replicas' copies hold the same reduced gradients).
-    bool unscale(float loss_scale) {
-      std::array<double, 1> bad{unscale_gradients(r.net->gradients(), loss_scale) ? 0.0 : 1.0};
-      r.pipeline.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
-      return bad[0] == 0.0;
-    }
-    // This rank's first non-finite value (the outputs its slots still
-    // hold, else its gradients), then the grid's; its running statistics
-    // put back.
-    void skip_nonfinite(bool) {
-      std::vector<bool> seen(r.inputs.size(), false);
-      for (std::size_t m = micro; m-- > 0 && !r.fault;) {
-        const std::size_t slot = r.slot_of[m];
-        if (seen[slot]) continue;
-        seen[slot] = true;
-        r.fault = r.net->find_nonfinite_output(slot, r.stage == 0);
-      }
-      if (!r.fault) r.fault = r.net->find_nonfinite_gradient();
-      r.fault = agree_on_spot(r.world, r.fault);
-      r.net->restore_state();
-    }
-    // Every rank learned of the overflow (summed over the pipeline, whose
-    // replicas hold the same reduced gradients): all agree on where.
-    void skip_overflow(bool name_spot) {
-      if (name_spot) r.fault = agree_on_spot(r.world, r.net->find_nonfinite_gradient());
-      r.net->restore_state();
-    }
-    // The norm is the whole pipeline's: each stage gives its layers' squares.
-    void clip(float max_norm) {
-      std::array<double, norm_segments<Net>.size()> squares{};
-      r.net->add_layer_squares(norm_segments<Net>, squares);
-      r.pipeline.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
-      clip_gradients(r.net->gradients(), global_norm(squares), max_norm);
-    }
-    void update(float lr) { r.net->update(lr); }
-  };
-
-  // Hybrid: a stage's copies take replica 0's running statistics (as
-  // DataParallel's replicas do) before each step and evaluation.
-  static void share_state(Rank& r) {
-    if (r.reducer && !r.net->state().empty()) r.reducer->comm().broadcast(r.net->state(), 0);
-  }
-
-  void evaluate(Rank& r, const Job& job) {
-    share_state(r);
-    r.net->set_precision(job.precision);
-    const auto& data = *job.dataset;
-    const std::size_t sample = data.sample_size();
-    const auto share = batch_share(data.count, grid_.replicas, r.replica);
-    const std::size_t micro = std::min(schedule_.micro_batches, job.n);
-    prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.inputs.size()));
-    r.stats = {};
-    for (std::size_t at = 0; at < share.count; at += job.n) {
-      const std::size_t n = std::min(job.n, share.count - at);
-      const std::size_t pieces = std::min(micro, n);
-      for (std::size_t m = 0; m < pieces; ++m) {
-        const auto piece = batch_share(n, pieces, m);
-        const std::size_t first_sample = share.first + at + piece.first;
-        const float* input =
-            receive_input(r, data.images.data() + first_sample * sample, piece.count, 0);
-        const float* output = r.net->forward(input, piece.count, 0, Pass{});
-        if (last(r)) {
-          const auto sums = SoftmaxCrossEntropy::evaluate<float>(
-              output, data.labels.data() + first_sample, piece.count, classes, piece.count,
-              nullptr);
-          r.stats[0] += sums.loss;
-          r.stats[1] += static_cast<double>(sums.correct);
-        } else {
-          send_output(r, output, piece.count);
-        }
-      }
-    }
-    drain(r);
-    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-  }
-
-  // Replica 0's stages hold the weights (the copies are equal).
-  // Replica 0's slices (weights or running statistics) into `whole`.
-  void gather(Rank& r, std::span<const float> mine, std::size_t offset, std::size_t total,
-              float* whole) {
-    if (all_local()) {
-      if (r.replica == 0) std::copy(mine.begin(), mine.end(), whole + offset);
-      return;
-    }
-    // Each stage of replica 0 adds its slice into zeros: the sum is every
-    // slice, exactly.
-    std::vector<float> all(total, 0.0f);
-    if (r.replica == 0)
-      std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(offset));
-    r.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
-    std::copy(all.begin(), all.end(), whole);
-  }
-
-  static void drain(Rank& r) {
-    if (r.to_next) r.to_next->drain();
-    if (r.to_previous) r.to_previous->drain();
-  }
-
-  static double seconds_since(Clock::time_point start) {
-    return std::chrono::duration<double>(Clock::now() - start).count();
-  }
-
-  PipelineGrid grid_;
-  PipelineSchedule schedule_;
-  bool local_ = true;
-  std::vector<std::unique_ptr<Rank>> ranks_;
-  Crew<Job> crew_;  // after ranks_: its threads stop before the ranks go
 };
 
 }  // namespace detail

@@ -2,8 +2,8 @@
 // backend: once the step's gradients are summed (and reduced over the
 // replicas), check them, unscale fp16's, clip, then update, or skip the step
 // and put the running statistics back. One device (train/trainer.hpp), the
-// CPU's data-parallel replicas, the CPU's pipeline ranks and the GPUs'
-// pipeline all call step_protocol over their own executor.
+// CPU's grid engine (every other CPU policy) and the GPUs' pipeline all call
+// step_protocol over their own executor.
 #pragma once
 
 #include <cmath>
@@ -99,45 +99,5 @@ inline NonFiniteSpot agree_on_spot(comm::Comm& c, const NonFiniteSpot& mine) {
   }
   return first;
 }
-
-// The CPU's executor over a whole network: one device, or a data-parallel
-// replica whose gradients the all-reduce has summed (every replica holds
-// the same ones, so all decide alike; `replicas` then agree on the spot).
-template <class Net, class OptimizerState>
-struct ModelExecutor {
-  Model<Net, float>& model;
-  OptimizerState& optimizer;
-  NonFiniteSpot& spot;       // the step's first non-finite value found so far
-  double loss = 0.0;         // the step's loss sum, over every replica
-  bool has_outputs = true;   // false: a replica given no sample of the step's last batch
-  comm::Comm* replicas = nullptr;
-
-  bool loss_finite() const { return std::isfinite(loss); }
-  bool gradients_finite() const { return model.gradients_finite(); }
-  bool unscale(float scale) { return unscale_gradients(model.gradients(), scale); }
-  void skip_nonfinite(bool) {
-    if (!spot && has_outputs) spot = model.find_nonfinite_output(0);
-    if (!spot) spot = model.find_nonfinite_gradient();
-    agree();
-    model.restore_state();
-  }
-  void skip_overflow(bool name_spot) {
-    if (name_spot) {
-      spot = model.find_nonfinite_gradient();
-      agree();
-    }
-    model.restore_state();
-  }
-  void clip(float max_norm) { clip_gradients<Net>(model.gradients(), max_norm); }
-  void update(float lr) {
-    if (optimizer.options().lr != lr) optimizer.set_lr(lr);
-    optimizer.step(model.parameters(), model.gradients());
-  }
-
- private:
-  void agree() {
-    if (replicas != nullptr) spot = agree_on_spot(*replicas, spot);
-  }
-};
 
 }  // namespace loom::detail

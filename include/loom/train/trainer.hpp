@@ -29,7 +29,6 @@
 #include "../parallel/hybrid.hpp"
 #include "../parallel/model_split.hpp"
 #include "../parallel/single_device.hpp"
-#include "../parallel/step_protocol.hpp"
 #include "agreement.hpp"
 #include "checkpoint.hpp"
 #include "fit_events.hpp"
@@ -100,7 +99,7 @@ class Trainer : public detail::TrainerCore {
                  "register this trainer from a CUDA translation unit "
                  "(loom::gpu::register_trainers), to use GPUs");
     }
-    if constexpr (is_data_parallel<Policy>) {
+    if constexpr (!is_pipelined<Policy>) {
       if (devices_.front().kind == Device::Kind::cpu)
         engine_ = std::make_unique<Engine>(devices_, std::move(processes), trainer_options.seed,
                                            options);
@@ -153,9 +152,6 @@ class Trainer : public detail::TrainerCore {
     cpu::LossSums sums;
     if (gpu_ && !is_pipelined<Policy>) {
       sums = gpu_->evaluate(*this, dataset, batch_size);
-    } else if constexpr (is_data_parallel<Policy>) {
-      scatter_if_changed();
-      sums = engine_->evaluate(dataset, batch_size == 0 ? 256 : batch_size, options_.precision);
     } else if constexpr (is_pipelined<Policy>) {
       // On GPUs: in pieces of at most the batch the stages were planned for.
       if (gpu_ && !split_engine()) gpu_->plan_split(*this, batch_size == 0 ? 256 : batch_size);
@@ -163,10 +159,11 @@ class Trainer : public detail::TrainerCore {
       sums =
           split_engine()->evaluate(dataset, batch_size == 0 ? 256 : batch_size, options_.precision);
     } else {
-      if (batch_size == 0) batch_size = model_.capacity() > 0 ? model_.capacity() : 256;
-      cpu::set_threads(devices_.front().threads);
-      model_.set_precision(options_.precision);
-      sums = detail::evaluate_samples(model_, dataset, 0, dataset.count, batch_size);
+      scatter_if_changed();
+      // One device evaluates in pieces of its training batch (the arena holds it).
+      const std::size_t planned = engine_->model().capacity();
+      if (batch_size == 0) batch_size = !is_data_parallel<Policy> && planned > 0 ? planned : 256;
+      sums = engine_->evaluate(dataset, batch_size, options_.precision);
     }
     EvalResult result;
     result.samples = dataset.count;
@@ -183,11 +180,12 @@ class Trainer : public detail::TrainerCore {
   //
   // ModelSplit: the stages' weights gathered into one Model (a copy, like
   // the GPU's); across processes, as of the end of the last epoch.
-  // DataParallel on CPUs: replica 0's Model; the other replicas take its
-  // weights and running statistics at the next fit() or evaluate() (within
-  // one process; across processes it is read-only, like ModelSplit's).
+  // SingleDevice and DataParallel on CPUs: (replica 0's) Model; the other
+  // replicas take its weights and running statistics at the next fit() or
+  // evaluate() (within one process; across processes it is read-only, like
+  // ModelSplit's).
   Model<Net, float>& model() {
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (!is_pipelined<Policy>)
       if (!on_gpu()) {
         host_changed_ = true;  // the other replicas take replica 0's weights next
         return engine_->model();
@@ -210,7 +208,7 @@ class Trainer : public detail::TrainerCore {
     return model_;
   }
   const Model<Net, float>& model() const {
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (!is_pipelined<Policy>)
       if (!on_gpu()) return engine_->model();
     return model_;
   }
@@ -237,7 +235,11 @@ class Trainer : public detail::TrainerCore {
   // state (momentum, moments, step count) is the one device's; under
   // DataParallel each replica keeps its own, under ModelSplit each stage
   // (a checkpoint gathers them).
-  typename Optimizer::template State<float>& optimizer() { return optimizer_; }
+  typename Optimizer::template State<float>& optimizer() {
+    if constexpr (std::is_same_v<Policy, SingleDevice>)
+      if (engine_) return engine_->replica_optimizer(0);
+    return optimizer_;
+  }
   // Writes a checkpoint (safetensors; atomically: a crash mid-write keeps
   // the file that was there): weights, running statistics, optimizer state
   // and the position in the fit, in the whole network's layout, so it loads
@@ -265,19 +267,17 @@ class Trainer : public detail::TrainerCore {
   // empty on GPUs, whose steps run asynchronously.
   std::vector<double> device_step_seconds() const {
     if (on_gpu()) return {};
-    if constexpr (is_data_parallel<Policy>)
-      return engine_->step_seconds();
-    else if constexpr (is_pipelined<Policy>)
+    if constexpr (is_pipelined<Policy>)
       return pipeline_->step_seconds();
     else
-      return {step_seconds_};
+      return engine_->step_seconds();
   }
 
  private:
   // The optimizer state this process updates (a replica's or stage's
   // under the parallel policies; the trainer's own holds the options).
   const typename Optimizer::template State<float>& local_optimizer() {
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (!is_pipelined<Policy>)
       if (!on_gpu()) return engine_->replica_optimizer(0);
     return optimizer_;
   }
@@ -323,7 +323,7 @@ class Trainer : public detail::TrainerCore {
   void fill_image(detail::CheckpointImage& image) {
     if (gpu_) gpu_->pull(*this);
     Model<Net, float>* model = &model_;
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (!is_pipelined<Policy>)
       if (!on_gpu()) model = &engine_->model();
     // A pipeline on GPUs made by no fit yet: model_ and optimizer_ hold all.
     auto* const split = split_engine();
@@ -354,7 +354,7 @@ class Trainer : public detail::TrainerCore {
     }
     for (const auto& [name, value] : optimizer_.options().hyperparameters())
       image.optimizer_options.emplace_back(name, value);
-    image.lr = optimizer_.options().lr;
+    image.lr = this->optimizer().options().lr;
     image.network = detail::type_label<Net>();
     image.policy = policy_name();
   }
@@ -380,7 +380,7 @@ class Trainer : public detail::TrainerCore {
       optimizer.set_lr(resume ? image.lr : base_lr_);
     };
     put(model_, optimizer_);
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (!is_pipelined<Policy>)
       if (!on_gpu())
         for (std::size_t r = 0; r < engine_->local_replicas(); ++r)
           put(engine_->replica_model(r), engine_->replica_optimizer(r));
@@ -406,10 +406,7 @@ class Trainer : public detail::TrainerCore {
       gpu_->plan_split(*this, planned_batch);
     }
     cpu::set_threads(devices_.front().threads);
-    if constexpr (is_data_parallel<Policy>)
-      engine_->reserve(planned_batch);
-    else if constexpr (!is_pipelined<Policy>)
-      model_.reserve(planned_batch);
+    if constexpr (!is_pipelined<Policy>) engine_->reserve(planned_batch);
     scatter_if_changed();
     return false;
   }
@@ -452,68 +449,33 @@ class Trainer : public detail::TrainerCore {
   }
   bool on_gpu() const { return devices_.front().kind == Device::Kind::cuda; }
 
-  // One batch of an optimizer step on the CPU: the step protocol.
+  // One batch of an optimizer step on the CPU (the engine runs the step
+  // protocol), or of a pipeline on GPUs.
   cpu::LossSums run_batch(const data::Batch& batch, std::size_t group_samples, bool accumulate,
                           bool last, int epoch, std::size_t step, const FitOptions& fit) override {
     const float max_grad_norm = fit.max_grad_norm;
     nonfinite_.clear();
-    cpu::LossSums sums;
     const Pass pass{.training = true, .seed = options_.seed, .step = batches_++};
     const StepSettings settings{
-        .lr = optimizer_.options().lr,
+        .lr = optimizer().options().lr,
         .max_grad_norm = max_grad_norm,
         .precision = options_.precision,
         .loss_scale = options_.precision == Precision::fp16 ? scaler_.scale() : 1.0f,
         .at_min_scale = options_.precision == Precision::fp16 && scaler_.at_min_scale()};
-    if constexpr (is_data_parallel<Policy> || is_pipelined<Policy>) {
-      auto& engine = engine_for_step();
-      sums = engine.micro_step(batch.images, batch.labels, batch.size, group_samples, accumulate,
-                               last, settings, pass);
-      if (!last) return {};
-      const NonFiniteSpot spot = engine.fault();
-      // GPU stages say so when their gradients were not finite and the
-      // host found no spot to name.
-      bool gradients_bad = false;
-      if constexpr (is_pipelined<Policy>) gradients_bad = engine.gradients_nonfinite();
-      // The replicas or stages skipped their update. An fp16 overflow's
-      // spot (at the minimum scale) is the scale's to report.
-      if (sums.overflowed ||
-          !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite, {}, gradients_bad))
-        note_overflow(sums, spot, epoch, step, fit.on_nonfinite);
-    } else {
-      const auto began = std::chrono::steady_clock::now();
-      if (!accumulate) {
-        pending_ = {};
-        spot_ = {};
-        step_seconds_ = 0.0;
-        model_.keep_state();  // before the forward updates the running statistics
-      }
-      model_.set_precision(settings.precision);
-      const float* logits = model_.forward(batch.images, batch.size, 0, pass);
-      const auto batch_sums =
-          Loss::evaluate<float>(logits, batch.labels, batch.size, classes, group_samples,
-                                model_.output_gradient(), settings.loss_scale);
-      // Looked for now, while this batch's outputs are alive.
-      if (!std::isfinite(batch_sums.loss) && !spot_) spot_ = model_.find_nonfinite_output(0);
-      pending_.loss += batch_sums.loss;
-      pending_.correct += batch_sums.correct;
-      model_.backward(accumulate);
-      step_seconds_ += seconds_since(began);
-      if (!last) return {};
-      const auto update_began = std::chrono::steady_clock::now();
-      sums = pending_;
-      // Checked before the update, so the weights (and running statistics)
-      // stay those of the last good step.
-      detail::ModelExecutor<Net, typename Optimizer::template State<float>> executor{
-          .model = model_, .optimizer = optimizer_, .spot = spot_, .loss = sums.loss};
-      const auto end = detail::step_protocol(executor, settings);
-      step_seconds_ += seconds_since(update_began);
-      sums.overflowed = end == detail::StepEnd::overflowed;
-      if (end == detail::StepEnd::nonfinite)
-        handle_nonfinite(sums.loss, spot_, epoch, step, fit.on_nonfinite);
-      else
-        note_overflow(sums, spot_, epoch, step, fit.on_nonfinite);
-    }
+    auto& engine = engine_for_step();
+    const auto sums = engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
+                                        accumulate, last, settings, pass);
+    if (!last) return {};
+    const NonFiniteSpot spot = engine.fault();
+    // GPU stages say so when their gradients were not finite and the host
+    // found no spot to name.
+    bool gradients_bad = false;
+    if constexpr (is_pipelined<Policy>) gradients_bad = engine.gradients_nonfinite();
+    // The ranks skipped their update. An fp16 overflow's spot (at the
+    // minimum scale) is the scale's to report.
+    if (sums.overflowed ||
+        !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite, {}, gradients_bad))
+      note_overflow(sums, spot, epoch, step, fit.on_nonfinite);
     return sums;
   }
 
@@ -523,14 +485,14 @@ class Trainer : public detail::TrainerCore {
   void scatter_if_changed() {
     if constexpr (is_pipelined<Policy>)
       if (split_engine() && std::exchange(host_changed_, false)) split_engine()->scatter(model_);
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (!is_pipelined<Policy>)
       if (!on_gpu() && std::exchange(host_changed_, false) && engine_->all_local())
         engine_->share_first_replica();
   }
 
-  // The engine of a DataParallel step on CPUs, or of ModelSplit and Hybrid.
+  // The engine of a step on CPUs, or of ModelSplit and Hybrid on GPUs too.
   auto& engine_for_step() {
-    if constexpr (is_data_parallel<Policy>)
+    if constexpr (!is_pipelined<Policy>)
       return *engine_;
     else
       return *split_engine();
@@ -554,7 +516,8 @@ class Trainer : public detail::TrainerCore {
   }
 
   struct NoEngine {};
-  using Engine = std::conditional_t<is_data_parallel<Policy>,
+  // SingleDevice and DataParallel on CPUs: replicas of the whole network.
+  using Engine = std::conditional_t<!is_pipelined<Policy>,
                                     detail::DataParallelEngine<Net, Policy, Optimizer>, NoEngine>;
   // The pipelined policies' engines are types over the network and the
   // stage cut: ModelSplit and every Hybrid over one cut share them.
@@ -569,16 +532,15 @@ class Trainer : public detail::TrainerCore {
   using Pipeline = std::remove_pointer_t<decltype(pipeline_type())>;
 
   std::vector<Device> devices_;
-  Model<Net, float> model_;  // the single device's (DataParallel's replicas are the engine's)
+  // GPUs' weights on the host, and pipelines' gathered copy (on CPUs the
+  // engines' replicas and stages hold the live weights).
+  Model<Net, float> model_;
   typename Optimizer::template State<float> optimizer_;
-  cpu::LossSums pending_;  // the optimizer step's batches so far
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Pipeline> pipeline_;
   PipelineGrid grid_;  // pipelined policies: replicas, buckets, the policy's schedule
   comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
-  double step_seconds_ = 0.0;  // one device: the last optimizer step's
-  NonFiniteSpot spot_;     // one device: the step's first non-finite value so far
   // On GPUs: the CUDA executor (gpu/trainer_executor.cuh), which holds
   // their replicas or stages.
   std::unique_ptr<detail::GpuExecutor<Trainer>> gpu_;

@@ -1,0 +1,1018 @@
+// The grid engine of the CPU's policies: SingleDevice, DataParallel,
+// ModelSplit and Hybrid are R replicas x S stages of one network, run by one
+// engine written once, without the network's type. Rank w of the grid is
+// replica w / S, stage w % S; its stage (a type-erased PipelineStage, made
+// by the policy's typed engine: data_parallel.hpp, model_split.hpp) runs on
+// a worker thread of its own (devices::cpu(n), ranks of a LocalComm), or is
+// this MPI process's one rank (MpiComm).
+//
+// Exactness: every micro-batch's loss gradient is scaled by 1/(global
+// batch), and each stage adds its micro-batches' gradients, so a step's
+// gradient is the batch mean, as on one device; a rank with no samples adds
+// zeros. The copies of a stage take copy 0's weights at the start and its
+// running statistics before each step (as PyTorch's
+// DistributedDataParallel broadcasts its buffers).
+//
+// Overlap: the step's last backward hands each gradient bucket (slices of
+// the stage's flat gradient buffer in reverse layer order) to the rank's
+// communication thread as soon as its lowest layer is done, so its
+// all-reduce over the stage's copies runs while the layers before it are
+// still back-propagating; a stage never waits to send an activation or
+// gradient (see Outbox), only to receive what its next pass needs.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../comm/communicator.hpp"
+#include "../comm/local_comm.hpp"
+#include "../core/device.hpp"
+#include "../core/error.hpp"
+#include "../data/dataset.hpp"
+#include "../loss/softmax_cross_entropy.hpp"
+#include "../net/model.hpp"
+#include "../optim/clip.hpp"
+#include "../optim/loss_scaler.hpp"
+#include "buckets.hpp"
+#include "crew.hpp"
+#include "reducer.hpp"
+#include "schedule.hpp"
+#include "step_protocol.hpp"
+
+#if defined(LOOM_WITH_MPI)
+#include <mpi.h>
+#endif
+
+namespace loom {
+
+// 64 KiB, measured (benchmarks/data_parallel_bench, LeNet, batch 256, 2
+// workers; benchmarks/RESULTS.md): LeNet's gradients go in three buckets
+// (both Linears, conv2, conv1) and 96-97 % of the all-reduce time is hidden
+// under backward, against 84-91 % with 1 MiB (two buckets: conv2 waits for
+// the end) and 0 % with 4 MiB (one bucket), at the same step time.
+inline constexpr std::size_t default_bucket_bytes = std::size_t{64} << 10;
+
+// The samples of a global batch of n that rank r of `ranks` takes:
+// contiguous, and the first n % ranks ranks take one more than the others.
+struct BatchShare {
+  std::size_t first = 0;
+  std::size_t count = 0;
+};
+constexpr BatchShare batch_share(std::size_t n, std::size_t ranks, std::size_t rank) {
+  const std::size_t base = n / ranks, extra = n % ranks;
+  return {rank * base + std::min(rank, extra), base + (rank < extra ? 1 : 0)};
+}
+
+// What a rank of the grid measured in its last step (the CPU's engines).
+struct StageReport {
+  std::size_t stage = 0;
+  std::size_t replica = 0;              // which copy of the stage (0 for ModelSplit)
+  std::size_t peak_in_flight = 0;       // since the engine started
+  std::size_t activation_elements = 0;  // held now: Model's arena plus kept inputs
+  double busy_seconds = 0.0;            // forward, loss and backward passes, last step
+  std::chrono::steady_clock::time_point begin, end;  // the last step's passes
+  // The last step's last backward (the one that posts the buckets).
+  std::chrono::steady_clock::time_point backward_begin, backward_end;
+  // With several replicas: when each gradient bucket went to the rank's
+  // communication thread in the last step, and when its all-reduce over
+  // the stage's copies began and ended (empty with one replica).
+  std::vector<std::chrono::steady_clock::time_point> reduce_posted, reduce_begin, reduce_end;
+};
+
+// What a policy's engine takes at run time: the replica count, schedule
+// and bucket size are values, so ModelSplit and every Hybrid grid over one
+// cut share one engine type (DataParallel's is a grid of one stage).
+struct PipelineGrid {
+  const char* policy = "ModelSplit";  // its name, for messages (a literal: it outlives the trainer)
+  std::string identity;               // its type, which every process must share
+  std::size_t replicas = 1;
+  std::size_t bucket_bytes = default_bucket_bytes;  // several replicas: gradient buckets
+  PipelineSchedule schedule{PipelineKind::one_f_one_b, 4};  // the policy's own
+};
+
+namespace detail {
+
+// Every rank of `c` checks that all run the same network, policy and
+// optimizer (`identity`, their type names and what the policy fixes at run
+// time), before any other collective: ranks built from different programs
+// get this error, not a hang.
+inline void check_same_program(comm::Comm& c, const std::string& identity,
+                               std::size_t parameter_count) {
+  const auto ranks = static_cast<std::size_t>(c.size());
+  std::vector<std::uint64_t> hashes(ranks, 0);
+  const std::uint64_t mine = fnv1a(identity, parameter_count);
+  hashes[static_cast<std::size_t>(c.rank())] = mine;
+  c.all_reduce(std::span<std::uint64_t>(hashes), comm::ReduceOp::sum);
+  for (std::size_t r = 0; r < ranks; ++r)
+    LOOM_CHECK(hashes[r] == mine, "rank ", r, " of ", ranks,
+               " trains a different network, policy or optimizer than rank ", c.rank(),
+               " (identity hash ", hashes[r], " vs ", mine, "); rank ", c.rank(), " runs ",
+               identity, ". Start every rank from the same program");
+}
+
+// A step's (loss sum, correct count) as the engines keep them, for the caller.
+template <std::size_t N>
+cpu::LossSums loss_sums(const std::array<double, N>& stats) {
+  return {stats[0], static_cast<std::size_t>(stats[1])};
+}
+
+// One stage's network and optimizer state behind a type-erased face, so the
+// engine's code is written once for stages of different types.
+class PipelineStage {
+ public:
+  virtual ~PipelineStage() = default;
+  virtual void reserve(std::size_t micro_batch, std::size_t slots) = 0;
+  virtual const float* forward(const float* input, std::size_t n, std::size_t slot,
+                               const Pass& pass) = 0;
+  virtual float* output_gradient() = 0;
+  virtual void backward(std::size_t slot, bool accumulate, float* input_gradient) = 0;
+  // The same, calling done(i) as each executed layer's gradients become final.
+  virtual void backward(std::size_t slot, bool accumulate, float* input_gradient,
+                        const std::function<void(std::size_t)>& done) = 0;
+  virtual void update(float lr) = 0;
+  virtual void set_precision(Precision precision) = 0;
+  // Its layers' squared gradient norms into their entries of the whole
+  // network's (see optim/clip.hpp).
+  virtual void add_layer_squares(std::span<const std::size_t> starts,
+                                 std::span<double> squares) const = 0;
+  virtual std::span<float> parameters() = 0;
+  virtual std::span<float> gradients() = 0;
+  virtual std::span<float> state() = 0;
+  virtual void keep_state() = 0;
+  virtual void restore_state() = 0;
+  // A non-finite step's diagnosis (see Model).
+  virtual bool gradients_finite() const = 0;
+  virtual NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) = 0;
+  virtual NonFiniteSpot find_nonfinite_gradient() = 0;
+  virtual std::size_t arena_elements() const = 0;
+  // The optimizer's per-parameter buffers (momentum, moments) and step count.
+  virtual std::size_t optimizer_buffers() const = 0;
+  virtual std::span<float> optimizer_buffer(std::size_t i) = 0;
+  virtual std::uint64_t optimizer_steps() const = 0;
+  virtual void set_optimizer_steps(std::uint64_t steps) = 0;
+  std::size_t input_size = 0, output_size = 0, parameter_offset = 0, state_offset = 0;
+  std::vector<GradientBucket> buckets;  // the stage's gradients, reduced over its copies
+};
+
+template <class StageNet, class Optimizer>
+class StageOf final : public PipelineStage {
+ public:
+  StageOf(std::span<const float> weights, std::span<const float> state,
+          typename Optimizer::Options options, std::size_t offset, std::size_t state_at)
+      : optimizer_(options, StageNet::parameter_count) {
+    input_size = StageNet::input_shape::size;
+    output_size = StageNet::output_shape::size;
+    parameter_offset = offset;
+    state_offset = state_at;
+    std::copy(weights.begin(), weights.end(), model_.parameters().begin());
+    std::copy(state.begin(), state.end(), model_.state().begin());
+  }
+  void reserve(std::size_t micro_batch, std::size_t slots) override {
+    model_.reserve(micro_batch, slots);
+  }
+  const float* forward(const float* input, std::size_t n, std::size_t slot,
+                       const Pass& pass) override {
+    return model_.forward(input, n, slot, pass);
+  }
+  float* output_gradient() override { return model_.output_gradient(); }
+  void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
+    model_.backward(slot, accumulate, input_gradient);
+  }
+  void backward(std::size_t slot, bool accumulate, float* input_gradient,
+                const std::function<void(std::size_t)>& done) override {
+    model_.backward(slot, accumulate, input_gradient, done);
+  }
+  void update(float lr) override {
+    if (optimizer_.options().lr != lr) optimizer_.set_lr(lr);
+    optimizer_.step(model_.parameters(), model_.gradients());
+  }
+  void set_precision(Precision precision) override { model_.set_precision(precision); }
+  void add_layer_squares(std::span<const std::size_t> starts,
+                         std::span<double> squares) const override {
+    detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares);
+  }
+  std::span<float> parameters() override { return model_.parameters(); }
+  std::span<float> gradients() override { return model_.gradients(); }
+  Model<StageNet, float>& model() { return model_; }
+  const Model<StageNet, float>& model() const { return model_; }
+  typename Optimizer::template State<float>& optimizer() { return optimizer_; }
+  std::span<float> state() override { return model_.state(); }
+  void keep_state() override { model_.keep_state(); }
+  void restore_state() override { model_.restore_state(); }
+  bool gradients_finite() const override { return model_.gradients_finite(); }
+  NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) override {
+    return model_.find_nonfinite_output(slot, input);
+  }
+  NonFiniteSpot find_nonfinite_gradient() override { return model_.find_nonfinite_gradient(); }
+  std::size_t arena_elements() const override { return model_.arena_elements(); }
+  std::size_t optimizer_buffers() const override { return optimizer_.buffer_count(); }
+  std::span<float> optimizer_buffer(std::size_t i) override { return optimizer_.buffer(i); }
+  std::uint64_t optimizer_steps() const override { return optimizer_.steps(); }
+  void set_optimizer_steps(std::uint64_t steps) override { optimizer_.set_steps(steps); }
+
+ private:
+  Model<StageNet, float> model_;
+  typename Optimizer::template State<float> optimizer_;
+};
+
+// Sends a stage's messages to one neighbour without making the stage wait:
+// on a communicator whose sends are buffered (LocalComm) straight from the
+// calling thread; otherwise (MPI, whose large sends wait for the matching
+// receive) from a thread of its own, in the order sent, the data copied
+// into a reused buffer first.
+class Outbox {
+ public:
+  Outbox(comm::Comm comm, int peer, bool threaded) : comm_(std::move(comm)), peer_(peer) {
+    if (threaded) thread_ = std::thread([this] { run(); });
+  }
+  Outbox(const Outbox&) = delete;
+  Outbox& operator=(const Outbox&) = delete;
+  ~Outbox() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+
+  void send(std::span<const float> data) {
+    if (!thread_.joinable()) {
+      comm_.send(data, peer_);
+      return;
+    }
+    std::vector<float> message;
+    {
+      std::lock_guard lock(mutex_);
+      if (!free_.empty()) {
+        message = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    message.assign(data.begin(), data.end());
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(message));
+      ++posted_;
+    }
+    changed_.notify_all();
+  }
+
+  // Waits until everything posted is sent; raises the send's error if one failed.
+  void drain() {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [&] { return sent_ == posted_; });
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::vector<float> message;
+      bool skip = false;
+      {
+        std::unique_lock lock(mutex_);
+        changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        message = std::move(queue_.front());
+        queue_.pop_front();
+        skip = error_ != nullptr || stop_;
+      }
+      if (!skip) {
+        try {
+          comm_.send(std::span<const float>(message), peer_);
+        } catch (const std::exception& error) {
+          comm_.cancel(error.what());
+          std::lock_guard lock(mutex_);
+          error_ = std::current_exception();
+        }
+      }
+      {
+        std::lock_guard lock(mutex_);
+        free_.push_back(std::move(message));
+        ++sent_;
+      }
+      changed_.notify_all();
+    }
+  }
+
+  comm::Comm comm_;
+  int peer_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::vector<float>> queue_;
+  std::vector<std::vector<float>> free_;
+  std::size_t posted_ = 0, sent_ = 0;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+
+// What the grid engine knows of the network, from the policy's typed engine.
+struct GridNet {
+  std::string network, optimizer;  // type names, for the processes' identity check
+  std::size_t parameter_count = 0, state_count = 0;
+  std::size_t input_size = 0, classes = 0;  // per sample
+  std::size_t stages = 1;
+  // Where each layer with parameters begins in the flat buffer (clipping's
+  // per-layer norms, summed over the stages).
+  std::span<const std::size_t> norm_segments;
+  // SyncBatchNorm (one stage only: DataParallel): its statistics are
+  // summed over the replicas, on a communicator of their own.
+  bool syncs = false;
+};
+
+// Makes stage k of a rank, with its slice of the initial weights.
+using StageMaker = std::function<std::unique_ptr<PipelineStage>(std::size_t stage)>;
+
+template <class Net, class Optimizer>
+GridNet grid_net(std::size_t stages, bool syncs) {
+  return {.network = type_label<Net>(),
+          .optimizer = type_label<Optimizer>(),
+          .parameter_count = Net::parameter_count,
+          .state_count = Net::state_count,
+          .input_size = Net::input_shape::size,
+          .classes = Net::output_shape::size,
+          .stages = stages,
+          .norm_segments = norm_segments<Net>,
+          .syncs = syncs};
+}
+
+// A stage of StageNet from its slice of the whole network's weights and
+// running statistics (at `offset` and `state_at`), its gradients in
+// buckets of about `bucket_bytes` (as BucketPlan plans them, for a size
+// known at run time).
+template <class StageNet, class Optimizer>
+std::unique_ptr<PipelineStage> make_stage_of(std::span<const float> weights,
+                                             std::span<const float> state,
+                                             typename Optimizer::Options options,
+                                             std::size_t offset, std::size_t state_at,
+                                             std::size_t bucket_bytes) {
+  auto made =
+      std::make_unique<StageOf<StageNet, Optimizer>>(weights, state, options, offset, state_at);
+  plan_buckets(list_info<typename StageNet::executed>::param_offsets,
+               std::max<std::size_t>(1, bucket_bytes / sizeof(float)),
+               [&](const GradientBucket& b) { made->buckets.push_back(b); });
+  return made;
+}
+
+// Runs a policy's grid of net.stages stages x grid.replicas replicas: each
+// replica streams its share of every global batch through its stages, in
+// the schedule's micro-batches; stage k of every replica sums its gradients
+// with the other replicas' stage k.
+class GridEngine {
+ public:
+  // One rank per device, ranks of a LocalComm; or, with `processes` (an MPI
+  // world of R x S ranks), the rank of this process on its one device.
+  // `schedule`: the one to run (micro_batches 0: the grid's).
+  GridEngine(GridNet net, const StageMaker& make_stage, const std::vector<Device>& devices,
+             comm::Comm processes, PipelineGrid grid, PipelineSchedule schedule)
+      : net_(std::move(net)),
+        grid_(std::move(grid)),
+        schedule_(schedule.micro_batches == 0 ? grid_.schedule : schedule),
+        stages_(net_.stages),
+        crew_(grid_.policy, devices.front().threads) {
+    LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
+    std::vector<comm::Comm> comms;
+    local_ = !processes;  // LocalComm: buffered sends
+    const char* name = grid_.policy;
+    const std::size_t ranks = grid_.replicas * stages_;
+    if (processes) {
+      LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, name, " has ", layout(),
+                 ", one per process, but ", processes.size(), " processes were started; start ",
+                 ranks, " (mpirun -np ", ranks, ")");
+      LOOM_CHECK(devices.size() == 1, name, " over ", processes.size(),
+                 " processes takes one device per process (its rank's), but this one was given ",
+                 devices.size(), "; pass dist::Environment::devices()");
+#if defined(LOOM_WITH_MPI)
+      // A stage's outboxes send while its compute thread receives.
+      int initialized = 0, level = MPI_THREAD_SINGLE;
+      MPI_Initialized(&initialized);
+      if (initialized) MPI_Query_thread(&level);
+      LOOM_CHECK(stages_ == 1 || !initialized || level == MPI_THREAD_MULTIPLE, name,
+                 " over MPI processes sends and receives from several threads at once and needs "
+                 "MPI_THREAD_MULTIPLE; this MPI library provides thread level ", level);
+#endif
+      comms.push_back(std::move(processes));
+    } else {
+      LOOM_CHECK(devices.size() == ranks, name, " has ", layout(), " and needs ", ranks,
+                 " devices, one each, but ", devices.size(), " were given");
+      for (auto& local : comm::LocalComm::create(static_cast<int>(ranks)))
+        comms.emplace_back(std::move(local));
+    }
+    for (auto& c : comms) {
+      auto rank = std::make_unique<Rank>();
+      const auto w = static_cast<std::size_t>(c.rank());
+      rank->replica = w / stages_;
+      rank->stage = w % stages_;
+      rank->net = make_stage(rank->stage);
+      rank->world = std::move(c);
+      ranks_.push_back(std::move(rank));
+    }
+    if (ranks == 1) crew_.set_alone();
+    crew_.start(
+        ranks_.size(), [this](std::size_t i, const Job& job) { work(*ranks_[i], job); },
+        [this](std::size_t i, const std::string& why) { cancel(*ranks_[i], why); });
+    try {
+      crew_.run({.kind = JobKind::start});
+      started_ = true;
+    } catch (...) {
+      crew_.stop();  // no destructor runs for a constructor that throws
+      throw;
+    }
+  }
+
+  GridEngine(const GridEngine&) = delete;
+  GridEngine& operator=(const GridEngine&) = delete;
+  ~GridEngine() { crew_.stop(); }
+
+  const PipelineSchedule& schedule() const { return schedule_; }
+  const PipelineGrid& grid() const { return grid_; }
+  std::size_t replicas() const { return grid_.replicas; }
+  int world() const { return ranks_.front()->world.size(); }
+  // This process's ranks, in grid order (replica-major), and their stages.
+  std::size_t local_stages() const { return ranks_.size(); }
+  PipelineStage& stage(std::size_t i) { return *ranks_.at(i)->net; }
+  const PipelineStage& stage(std::size_t i) const { return *ranks_.at(i)->net; }
+  // Every rank of the grid is here (worker devices), or only this process's.
+  bool all_local() const { return ranks_.size() == grid_.replicas * stages_; }
+
+  // One batch of an optimizer step. group_samples: the samples of all the
+  // step's batches (the loss is their mean); accumulate: add to the
+  // gradients of earlier batches; last: reduce and update. Returns the
+  // step's global loss and correct-count sums when `last`; a non-finite
+  // loss or gradient skips the update on every rank (the caller checks
+  // fault()), as does an fp16 overflow (LossSums::overflowed).
+  cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
+                           std::size_t group_samples, bool accumulate, bool last,
+                           const StepSettings& settings, const Pass& pass) {
+    crew_.run({.kind = JobKind::train,
+               .images = images,
+               .labels = labels,
+               .n = n,
+               .group_samples = group_samples,
+               .accumulate = accumulate,
+               .last = last,
+               .settings = settings,
+               .pass = pass});
+    auto sums = loss_sums(ranks_.front()->stats);
+    sums.overflowed = ranks_.front()->overflowed;
+    return sums;
+  }
+
+  // After a step whose loss or gradients went non-finite (and which every
+  // rank skipped): where it happened first, over every stage and replica.
+  const NonFiniteSpot& fault() const { return ranks_.front()->fault; }
+
+  // Loss and correct-count sums over a data set: each replica takes its
+  // share, in pieces of `batch` samples, each streamed through its stages
+  // in micro-batches.
+  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch, Precision precision) {
+    crew_.run({.kind = JobKind::evaluate, .n = batch, .precision = precision, .dataset = &dataset});
+    return loss_sums(ranks_.front()->stats);
+  }
+
+  // Every rank's `row` (all of one size), rank r's as row r (a collective:
+  // the trainer's agreement before a fit or a load).
+  std::vector<double> gather_rows(std::span<const double> row) {
+    std::vector<double> rows;
+    crew_.run({.kind = JobKind::agree, .row = row, .rows = &rows});
+    return rows;
+  }
+
+  // The sum of `value` over the ranks, one per process (a collective: a
+  // checkpoint that one process could not write or read stops them all).
+  double sum_over_ranks(double value) {
+    crew_.run({.kind = JobKind::agree, .value = value});
+    return ranks_.front()->stats[0];
+  }
+
+  // Every stage's weights and running statistics into the whole network's
+  // (collective across processes: every rank gets all of them).
+  void gather(float* parameters, float* state) {
+    crew_.run({.kind = JobKind::gather, .whole = parameters});
+    if (net_.state_count > 0) crew_.run({.kind = JobKind::gather_state, .whole = state});
+  }
+  // Each stage takes its slices of the whole network's.
+  void scatter(const float* parameters, const float* state) {
+    crew_.run({.kind = JobKind::scatter, .whole = const_cast<float*>(parameters)});
+    if (net_.state_count > 0)
+      crew_.run({.kind = JobKind::scatter_state, .whole = const_cast<float*>(state)});
+  }
+  // Weights or running statistics were changed through copy 0 of a stage:
+  // every copy takes them, as at the start.
+  void share_first_replica() { crew_.run({.kind = JobKind::share}); }
+
+  // Optimizer buffer i of every stage into `whole` (the whole network's
+  // size), or each stage's slice from it; as gather() and scatter().
+  void gather_optimizer(std::size_t i, float* whole) {
+    crew_.run({.kind = JobKind::gather_buffer, .n = i, .whole = whole});
+  }
+  void scatter_optimizer(std::size_t i, const float* whole) {
+    crew_.run({.kind = JobKind::scatter_buffer, .n = i, .whole = const_cast<float*>(whole)});
+  }
+  // Every stage takes the same number of optimizer steps.
+  std::uint64_t optimizer_steps() const { return ranks_.front()->net->optimizer_steps(); }
+  void set_optimizer_steps(std::uint64_t steps) {
+    for (auto& r : ranks_) r->net->set_optimizer_steps(steps);
+  }
+
+  // Sizes each rank for its share of global batches of up to `batch`.
+  void reserve(std::size_t batch) { crew_.run({.kind = JobKind::reserve, .n = batch}); }
+
+  // i: this process's ranks in grid order (replica-major).
+  StageReport report(std::size_t i) const {
+    const Rank& r = *ranks_.at(i);
+    std::size_t inputs = 0;
+    for (const auto& buffer : r.inputs) inputs += buffer.size();
+    StageReport report;
+    report.stage = r.stage;
+    report.replica = r.replica;
+    report.peak_in_flight = r.peak_in_flight;
+    report.activation_elements = r.net->arena_elements() + inputs;
+    report.busy_seconds = r.busy;
+    report.begin = r.begin;
+    report.end = r.end;
+    report.backward_begin = r.backward_begin;
+    report.backward_end = r.backward_end;
+    if (r.reducer) {
+      report.reduce_posted = r.reducer->posted();
+      report.reduce_begin = r.reducer->begun();
+      report.reduce_end = r.reducer->ended();
+    }
+    return report;
+  }
+
+  // Each local rank's time in the last optimizer step, in grid order.
+  std::vector<double> step_seconds() const {
+    std::vector<double> seconds;
+    for (const auto& r : ranks_) seconds.push_back(r->step_seconds);
+    return seconds;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  enum class JobKind {
+    start,
+    train,
+    evaluate,
+    gather,
+    scatter,
+    gather_state,
+    scatter_state,
+    gather_buffer,
+    scatter_buffer,
+    share,
+    reserve,
+    agree
+  };
+  using Job = EngineJob<JobKind>;
+
+  // SyncBatchNorm's sums, on a communicator of their own: the reducer's
+  // thread all-reduces gradient buckets on the stage's copies meanwhile.
+  struct StatisticsSum final : ReplicaSum {
+    comm::Comm comm;
+    void sum(std::span<double> values) override { comm.all_reduce(values, comm::ReduceOp::sum); }
+  };
+
+  struct Rank {
+    std::size_t replica = 0, stage = 0;
+    std::unique_ptr<PipelineStage> net;
+    comm::Comm world;     // every rank of the grid
+    comm::Comm pipeline;  // this replica's stages (rank = stage)
+    StatisticsSum statistics;                      // SyncBatchNorm's, over the stage's copies
+    std::unique_ptr<Reducer> reducer;              // several replicas: over this stage's copies
+    std::unique_ptr<Outbox> to_next, to_previous;  // destroyed first
+    std::vector<std::vector<float>> inputs;        // per slot: the received activations
+    std::vector<float> input_gradient;             // the backward's, for the stage before
+    std::vector<const float*> outputs;             // per slot: the forward's output
+    std::vector<std::size_t> free_slots, slot_of;  // slot_of: per micro-batch
+    std::size_t capacity = 0, in_flight = 0, peak_in_flight = 0;
+    std::size_t next_bucket = 0;  // the next gradient bucket to reduce this step
+    // Loss sum, correct count, and (training) how many stages' gradients
+    // are not finite.
+    std::array<double, 3> stats{};
+    std::vector<double> squares;  // clipping's, per layer with parameters (kept: no allocation)
+    double busy = 0.0;
+    double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
+    bool overflowed = false;    // the last step's scaled gradients were not finite
+    NonFiniteSpot fault;        // the step's first non-finite value (agreed by the ranks)
+    Clock::time_point begin, end, backward_begin, backward_end;
+  };
+
+  std::string layout() const {
+    std::string text = std::to_string(stages_) + " stage" + (stages_ == 1 ? "" : "s");
+    if (stages_ == 1) text = std::to_string(grid_.replicas) + " replica" +
+                             (grid_.replicas == 1 ? "" : "s");
+    else if (grid_.replicas > 1)
+      text = std::to_string(grid_.replicas) + " replicas x " + text + " = " +
+             std::to_string(grid_.replicas * stages_) + " ranks";
+    return text;
+  }
+
+  bool first(const Rank& r) const { return r.stage == 0; }
+  bool last(const Rank& r) const { return r.stage + 1 == stages_; }
+
+  // A failing rank wakes every group it belongs to, so no rank waits for it.
+  void cancel(Rank& r, const std::string& why) {
+    r.world.cancel(why);
+    if (r.pipeline) r.pipeline.cancel(why);
+    if (r.reducer) r.reducer->comm().cancel(why);
+    // Made by the start job: read only once every rank has made it.
+    if (started_ && r.statistics.comm) r.statistics.comm.cancel(why);
+  }
+
+  void work(Rank& r, const Job& job) {
+    switch (job.kind) {
+      case JobKind::start:
+        start(r);
+        break;
+      case JobKind::train: {
+        const auto began = Clock::now();
+        if (!job.accumulate) r.step_seconds = 0.0;
+        train(r, job);
+        r.step_seconds += seconds_since(began);
+        break;
+      }
+      case JobKind::evaluate:
+        evaluate(r, job);
+        break;
+      case JobKind::gather:
+        gather(r, r.net->parameters(), r.net->parameter_offset, net_.parameter_count, job.whole);
+        break;
+      case JobKind::gather_state:
+        gather(r, r.net->state(), r.net->state_offset, net_.state_count, job.whole);
+        break;
+      case JobKind::scatter: {
+        auto mine = r.net->parameters();
+        std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
+        break;
+      }
+      case JobKind::scatter_state: {
+        auto mine = r.net->state();
+        std::copy_n(job.whole + r.net->state_offset, mine.size(), mine.begin());
+        break;
+      }
+      case JobKind::gather_buffer:
+        gather(r, r.net->optimizer_buffer(job.n), r.net->parameter_offset, net_.parameter_count,
+               job.whole);
+        break;
+      case JobKind::scatter_buffer: {
+        auto mine = r.net->optimizer_buffer(job.n);
+        std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
+        break;
+      }
+      case JobKind::share:
+        share_weights(r);
+        break;
+      case JobKind::reserve: {
+        const auto share = batch_share(job.n, grid_.replicas, 0);
+        const std::size_t micro = std::max<std::size_t>(
+            1, std::min(schedule_.micro_batches, share.count));
+        prepare(r, std::max<std::size_t>(1, batch_share(share.count, micro, 0).count),
+                pipeline_in_flight(schedule_.kind, stages_, r.stage, micro));
+        break;
+      }
+      case JobKind::agree:
+        if (job.rows != nullptr) {
+          auto all = comm::gather_rows(r.world, job.row);
+          if (&r == ranks_.front().get()) *job.rows = std::move(all);
+          break;
+        }
+        r.stats = {job.value, 0.0};
+        r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+        break;
+    }
+  }
+
+  // Checks every rank runs this program, then makes the grid's groups:
+  // each replica's pipeline, and (several replicas) each stage's copies,
+  // which take copy 0's weights.
+  void start(Rank& r) {
+    check_same_program(r.world,
+                       "network " + net_.network + ", policy " + grid_.identity + " (" +
+                           std::to_string(grid_.replicas) + " replicas), optimizer " +
+                           net_.optimizer,
+                       net_.parameter_count);
+    if (grid_.replicas > 1) {
+      r.pipeline = r.world.split(static_cast<int>(r.replica), static_cast<int>(r.stage));
+      r.reducer = std::make_unique<Reducer>(
+          r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica)),
+          r.net->buckets.size());
+      r.reducer->comm().broadcast(r.net->parameters(), 0);
+    } else {
+      r.pipeline = r.world;
+    }
+    if (net_.syncs)
+      r.statistics.comm =
+          r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica));
+    const bool threaded = !local_;
+    if (!last(r))
+      r.to_next = std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage + 1), threaded);
+    if (!first(r))
+      r.to_previous =
+          std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage - 1), threaded);
+  }
+
+  // Room for micro-batches of up to `micro_batch` samples, `slots` at once;
+  // made before a step's passes (growing the arena mid-step would move the
+  // activations of micro-batches in flight).
+  void prepare(Rank& r, std::size_t micro_batch, std::size_t slots) {
+    r.net->reserve(micro_batch, slots);
+    if (micro_batch > r.capacity || slots > r.inputs.size()) {
+      r.capacity = std::max(r.capacity, micro_batch);
+      r.inputs.resize(std::max(slots, r.inputs.size()));
+      if (!first(r)) {
+        for (auto& buffer : r.inputs) buffer.resize(r.capacity * r.net->input_size);
+        r.input_gradient.resize(r.capacity * r.net->input_size);
+      }
+      r.outputs.resize(r.inputs.size());
+    }
+    r.free_slots.clear();
+    for (std::size_t s = slots; s-- > 0;) r.free_slots.push_back(s);
+  }
+
+  // The input of a micro-batch of n samples: the batch's own (stage 0), or
+  // received from the stage before into the slot's buffer.
+  const float* receive_input(Rank& r, const float* images, std::size_t n, std::size_t slot) {
+    if (first(r)) return images;
+    float* buffer = r.inputs[slot].data();
+    r.pipeline.recv(std::span<float>(buffer, n * r.net->input_size),
+                    static_cast<int>(r.stage - 1));
+    return buffer;
+  }
+
+  void send_output(Rank& r, const float* output, std::size_t n) {
+    r.to_next->send(std::span<const float>(output, n * r.net->output_size));
+  }
+
+  // Hands the reducer every bucket that executed layer `layer` completes
+  // (all that are left, with no layer).
+  static void post_ready(Rank& r, std::optional<std::size_t> layer) {
+    // Stamped before the last buckets are posted: once posted, the
+    // communication thread may take this thread's core.
+    if (layer == 0) r.backward_end = Clock::now();
+    const auto& buckets = r.net->buckets;
+    while (r.next_bucket < buckets.size() &&
+           (!layer || buckets[r.next_bucket].ready_after == *layer)) {
+      const auto& bucket = buckets[r.next_bucket];
+      r.reducer->post(r.net->gradients().subspan(bucket.begin, bucket.size()), r.next_bucket++);
+    }
+  }
+
+  void train(Rank& r, const Job& job) {
+    share_state(r);
+    // This replica's share of the global batch, in micro-batches.
+    const auto share = batch_share(job.n, grid_.replicas, r.replica);
+    const std::size_t micro = std::min(schedule_.micro_batches, share.count);
+    if (micro > 0)
+      prepare(r, batch_share(share.count, micro, 0).count,
+              pipeline_in_flight(schedule_.kind, stages_, r.stage, micro));
+    r.slot_of.assign(micro, 0);
+    if (!job.accumulate) {
+      r.stats = {};
+      r.overflowed = false;
+      r.fault = {};
+      r.net->keep_state();
+    }
+    r.net->set_precision(job.settings.precision);
+    bool accumulate = job.accumulate;
+    // Several replicas: the step's last backward hands each bucket to the
+    // reducer as soon as its layers are done. SyncBatchNorm's backward
+    // calls collectives of its own: the buckets then wait for the
+    // backward's end, so that no two threads of a rank are in MPI at once
+    // (MPI_THREAD_SERIALIZED).
+    const bool reduce = r.reducer != nullptr && job.last;
+    const bool overlap = reduce && !net_.syncs;
+    std::size_t backwards = 0;
+    r.next_bucket = 0;
+    r.busy = 0.0;
+    r.begin = Clock::now();
+    for_each_pipeline_op(schedule_.kind, stages_, r.stage, micro, [&](PipelineOp op) {
+      const auto piece = batch_share(share.count, micro, op.micro_batch);
+      const std::size_t first_sample = share.first + piece.first;
+      if (op.forward) {
+        const std::size_t slot = r.free_slots.back();
+        r.free_slots.pop_back();
+        r.slot_of[op.micro_batch] = slot;
+        r.peak_in_flight = std::max(r.peak_in_flight, ++r.in_flight);
+        const float* input =
+            receive_input(r, job.images + first_sample * net_.input_size, piece.count, slot);
+        const auto started = Clock::now();
+        Pass pass = job.pass;
+        pass.first_sample = first_sample;
+        if (net_.syncs) pass.replicas = &r.statistics;
+        const float* output = r.net->forward(input, piece.count, slot, pass);
+        r.busy += seconds_since(started);
+        if (last(r)) {
+          r.outputs[slot] = output;
+        } else {
+          // Looked at now: by the step's end a later micro-batch may hold the slot.
+          if (!r.fault && !all_finite(output, piece.count * r.net->output_size))
+            r.fault = r.net->find_nonfinite_output(slot, first(r));
+          send_output(r, output, piece.count);
+        }
+      } else {
+        const std::size_t slot = r.slot_of[op.micro_batch];
+        float* dy = r.net->output_gradient();
+        if (!last(r))
+          r.pipeline.recv(std::span<float>(dy, piece.count * r.net->output_size),
+                          static_cast<int>(r.stage + 1));
+        const auto started = Clock::now();
+        if (last(r)) {
+          const auto sums = SoftmaxCrossEntropy::evaluate<float>(
+              r.outputs[slot], job.labels + first_sample, piece.count, net_.classes,
+              job.group_samples, dy, job.settings.loss_scale);
+          r.stats[0] += sums.loss;
+          r.stats[1] += static_cast<double>(sums.correct);
+          if (!std::isfinite(sums.loss) && !r.fault)
+            r.fault = r.net->find_nonfinite_output(slot, first(r));
+        }
+        float* input_gradient = first(r) ? nullptr : r.input_gradient.data();
+        const bool final_backward = ++backwards == micro;
+        if (final_backward) r.backward_begin = Clock::now();
+        // The capture is one pointer: std::function holds it without allocating.
+        if (overlap && final_backward) {
+          r.net->backward(slot, accumulate, input_gradient,
+                          [rank = &r](std::size_t layer) { post_ready(*rank, layer); });
+        } else {
+          r.net->backward(slot, accumulate, input_gradient);
+          if (final_backward) r.backward_end = Clock::now();
+        }
+        r.busy += seconds_since(started);
+        if (!first(r))
+          r.to_previous->send(std::span<const float>(r.input_gradient.data(),
+                                                     piece.count * r.net->input_size));
+        accumulate = true;
+        r.free_slots.push_back(slot);
+        --r.in_flight;
+      }
+    });
+    r.end = Clock::now();
+    // A replica with no sample of the step adds zeros to the sums.
+    if (micro == 0 && !job.accumulate) std::ranges::fill(r.net->gradients(), 0.0f);
+    if (!job.last) return;
+    if (reduce) post_ready(r, std::nullopt);
+    drain(r);
+    if (reduce) r.reducer->drain();
+    // Only the last stages have the loss, and each stage its gradients (the
+    // reduced ones with several replicas); every rank learns the sums, so
+    // all skip a non-finite step or all take it. (fp16 checks its gradients
+    // when it unscales them: non-finite there is an overflow.)
+    const bool fp16 = job.settings.precision == Precision::fp16;
+    r.stats[2] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
+    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+    RankExecutor executor{*this, r, micro};
+    r.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
+  }
+
+  // A rank's executor: its answers are the grid's (the sums all-reduced
+  // before, the overflow and the norm over the stages).
+  struct RankExecutor {
+    GridEngine& engine;
+    Rank& r;
+    std::size_t micro;  // the step's last batch's micro-batches on this replica
+
+    bool loss_finite() const { return std::isfinite(r.stats[0]); }
+    bool gradients_finite() const { return r.stats[2] == 0.0; }
+    // Unscales the stage's gradients; whether no stage's overflowed (the
+    // replicas' copies hold the same reduced gradients).
+    bool unscale(float loss_scale) {
+      std::array<double, 1> bad{unscale_gradients(r.net->gradients(), loss_scale) ? 0.0 : 1.0};
+      r.pipeline.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
+      return bad[0] == 0.0;
+    }
+    // This rank's first non-finite value (the outputs its slots still
+    // hold, else its gradients), then the grid's; its running statistics
+    // put back.
+    void skip_nonfinite(bool) {
+      std::vector<bool> seen(r.inputs.size(), false);
+      for (std::size_t m = micro; m-- > 0 && !r.fault;) {
+        const std::size_t slot = r.slot_of[m];
+        if (seen[slot]) continue;
+        seen[slot] = true;
+        r.fault = r.net->find_nonfinite_output(slot, r.stage == 0);
+      }
+      if (!r.fault) r.fault = r.net->find_nonfinite_gradient();
+      r.fault = agree_on_spot(r.world, r.fault);
+      r.net->restore_state();
+    }
+    // Every rank learned of the overflow (summed over the pipeline, whose
+    // replicas hold the same reduced gradients): all agree on where.
+    void skip_overflow(bool name_spot) {
+      if (name_spot) r.fault = agree_on_spot(r.world, r.net->find_nonfinite_gradient());
+      r.net->restore_state();
+    }
+    // The norm is the whole pipeline's: each stage gives its layers' squares.
+    void clip(float max_norm) {
+      auto& squares = r.squares;
+      squares.assign(engine.net_.norm_segments.size(), 0.0);
+      r.net->add_layer_squares(engine.net_.norm_segments, squares);
+      r.pipeline.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
+      clip_gradients(r.net->gradients(), global_norm(squares), max_norm);
+    }
+    void update(float lr) { r.net->update(lr); }
+  };
+
+  // Several replicas: a stage's copies take copy 0's running statistics
+  // (as DataParallel's replicas do) before each step and evaluation.
+  static void share_state(Rank& r) {
+    if (r.reducer && !r.net->state().empty()) r.reducer->comm().broadcast(r.net->state(), 0);
+  }
+  static void share_weights(Rank& r) {
+    if (!r.reducer) return;
+    r.reducer->comm().broadcast(r.net->parameters(), 0);
+    share_state(r);
+  }
+
+  void evaluate(Rank& r, const Job& job) {
+    share_state(r);
+    r.net->set_precision(job.precision);
+    const auto& data = *job.dataset;
+    const std::size_t sample = data.sample_size();
+    const auto share = batch_share(data.count, grid_.replicas, r.replica);
+    const std::size_t micro = std::min(schedule_.micro_batches, job.n);
+    prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.inputs.size()));
+    r.stats = {};
+    for (std::size_t at = 0; at < share.count; at += job.n) {
+      const std::size_t n = std::min(job.n, share.count - at);
+      const std::size_t pieces = std::min(micro, n);
+      for (std::size_t m = 0; m < pieces; ++m) {
+        const auto piece = batch_share(n, pieces, m);
+        const std::size_t first_sample = share.first + at + piece.first;
+        const float* input =
+            receive_input(r, data.images.data() + first_sample * sample, piece.count, 0);
+        const float* output = r.net->forward(input, piece.count, 0, Pass{});
+        if (last(r)) {
+          const auto sums = SoftmaxCrossEntropy::evaluate<float>(
+              output, data.labels.data() + first_sample, piece.count, net_.classes, piece.count,
+              nullptr);
+          r.stats[0] += sums.loss;
+          r.stats[1] += static_cast<double>(sums.correct);
+        } else {
+          send_output(r, output, piece.count);
+        }
+      }
+    }
+    drain(r);
+    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+  }
+
+  // Replica 0's slices (weights or running statistics) into `whole` (the
+  // replicas' copies are equal).
+  void gather(Rank& r, std::span<const float> mine, std::size_t offset, std::size_t total,
+              float* whole) {
+    if (all_local()) {
+      if (r.replica == 0) std::copy(mine.begin(), mine.end(), whole + offset);
+      return;
+    }
+    // Each stage of replica 0 adds its slice into zeros: the sum is every
+    // slice, exactly.
+    std::vector<float> all(total, 0.0f);
+    if (r.replica == 0)
+      std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(offset));
+    r.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
+    std::copy(all.begin(), all.end(), whole);
+  }
+
+  static void drain(Rank& r) {
+    if (r.to_next) r.to_next->drain();
+    if (r.to_previous) r.to_previous->drain();
+  }
+
+  static double seconds_since(Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+  GridNet net_;
+  PipelineGrid grid_;
+  PipelineSchedule schedule_;
+  std::size_t stages_;
+  bool local_ = true;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::atomic<bool> started_ = false;  // every rank's groups exist
+  Crew<Job> crew_;  // after ranks_: its threads stop before the ranks go
+};
+
+}  // namespace detail
+}  // namespace loom
