@@ -3,11 +3,9 @@
 #pragma once
 
 #include <cmath>
-#include <ostream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <utility>
 
 namespace loom {
@@ -30,31 +28,28 @@ class ResumeMismatch : public Error {
 
 namespace detail {
 
-// Writes a message's parts (see raise).
-using MessageWriter = void (*)(std::ostream& out, const void* parts);
+// A message being built: its stream is made, and the Error thrown, out of
+// line, so that each raise<Parts...> below holds only its parts' `<<`s (a
+// program has hundreds of them).
+class Message {
+ public:
+  [[gnu::noinline]] Message() { out_ << "loom: "; }
+  [[gnu::noinline]] ~Message() = default;
+  std::ostream& stream() { return out_; }
+  [[noreturn, gnu::noinline]] void raise(const char* file, int line) {
+    out_ << " [" << file << ':' << line << ']';
+    throw Error(out_.str());
+  }
 
-// The one place a message is built and thrown: each raise<Parts...> below
-// holds only its parts' `<<`s, not a stream of its own (a program has
-// hundreds of them).
-[[noreturn]] inline void throw_error(const char* file, int line, MessageWriter write,
-                                     const void* parts) {
-  std::ostringstream message;
-  message << "loom: ";
-  write(message, parts);
-  message << " [" << file << ':' << line << ']';
-  throw Error(message.str());
-}
+ private:
+  std::ostringstream out_;
+};
 
 template <class... Parts>
 [[noreturn]] void raise(const char* file, int line, const Parts&... parts) {
-  const std::tuple<const Parts&...> all(parts...);
-  throw_error(
-      file, line,
-      [](std::ostream& out, const void* erased) {
-        std::apply([&](const auto&... part) { (out << ... << part); },
-                   *static_cast<const std::tuple<const Parts&...>*>(erased));
-      },
-      &all);
+  Message message;
+  (message.stream() << ... << parts);
+  message.raise(file, line);
 }
 
 }  // namespace detail
