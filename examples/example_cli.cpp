@@ -2,9 +2,12 @@
 #include "example_cli.hpp"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
+#include <string_view>
 
 namespace loom::examples {
 namespace {
@@ -203,6 +206,43 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
   result.collective_timeout = collective_timeout;
   result.collective_timeout_given = timeout_default && app.count("--collective-timeout") > 0;
   return result;
+}
+
+Error resume_refusal(const ResumeMismatch& refused, const Options& o) {
+  struct Flag {
+    const char* setting;
+    const char* flag;
+  };
+  static constexpr Flag flags[] = {{"samples", "--train-samples"},
+                                   {"batch_size", "--batch-size"},
+                                   {"accumulation_steps", "--accumulate"},
+                                   {"seed", "--seed"},
+                                   {"augment.crop_padding", "--augment"},
+                                   {"augment.horizontal_flip", "--augment"},
+                                   {"momentum", "--momentum"},
+                                   {"weight_decay", "--weight-decay"}};
+  std::string text = "loom: --resume " + o.resume + ": ";
+  const auto* flag =
+      std::ranges::find_if(flags, [&](const Flag& f) { return refused.setting == f.setting; });
+  if (flag == std::end(flags)) {
+    text += "the checkpoint was written with " + refused.setting + " " + refused.was +
+            " and this run has " + refused.now +
+            ", which no flag of this example sets; it "
+            "was written by another program";
+  } else if (std::string_view(flag->flag) == "--augment") {
+    const bool was = refused.was != "0" && refused.was != "false";
+    text += std::string("the checkpoint was written by a run ") + (was ? "with" : "without") +
+            " --augment, and this run is " + (was ? "without" : "with") + " it; resume " +
+            (was ? "with" : "without") + " --augment";
+  } else {
+    const bool images = std::string_view(flag->flag) == "--train-samples";
+    text += std::string("the checkpoint was written by a run with ") + flag->flag + " " +
+            refused.was + (images ? " (training images)" : "") + ", and this run has " +
+            refused.now + "; resume with " + flag->flag + " " + refused.was;
+  }
+  return Error(text +
+               " (a resumed run takes the data, batch and optimizer flags of the run "
+               "that wrote the checkpoint; --epochs and --lr may differ)");
 }
 
 }  // namespace loom::examples

@@ -5,11 +5,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <loom/core/error.hpp>
+#include <loom/data/dataset.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <loom/data/dataset.hpp>
 
 namespace loom::examples {
 
@@ -62,5 +62,9 @@ struct CommandLine {
 // option exists only then).
 CommandLine parse_command_line(int argc, char** argv, const char* title, Options& o, bool cifar,
                                bool distributed, std::optional<double> timeout_default);
+
+// A checkpoint that --resume refuses, in the command line's words: the flag
+// whose value differs from the run that wrote it, where there is one.
+Error resume_refusal(const ResumeMismatch& refused, const Options& o);
 
 }  // namespace loom::examples

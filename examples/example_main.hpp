@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -116,75 +117,23 @@ struct Maybe {
   }
 };
 
-// A checkpoint that --resume refuses, in the command line's words: the flag
-// whose value differs from the run that wrote it, where there is one.
-inline Error resume_refusal(const ResumeMismatch& refused, const Options& o) {
-  struct Flag {
-    const char* setting;
-    const char* flag;
-  };
-  static constexpr Flag flags[] = {
-      {"samples", "--train-samples"},     {"batch_size", "--batch-size"},
-      {"accumulation_steps", "--accumulate"}, {"seed", "--seed"},
-      {"augment.crop_padding", "--augment"}, {"augment.horizontal_flip", "--augment"},
-      {"momentum", "--momentum"},         {"weight_decay", "--weight-decay"}};
-  std::string text = "loom: --resume " + o.resume + ": ";
-  const auto* flag = std::ranges::find_if(flags, [&](const Flag& f) {
-    return refused.setting == f.setting;
-  });
-  if (flag == std::end(flags)) {
-    text += "the checkpoint was written with " + refused.setting + " " + refused.was +
-            " and this run has " + refused.now + ", which no flag of this example sets; it "
-            "was written by another program";
-  } else if (std::string_view(flag->flag) == "--augment") {
-    const bool was = refused.was != "0" && refused.was != "false";
-    text += std::string("the checkpoint was written by a run ") + (was ? "with" : "without") +
-            " --augment, and this run is " + (was ? "without" : "with") + " it; resume " +
-            (was ? "with" : "without") + " --augment";
-  } else {
-    const bool images = std::string_view(flag->flag) == "--train-samples";
-    text += std::string("the checkpoint was written by a run with ") + flag->flag + " " +
-            refused.was + (images ? " (training images)" : "") + ", and this run has " +
-            refused.now + "; resume with " + flag->flag + " " + refused.was;
-  }
-  return Error(text + " (a resumed run takes the data, batch and optimizer flags of the run "
-                      "that wrote the checkpoint; --epochs and --lr may differ)");
-}
-
 inline Precision precision_of(const std::string& name) {
   return name == "bf16" ? Precision::bf16 : name == "fp16" ? Precision::fp16 : Precision::fp32;
 }
 
-// Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
-// console under mpirun, a silent stream on the other ranks).
-template <class Net, class Policy>
-void train(const char* title, const Options& o, const data::Split& data,
-           std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
-  static_assert(ExamplePolicies::contains<Policy>, "example_trainers.hpp names the examples' trainers: "
-                "their CUDA side registers executors for those alone");
-  const auto started = std::chrono::steady_clock::now();
-  TrainerOptions trainer_options{.seed = o.seed, .precision = precision_of(o.precision)};
+// What train() does alike for every trainer type, written once (the example
+// builds five): its first lines, its options, its last lines.
+
+// What trains, on what and how; `policy` as the example names it (a
+// pipeline with its grid, schedule and cut).
+inline void describe_run(std::ostream& out, const char* title, const Options& o,
+                         const data::Split& data, std::size_t parameters,
+                         const std::string& policy, const std::vector<Device>& devices,
+                         const comm::Comm& processes) {
   const bool cifar = data.train.channels == 3;
   out << "loom " << title << " on " << (cifar ? "CIFAR-10" : "Fashion-MNIST") << ": "
-      << Net::parameter_count << " parameters, "
-      << data.train.count << " training and " << data.test.count << " test images, ";
-  if constexpr (is_pipelined<Policy>) {
-    trainer_options.schedule = {o.schedule == "gpipe" ? PipelineKind::gpipe
-                                                      : PipelineKind::one_f_one_b,
-                                o.micro_batches};
-    constexpr auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
-    const auto grid = pipeline_grid<Policy>(
-        processes ? static_cast<std::size_t>(processes.size()) : devices.size());
-    out << grid.policy << " (";
-    if (grid.replicas > 1)
-      out << grid.replicas << " replicas x " << Policy::stages << " stages; ";
-    out << pipeline_kind_name(trainer_options.schedule.kind) << ", " << o.micro_batches
-        << " micro-batches; stages start at layers";
-    for (std::size_t k = 0; k < Policy::stages; ++k) out << ' ' << bounds[k] + 1;
-    out << ')';
-  } else {
-    out << Policy::name;
-  }
+      << parameters << " parameters, " << data.train.count << " training and "
+      << data.test.count << " test images, " << policy;
   if (processes) out << " over " << processes.size() << " processes, each";
   out << " on";
   for (const auto& device : devices) {
@@ -196,62 +145,106 @@ void train(const char* title, const Options& o, const data::Split& data,
       devices, [](const Device& device) { return device.kind == Device::Kind::cpu; });
   if (const auto note = cpu::blas_kernels_note(); on_cpu && !note.empty())
     out << "note: " << note << '\n';
+}
 
-  const auto fit_with = [&](auto& trainer) {
-    if (!o.resume.empty()) {
-      trainer.load(o.resume);
-      out << "resuming " << o.resume << " after step " << trainer.steps() << " (epoch "
-          << trainer.position().epoch << ")\n";
-    }
-    callbacks::Evaluate evaluate(data.test, &out);
-    Maybe<callbacks::Checkpoint> checkpoint{.c = {}, .name = "checkpoint"};
-    if (!o.checkpoint.empty())
-      checkpoint.c.emplace(callbacks::Checkpoint::Options{
-          .path = o.checkpoint, .every_steps = o.checkpoint_every, .out = &out});
-    Maybe<callbacks::Metrics> metrics;
-    if (!o.metrics.empty() && (!processes || processes.rank() == 0))
-      metrics.c.emplace(callbacks::Metrics::Options{
-          .path = o.metrics, .append = !o.resume.empty(), .evaluate = &evaluate});
-    data::Augment augment;
-    if (o.augment) augment = {.crop_padding = cifar ? 4u : 2u, .horizontal_flip = true};
-    trainer.fit(data.train,
-                {.epochs = o.epochs,
-                 .batch_size = o.batch_size,
-                 .seed = o.seed,
-                 .accumulation_steps = o.accumulation,
-                 .augment = augment,
-                 .max_grad_norm = o.clip_norm,
-                 .on_nonfinite = o.on_nonfinite == "skip" ? NonFinite::skip : NonFinite::raise},
-                ExampleSchedule{&o, &out}, callbacks::Progress({.out = &out}), evaluate, checkpoint,
-                metrics);
-    // A resumed run that had already finished trained nothing: measure it now.
-    if (evaluate.history.empty()) evaluate.last = trainer.evaluate(data.test);
-    if (trainer.precision() == Precision::fp16)
-      out << "fp16: " << trainer.skipped_steps() << " step(s) skipped for overflow, loss scale "
-          << trainer.loss_scale() << '\n';
-    if (trainer.nonfinite_steps() > 0)
-      out << trainer.nonfinite_steps() << " step(s) skipped for a non-finite loss or gradient\n";
-    return evaluate.last;
-  };
-  AnyOptimizer::Options optimizer;
-  if (o.optimizer == "adamw")
-    optimizer = AdamW::Options{.lr = o.lr, .weight_decay = o.weight_decay};
-  else
-    optimizer = SGD::Options{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay};
-  ExampleTrainer<Net, Policy> trainer(devices, optimizer, trainer_options, processes);
-  EvalResult last;
-  try {
-    last = fit_with(trainer);
-  } catch (const ResumeMismatch& refused) {
-    throw resume_refusal(refused, o);
-  }
+// `pipelined`: --schedule and --micro-batches count.
+inline TrainerOptions trainer_options(const Options& o, bool pipelined) {
+  TrainerOptions options{.seed = o.seed, .precision = precision_of(o.precision)};
+  if (pipelined)
+    options.schedule = {o.schedule == "gpipe" ? PipelineKind::gpipe : PipelineKind::one_f_one_b,
+                        o.micro_batches};
+  return options;
+}
 
+inline AnyOptimizer::Options optimizer_options(const Options& o) {
+  if (o.optimizer == "adamw") return AdamW::Options{.lr = o.lr, .weight_decay = o.weight_decay};
+  return SGD::Options{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay};
+}
+
+inline FitOptions fit_options(const Options& o, bool cifar) {
+  data::Augment augment;
+  if (o.augment) augment = {.crop_padding = cifar ? 4u : 2u, .horizontal_flip = true};
+  return {.epochs = o.epochs,
+          .batch_size = o.batch_size,
+          .seed = o.seed,
+          .accumulation_steps = o.accumulation,
+          .augment = augment,
+          .max_grad_norm = o.clip_norm,
+          .on_nonfinite = o.on_nonfinite == "skip" ? NonFinite::skip : NonFinite::raise};
+}
+
+// The steps a fit skipped (fp16's overflows, non-finite steps), then the
+// final test accuracy.
+inline void report_run(std::ostream& out, const Options& o, const EvalResult& last,
+                       Precision precision, std::uint64_t overflows, float loss_scale,
+                       std::uint64_t nonfinite, std::chrono::steady_clock::time_point started) {
+  if (precision == Precision::fp16)
+    out << "fp16: " << overflows << " step(s) skipped for overflow, loss scale " << loss_scale
+        << '\n';
+  if (nonfinite > 0) out << nonfinite << " step(s) skipped for a non-finite loss or gradient\n";
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   char line[160];
   std::snprintf(line, sizeof line, "final test accuracy: %.2f%% (loss %.4f) after %d epoch(s), %.1f s\n",
                 100.0 * last.accuracy, last.loss, o.epochs, seconds);
   out << line;
+}
+
+// Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
+// console under mpirun, a silent stream on the other ranks).
+template <class Net, class Policy>
+void train(const char* title, const Options& o, const data::Split& data,
+           std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+  static_assert(ExamplePolicies::contains<Policy>, "example_trainers.hpp names the examples' trainers: "
+                "their CUDA side registers executors for those alone");
+  const auto started = std::chrono::steady_clock::now();
+  const TrainerOptions trainer = trainer_options(o, is_pipelined<Policy>);
+  std::ostringstream policy;
+  if constexpr (is_pipelined<Policy>) {
+    constexpr auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
+    const auto grid = pipeline_grid<Policy>(
+        processes ? static_cast<std::size_t>(processes.size()) : devices.size());
+    policy << grid.policy << " (";
+    if (grid.replicas > 1)
+      policy << grid.replicas << " replicas x " << Policy::stages << " stages; ";
+    policy << pipeline_kind_name(trainer.schedule.kind) << ", " << o.micro_batches
+           << " micro-batches; stages start at layers";
+    for (std::size_t k = 0; k < Policy::stages; ++k) policy << ' ' << bounds[k] + 1;
+    policy << ')';
+  } else {
+    policy << Policy::name;
+  }
+  describe_run(out, title, o, data, Net::parameter_count, policy.str(), devices, processes);
+
+  ExampleTrainer<Net, Policy> t(devices, optimizer_options(o), trainer, processes);
+  try {
+    if (!o.resume.empty()) {
+      t.load(o.resume);
+      out << "resuming " << o.resume << " after step " << t.steps() << " (epoch "
+          << t.position().epoch << ")\n";
+    }
+  } catch (const ResumeMismatch& refused) {
+    throw resume_refusal(refused, o);
+  }
+  callbacks::Evaluate evaluate(data.test, &out);
+  Maybe<callbacks::Checkpoint> checkpoint{.c = {}, .name = "checkpoint"};
+  if (!o.checkpoint.empty())
+    checkpoint.c.emplace(callbacks::Checkpoint::Options{
+        .path = o.checkpoint, .every_steps = o.checkpoint_every, .out = &out});
+  Maybe<callbacks::Metrics> metrics;
+  if (!o.metrics.empty() && (!processes || processes.rank() == 0))
+    metrics.c.emplace(callbacks::Metrics::Options{
+        .path = o.metrics, .append = !o.resume.empty(), .evaluate = &evaluate});
+  try {
+    t.fit(data.train, fit_options(o, data.train.channels == 3), ExampleSchedule{&o, &out},
+          callbacks::Progress({.out = &out}), evaluate, checkpoint, metrics);
+  } catch (const ResumeMismatch& refused) {
+    throw resume_refusal(refused, o);
+  }
+  // A resumed run that had already finished trained nothing: measure it now.
+  if (evaluate.history.empty()) evaluate.last = t.evaluate(data.test);
+  report_run(out, o, evaluate.last, t.precision(), t.skipped_steps(), t.loss_scale(),
+             t.nonfinite_steps(), started);
 }
 
 // ModelSplit and Hybrid: R pipelines of S balanced stages (a Hybrid with one

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <loom/core/error.hpp>
+#include <loom/core/linkage.hpp>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,13 +39,31 @@ struct GzClose {
 };
 using GzHandle = std::unique_ptr<gzFile_s, GzClose>;
 
-inline std::string hex_byte(std::uint8_t byte) {
+inline std::string shape_text(const std::vector<std::size_t>& dims) {
+  std::string text;
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    if (i) text += 'x';
+    text += std::to_string(dims[i]);
+  }
+  return text;
+}
+
+}  // namespace detail
+
+// expected_rank > 0: a file of another rank is refused from its header
+// (its dimensions would be read from the data, and a wrong size reported).
+LOOM_DECL IdxArray read_idx(const std::string& path, std::size_t expected_rank = 0);
+
+#if LOOM_IMPLEMENT
+namespace detail {
+
+LOOM_DECL std::string hex_byte(std::uint8_t byte) {
   char text[5];
   std::snprintf(text, sizeof text, "0x%02x", byte);
   return text;
 }
 
-inline const char* idx_type_name(std::uint8_t type) {
+LOOM_DECL const char* idx_type_name(std::uint8_t type) {
   switch (type) {
     case 0x08:
       return "unsigned byte";
@@ -63,19 +82,10 @@ inline const char* idx_type_name(std::uint8_t type) {
   }
 }
 
-inline std::string shape_text(const std::vector<std::size_t>& dims) {
-  std::string text;
-  for (std::size_t i = 0; i < dims.size(); ++i) {
-    if (i) text += 'x';
-    text += std::to_string(dims[i]);
-  }
-  return text;
-}
-
 // zlib reports a gzip stream that simply stops (a cut-short download) as a soft
 // error: gzread returns the bytes it had and only gzerror tells. This turns that
 // state into text to append to a truncation message, or "" when zlib saw none.
-inline std::string gz_truncation_note(gzFile file) {
+LOOM_DECL std::string gz_truncation_note(gzFile file) {
   int errnum = Z_OK;
   const char* message = gzerror(file, &errnum);
   if (errnum == Z_OK) return {};
@@ -84,8 +94,8 @@ inline std::string gz_truncation_note(gzFile file) {
 
 // Reads up to n bytes; a short count means the data ran out. I/O errors and
 // corrupt gzip data throw here, so callers only have to judge short counts.
-inline std::size_t read_up_to(gzFile file, const std::string& path, std::uint8_t* out,
-                              std::size_t n) {
+LOOM_DECL std::size_t read_up_to(gzFile file, const std::string& path, std::uint8_t* out,
+                                 std::size_t n) {
   // gzread takes an unsigned and returns an int, so larger reads go in steps.
   constexpr std::size_t max_step = std::size_t{1} << 30;
   std::size_t done = 0;
@@ -108,9 +118,7 @@ inline std::size_t read_up_to(gzFile file, const std::string& path, std::uint8_t
 
 }  // namespace detail
 
-// expected_rank > 0: a file of another rank is refused from its header
-// (its dimensions would be read from the data, and a wrong size reported).
-inline IdxArray read_idx(const std::string& path, std::size_t expected_rank = 0) {
+LOOM_DECL IdxArray read_idx(const std::string& path, std::size_t expected_rank) {
   errno = 0;
   const detail::GzHandle file(gzopen(path.c_str(), "rb"));
   if (!file) {
@@ -194,5 +202,6 @@ inline IdxArray read_idx(const std::string& path, std::size_t expected_rank = 0)
               " data bytes were read but the gzip stream ends early", note);
   return array;
 }
+#endif  // LOOM_IMPLEMENT
 
 }  // namespace loom::data

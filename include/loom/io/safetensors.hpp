@@ -15,10 +15,14 @@
 #include <cstring>
 #include <filesystem>
 #include <loom/core/error.hpp>
+#include <loom/core/linkage.hpp>
 #include <loom/io/atomic_file.hpp>
 #include <map>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
+#if LOOM_IMPLEMENT
 #include <nlohmann/json.hpp>
+#endif
 #include <set>
 #include <span>
 #include <string>
@@ -167,13 +171,14 @@ class SafetensorsFile {
   std::map<std::string, std::size_t> index_;
 };
 
+#if LOOM_IMPLEMENT
 // ---- SafetensorsWriter ------------------------------------------------------
 
 namespace detail {
 
 // nlohmann refuses to write invalid UTF-8, so it is refused here, where the
 // caller can still see which string was at fault.
-inline void require_utf8(const std::string& text, const std::string& what) {
+LOOM_DECL void require_utf8(const std::string& text, const std::string& what) {
   try {
     (void)Json(text).dump();
   } catch (const Json::exception&) {
@@ -185,8 +190,8 @@ inline void require_utf8(const std::string& text, const std::string& what) {
 
 }  // namespace detail
 
-inline void SafetensorsWriter::add(std::string name, std::span<const float> values,
-                                   std::vector<std::size_t> shape) {
+LOOM_DECL void SafetensorsWriter::add(std::string name, std::span<const float> values,
+                                      std::vector<std::size_t> shape) {
   LOOM_CHECK(!name.empty(),
              "SafetensorsWriter::add: the tensor name is empty; give each "
              "tensor a unique non-empty name");
@@ -206,13 +211,13 @@ inline void SafetensorsWriter::add(std::string name, std::span<const float> valu
   entries_.push_back({std::move(name), std::move(shape), {values.begin(), values.end()}});
 }
 
-inline void SafetensorsWriter::set_metadata(std::string key, std::string value) {
+LOOM_DECL void SafetensorsWriter::set_metadata(std::string key, std::string value) {
   detail::require_utf8(key, "a metadata key");
   detail::require_utf8(value, "the metadata value for key '" + key + "'");
   metadata_.insert_or_assign(std::move(key), std::move(value));
 }
 
-inline std::string SafetensorsWriter::header_text() const {
+LOOM_DECL std::string SafetensorsWriter::header_text() const {
   detail::Json header = detail::Json::object();
   std::size_t offset = 0;
   for (const Entry& e : entries_) {
@@ -227,7 +232,7 @@ inline std::string SafetensorsWriter::header_text() const {
   return text;
 }
 
-inline void SafetensorsWriter::write(const std::filesystem::path& path) const {
+LOOM_DECL void SafetensorsWriter::write(const std::filesystem::path& path) const {
   const std::string header = header_text();
   std::array<unsigned char, 8> length{};
   for (std::size_t i = 0; i < length.size(); ++i)
@@ -247,17 +252,17 @@ inline void SafetensorsWriter::write(const std::filesystem::path& path) const {
 
 // ---- SafetensorsFile --------------------------------------------------------
 
-inline SafetensorsFile::SafetensorsFile(std::vector<std::byte> bytes, std::string source)
+LOOM_DECL SafetensorsFile::SafetensorsFile(std::vector<std::byte> bytes, std::string source)
     : bytes_(std::move(bytes)), source_(std::move(source)) {
   validate();
 }
 
-inline SafetensorsFile SafetensorsFile::parse(std::span<const std::byte> bytes,
-                                              std::string source_name) {
+LOOM_DECL SafetensorsFile SafetensorsFile::parse(std::span<const std::byte> bytes,
+                                                 std::string source_name) {
   return SafetensorsFile({bytes.begin(), bytes.end()}, std::move(source_name));
 }
 
-inline SafetensorsFile SafetensorsFile::read(const std::filesystem::path& path) {
+LOOM_DECL SafetensorsFile SafetensorsFile::read(const std::filesystem::path& path) {
   const std::unique_ptr<std::FILE, detail::FileClose> file(std::fopen(path.c_str(), "rb"));
   if (!file)
     LOOM_FAIL("cannot open safetensors file '", path.string(), "': ", std::strerror(errno),
@@ -277,7 +282,7 @@ inline SafetensorsFile SafetensorsFile::read(const std::filesystem::path& path) 
   return SafetensorsFile(std::move(bytes), path.string());
 }
 
-inline void SafetensorsFile::validate() {
+LOOM_DECL void SafetensorsFile::validate() {
   LOOM_CHECK(bytes_.size() >= 8, where(), " is too short: ", bytes_.size(),
              " bytes, but the header length alone takes 8; ", detail::corrupt_hint);
   std::uint64_t header_bytes = 0;
@@ -340,7 +345,7 @@ inline void SafetensorsFile::validate() {
              detail::corrupt_hint);
 }
 
-inline void SafetensorsFile::add_tensor(const std::string& name, const detail::Json& entry) {
+LOOM_DECL void SafetensorsFile::add_tensor(const std::string& name, const detail::Json& entry) {
   const std::string tensor = where() + ": tensor '" + name + "'";
   LOOM_CHECK(entry.is_object(), tensor, " is a JSON ", entry.type_name(),
              ", not an object with \"dtype\", \"shape\" and \"data_offsets\"; ",
@@ -402,7 +407,7 @@ inline void SafetensorsFile::add_tensor(const std::string& name, const detail::J
   tensors_.push_back(std::move(info));
 }
 
-inline void SafetensorsFile::read_metadata(const detail::Json& metadata) {
+LOOM_DECL void SafetensorsFile::read_metadata(const detail::Json& metadata) {
   LOOM_CHECK(metadata.is_object(), where(), ": \"__metadata__\" is a JSON ", metadata.type_name(),
              ", expected an object of strings; ", detail::corrupt_hint);
   for (const auto& [key, value] : metadata.items()) {
@@ -412,7 +417,7 @@ inline void SafetensorsFile::read_metadata(const detail::Json& metadata) {
   }
 }
 
-inline std::string SafetensorsFile::metadata(const std::string& key) const {
+LOOM_DECL std::string SafetensorsFile::metadata(const std::string& key) const {
   const auto it = metadata_.find(key);
   if (it == metadata_.end())
     LOOM_FAIL(where(), " has no metadata key '", key, "' (it has ", metadata_.size(),
@@ -420,7 +425,7 @@ inline std::string SafetensorsFile::metadata(const std::string& key) const {
   return it->second;
 }
 
-inline const TensorInfo& SafetensorsFile::info(const std::string& name) const {
+LOOM_DECL const TensorInfo& SafetensorsFile::info(const std::string& name) const {
   const auto it = index_.find(name);
   if (it == index_.end()) {
     std::string names;
@@ -434,8 +439,8 @@ inline const TensorInfo& SafetensorsFile::info(const std::string& name) const {
   return tensors_[it->second];
 }
 
-inline void SafetensorsFile::read(const std::string& name, std::span<float> out,
-                                  const std::vector<std::size_t>& shape) const {
+LOOM_DECL void SafetensorsFile::read(const std::string& name, std::span<float> out,
+                                     const std::vector<std::size_t>& shape) const {
   std::size_t count = 0;
   LOOM_CHECK(detail::element_count(shape, count), "reading tensor '", name, "' of ", where(),
              ": the expected shape ", detail::shape_text(shape),
@@ -451,5 +456,7 @@ inline void SafetensorsFile::read(const std::string& name, std::span<float> out,
              detail::shape_text(shape), "; check that the file was written for this network");
   if (count) std::memcpy(out.data(), bytes_.data() + data_start_ + t.begin, count * sizeof(float));
 }
+
+#endif  // LOOM_IMPLEMENT
 
 }  // namespace loom::io

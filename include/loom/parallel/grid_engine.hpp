@@ -45,6 +45,7 @@
 #include "../comm/local_comm.hpp"
 #include "../core/device.hpp"
 #include "../core/error.hpp"
+#include "../core/linkage.hpp"
 #include "../data/dataset.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
@@ -254,27 +255,7 @@ class Outbox {
     thread_.join();
   }
 
-  void send(std::span<const float> data) {
-    if (!thread_.joinable()) {
-      comm_.send(data, peer_);
-      return;
-    }
-    std::vector<float> message;
-    {
-      std::lock_guard lock(mutex_);
-      if (!free_.empty()) {
-        message = std::move(free_.back());
-        free_.pop_back();
-      }
-    }
-    message.assign(data.begin(), data.end());
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(std::move(message));
-      ++posted_;
-    }
-    changed_.notify_all();
-  }
+  void send(std::span<const float> data);
 
   // Waits until everything posted is sent; raises the send's error if one failed.
   void drain() {
@@ -284,35 +265,7 @@ class Outbox {
   }
 
  private:
-  void run() {
-    for (;;) {
-      std::vector<float> message;
-      bool skip = false;
-      {
-        std::unique_lock lock(mutex_);
-        changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        message = std::move(queue_.front());
-        queue_.pop_front();
-        skip = error_ != nullptr || stop_;
-      }
-      if (!skip) {
-        try {
-          comm_.send(std::span<const float>(message), peer_);
-        } catch (const std::exception& error) {
-          comm_.cancel(error.what());
-          std::lock_guard lock(mutex_);
-          error_ = std::current_exception();
-        }
-      }
-      {
-        std::lock_guard lock(mutex_);
-        free_.push_back(std::move(message));
-        ++sent_;
-      }
-      changed_.notify_all();
-    }
-  }
+  void run();
 
   comm::Comm comm_;
   int peer_;
@@ -385,61 +338,7 @@ class GridEngine {
   // world of R x S ranks), the rank of this process on its one device.
   // `schedule`: the one to run (micro_batches 0: the grid's).
   GridEngine(GridNet net, const StageMaker& make_stage, const std::vector<Device>& devices,
-             comm::Comm processes, PipelineGrid grid, PipelineSchedule schedule)
-      : net_(std::move(net)),
-        grid_(std::move(grid)),
-        schedule_(schedule.micro_batches == 0 ? grid_.schedule : schedule),
-        stages_(net_.stages),
-        crew_(grid_.policy, devices.front().threads) {
-    LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
-    std::vector<comm::Comm> comms;
-    local_ = !processes;  // LocalComm: buffered sends
-    const char* name = grid_.policy;
-    const std::size_t ranks = grid_.replicas * stages_;
-    if (processes) {
-      LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, name, " has ", layout(),
-                 ", one per process, but ", processes.size(), " processes were started; start ",
-                 ranks, " (mpirun -np ", ranks, ")");
-      LOOM_CHECK(devices.size() == 1, name, " over ", processes.size(),
-                 " processes takes one device per process (its rank's), but this one was given ",
-                 devices.size(), "; pass dist::Environment::devices()");
-#if defined(LOOM_WITH_MPI)
-      // A stage's outboxes send while its compute thread receives.
-      int initialized = 0, level = MPI_THREAD_SINGLE;
-      MPI_Initialized(&initialized);
-      if (initialized) MPI_Query_thread(&level);
-      LOOM_CHECK(stages_ == 1 || !initialized || level == MPI_THREAD_MULTIPLE, name,
-                 " over MPI processes sends and receives from several threads at once and needs "
-                 "MPI_THREAD_MULTIPLE; this MPI library provides thread level ", level);
-#endif
-      comms.push_back(std::move(processes));
-    } else {
-      LOOM_CHECK(devices.size() == ranks, name, " has ", layout(), " and needs ", ranks,
-                 " devices, one each, but ", devices.size(), " were given");
-      for (auto& local : comm::LocalComm::create(static_cast<int>(ranks)))
-        comms.emplace_back(std::move(local));
-    }
-    for (auto& c : comms) {
-      auto rank = std::make_unique<Rank>();
-      const auto w = static_cast<std::size_t>(c.rank());
-      rank->replica = w / stages_;
-      rank->stage = w % stages_;
-      rank->net = make_stage(rank->stage);
-      rank->world = std::move(c);
-      ranks_.push_back(std::move(rank));
-    }
-    if (ranks == 1) crew_.set_alone();
-    crew_.start(
-        ranks_.size(), [this](std::size_t i, const Job& job) { work(*ranks_[i], job); },
-        [this](std::size_t i, const std::string& why) { cancel(*ranks_[i], why); });
-    try {
-      crew_.run({.kind = JobKind::start});
-      started_ = true;
-    } catch (...) {
-      crew_.stop();  // no destructor runs for a constructor that throws
-      throw;
-    }
-  }
+             comm::Comm processes, PipelineGrid grid, PipelineSchedule schedule);
 
   GridEngine(const GridEngine&) = delete;
   GridEngine& operator=(const GridEngine&) = delete;
@@ -464,20 +363,7 @@ class GridEngine {
   // fault()), as does an fp16 overflow (LossSums::overflowed).
   cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
-                           const StepSettings& settings, const Pass& pass) {
-    crew_.run({.kind = JobKind::train,
-               .images = images,
-               .labels = labels,
-               .n = n,
-               .group_samples = group_samples,
-               .accumulate = accumulate,
-               .last = last,
-               .settings = settings,
-               .pass = pass});
-    auto sums = loss_sums(ranks_.front()->stats);
-    sums.overflowed = ranks_.front()->overflowed;
-    return sums;
-  }
+                           const StepSettings& settings, const Pass& pass);
 
   // After a step whose loss or gradients went non-finite (and which every
   // rank skipped): where it happened first, over every stage and replica.
@@ -486,10 +372,7 @@ class GridEngine {
   // Loss and correct-count sums over a data set: each replica takes its
   // share, in pieces of `batch` samples, each streamed through its stages
   // in micro-batches.
-  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch, Precision precision) {
-    crew_.run({.kind = JobKind::evaluate, .n = batch, .precision = precision, .dataset = &dataset});
-    return loss_sums(ranks_.front()->stats);
-  }
+  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch, Precision precision);
 
   // Every rank's `row` (all of one size), rank r's as row r (a collective:
   // the trainer's agreement before a fit or a load).
@@ -540,34 +423,10 @@ class GridEngine {
   void reserve(std::size_t batch) { crew_.run({.kind = JobKind::reserve, .n = batch}); }
 
   // i: this process's ranks in grid order (replica-major).
-  StageReport report(std::size_t i) const {
-    const Rank& r = *ranks_.at(i);
-    std::size_t inputs = 0;
-    for (const auto& buffer : r.inputs) inputs += buffer.size();
-    StageReport report;
-    report.stage = r.stage;
-    report.replica = r.replica;
-    report.peak_in_flight = r.peak_in_flight;
-    report.activation_elements = r.net->arena_elements() + inputs;
-    report.busy_seconds = r.busy;
-    report.begin = r.begin;
-    report.end = r.end;
-    report.backward_begin = r.backward_begin;
-    report.backward_end = r.backward_end;
-    if (r.reducer) {
-      report.reduce_posted = r.reducer->posted();
-      report.reduce_begin = r.reducer->begun();
-      report.reduce_end = r.reducer->ended();
-    }
-    return report;
-  }
+  StageReport report(std::size_t i) const;
 
   // Each local rank's time in the last optimizer step, in grid order.
-  std::vector<double> step_seconds() const {
-    std::vector<double> seconds;
-    for (const auto& r : ranks_) seconds.push_back(r->step_seconds);
-    return seconds;
-  }
+  std::vector<double> step_seconds() const;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -620,15 +479,7 @@ class GridEngine {
     Clock::time_point begin, end, backward_begin, backward_end;
   };
 
-  std::string layout() const {
-    std::string text = std::to_string(stages_) + " stage" + (stages_ == 1 ? "" : "s");
-    if (stages_ == 1) text = std::to_string(grid_.replicas) + " replica" +
-                             (grid_.replicas == 1 ? "" : "s");
-    else if (grid_.replicas > 1)
-      text = std::to_string(grid_.replicas) + " replicas x " + text + " = " +
-             std::to_string(grid_.replicas * stages_) + " ranks";
-    return text;
-  }
+  std::string layout() const;
 
   bool first(const Rank& r) const { return r.stage == 0; }
   bool last(const Rank& r) const { return r.stage + 1 == stages_; }
@@ -642,115 +493,17 @@ class GridEngine {
     if (started_ && r.statistics.comm) r.statistics.comm.cancel(why);
   }
 
-  void work(Rank& r, const Job& job) {
-    switch (job.kind) {
-      case JobKind::start:
-        start(r);
-        break;
-      case JobKind::train: {
-        const auto began = Clock::now();
-        if (!job.accumulate) r.step_seconds = 0.0;
-        train(r, job);
-        r.step_seconds += seconds_since(began);
-        break;
-      }
-      case JobKind::evaluate:
-        evaluate(r, job);
-        break;
-      case JobKind::gather:
-        gather(r, r.net->parameters(), r.net->parameter_offset, net_.parameter_count, job.whole);
-        break;
-      case JobKind::gather_state:
-        gather(r, r.net->state(), r.net->state_offset, net_.state_count, job.whole);
-        break;
-      case JobKind::scatter: {
-        auto mine = r.net->parameters();
-        std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
-        break;
-      }
-      case JobKind::scatter_state: {
-        auto mine = r.net->state();
-        std::copy_n(job.whole + r.net->state_offset, mine.size(), mine.begin());
-        break;
-      }
-      case JobKind::gather_buffer:
-        gather(r, r.net->optimizer_buffer(job.n), r.net->parameter_offset, net_.parameter_count,
-               job.whole);
-        break;
-      case JobKind::scatter_buffer: {
-        auto mine = r.net->optimizer_buffer(job.n);
-        std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
-        break;
-      }
-      case JobKind::share:
-        share_weights(r);
-        break;
-      case JobKind::reserve: {
-        const auto share = batch_share(job.n, grid_.replicas, 0);
-        const std::size_t micro = std::max<std::size_t>(
-            1, std::min(schedule_.micro_batches, share.count));
-        prepare(r, std::max<std::size_t>(1, batch_share(share.count, micro, 0).count),
-                pipeline_in_flight(schedule_.kind, stages_, r.stage, micro));
-        break;
-      }
-      case JobKind::agree:
-        if (job.rows != nullptr) {
-          auto all = comm::gather_rows(r.world, job.row);
-          if (&r == ranks_.front().get()) *job.rows = std::move(all);
-          break;
-        }
-        r.stats = {job.value, 0.0};
-        r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-        break;
-    }
-  }
+  void work(Rank& r, const Job& job);
 
   // Checks every rank runs this program, then makes the grid's groups:
   // each replica's pipeline, and (several replicas) each stage's copies,
   // which take copy 0's weights.
-  void start(Rank& r) {
-    check_same_program(r.world,
-                       "network " + net_.network + ", policy " + grid_.identity + " (" +
-                           std::to_string(grid_.replicas) + " replicas), optimizer " +
-                           net_.optimizer,
-                       net_.parameter_count);
-    if (grid_.replicas > 1) {
-      r.pipeline = r.world.split(static_cast<int>(r.replica), static_cast<int>(r.stage));
-      r.reducer = std::make_unique<Reducer>(
-          r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica)),
-          r.net->buckets.size());
-      r.reducer->comm().broadcast(r.net->parameters(), 0);
-    } else {
-      r.pipeline = r.world;
-    }
-    if (net_.syncs)
-      r.statistics.comm =
-          r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica));
-    const bool threaded = !local_;
-    if (!last(r))
-      r.to_next = std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage + 1), threaded);
-    if (!first(r))
-      r.to_previous =
-          std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage - 1), threaded);
-  }
+  void start(Rank& r);
 
   // Room for micro-batches of up to `micro_batch` samples, `slots` at once;
   // made before a step's passes (growing the arena mid-step would move the
   // activations of micro-batches in flight).
-  void prepare(Rank& r, std::size_t micro_batch, std::size_t slots) {
-    r.net->reserve(micro_batch, slots);
-    if (micro_batch > r.capacity || slots > r.inputs.size()) {
-      r.capacity = std::max(r.capacity, micro_batch);
-      r.inputs.resize(std::max(slots, r.inputs.size()));
-      if (!first(r)) {
-        for (auto& buffer : r.inputs) buffer.resize(r.capacity * r.net->input_size);
-        r.input_gradient.resize(r.capacity * r.net->input_size);
-      }
-      r.outputs.resize(r.inputs.size());
-    }
-    r.free_slots.clear();
-    for (std::size_t s = slots; s-- > 0;) r.free_slots.push_back(s);
-  }
+  void prepare(Rank& r, std::size_t micro_batch, std::size_t slots);
 
   // The input of a micro-batch of n samples: the batch's own (stage 0), or
   // received from the stage before into the slot's buffer.
@@ -780,111 +533,7 @@ class GridEngine {
     }
   }
 
-  void train(Rank& r, const Job& job) {
-    share_state(r);
-    // This replica's share of the global batch, in micro-batches.
-    const auto share = batch_share(job.n, grid_.replicas, r.replica);
-    const std::size_t micro = std::min(schedule_.micro_batches, share.count);
-    if (micro > 0)
-      prepare(r, batch_share(share.count, micro, 0).count,
-              pipeline_in_flight(schedule_.kind, stages_, r.stage, micro));
-    r.slot_of.assign(micro, 0);
-    if (!job.accumulate) {
-      r.stats = {};
-      r.overflowed = false;
-      r.fault = {};
-      r.net->keep_state();
-    }
-    r.net->set_precision(job.settings.precision);
-    bool accumulate = job.accumulate;
-    // Several replicas: the step's last backward hands each bucket to the
-    // reducer as soon as its layers are done. SyncBatchNorm's backward
-    // calls collectives of its own: the buckets then wait for the
-    // backward's end, so that no two threads of a rank are in MPI at once
-    // (MPI_THREAD_SERIALIZED).
-    const bool reduce = r.reducer != nullptr && job.last;
-    const bool overlap = reduce && !net_.syncs;
-    std::size_t backwards = 0;
-    r.next_bucket = 0;
-    r.busy = 0.0;
-    r.begin = Clock::now();
-    for_each_pipeline_op(schedule_.kind, stages_, r.stage, micro, [&](PipelineOp op) {
-      const auto piece = batch_share(share.count, micro, op.micro_batch);
-      const std::size_t first_sample = share.first + piece.first;
-      if (op.forward) {
-        const std::size_t slot = r.free_slots.back();
-        r.free_slots.pop_back();
-        r.slot_of[op.micro_batch] = slot;
-        r.peak_in_flight = std::max(r.peak_in_flight, ++r.in_flight);
-        const float* input =
-            receive_input(r, job.images + first_sample * net_.input_size, piece.count, slot);
-        const auto started = Clock::now();
-        Pass pass = job.pass;
-        pass.first_sample = first_sample;
-        if (net_.syncs) pass.replicas = &r.statistics;
-        const float* output = r.net->forward(input, piece.count, slot, pass);
-        r.busy += seconds_since(started);
-        if (last(r)) {
-          r.outputs[slot] = output;
-        } else {
-          // Looked at now: by the step's end a later micro-batch may hold the slot.
-          if (!r.fault && !all_finite(output, piece.count * r.net->output_size))
-            r.fault = r.net->find_nonfinite_output(slot, first(r));
-          send_output(r, output, piece.count);
-        }
-      } else {
-        const std::size_t slot = r.slot_of[op.micro_batch];
-        float* dy = r.net->output_gradient();
-        if (!last(r))
-          r.pipeline.recv(std::span<float>(dy, piece.count * r.net->output_size),
-                          static_cast<int>(r.stage + 1));
-        const auto started = Clock::now();
-        if (last(r)) {
-          const auto sums = SoftmaxCrossEntropy::evaluate<float>(
-              r.outputs[slot], job.labels + first_sample, piece.count, net_.classes,
-              job.group_samples, dy, job.settings.loss_scale);
-          r.stats[0] += sums.loss;
-          r.stats[1] += static_cast<double>(sums.correct);
-          if (!std::isfinite(sums.loss) && !r.fault)
-            r.fault = r.net->find_nonfinite_output(slot, first(r));
-        }
-        float* input_gradient = first(r) ? nullptr : r.input_gradient.data();
-        const bool final_backward = ++backwards == micro;
-        if (final_backward) r.backward_begin = Clock::now();
-        // The capture is one pointer: std::function holds it without allocating.
-        if (overlap && final_backward) {
-          r.net->backward(slot, accumulate, input_gradient,
-                          [rank = &r](std::size_t layer) { post_ready(*rank, layer); });
-        } else {
-          r.net->backward(slot, accumulate, input_gradient);
-          if (final_backward) r.backward_end = Clock::now();
-        }
-        r.busy += seconds_since(started);
-        if (!first(r))
-          r.to_previous->send(std::span<const float>(r.input_gradient.data(),
-                                                     piece.count * r.net->input_size));
-        accumulate = true;
-        r.free_slots.push_back(slot);
-        --r.in_flight;
-      }
-    });
-    r.end = Clock::now();
-    // A replica with no sample of the step adds zeros to the sums.
-    if (micro == 0 && !job.accumulate) std::ranges::fill(r.net->gradients(), 0.0f);
-    if (!job.last) return;
-    if (reduce) post_ready(r, std::nullopt);
-    drain(r);
-    if (reduce) r.reducer->drain();
-    // Only the last stages have the loss, and each stage its gradients (the
-    // reduced ones with several replicas); every rank learns the sums, so
-    // all skip a non-finite step or all take it. (fp16 checks its gradients
-    // when it unscales them: non-finite there is an overflow.)
-    const bool fp16 = job.settings.precision == Precision::fp16;
-    r.stats[2] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
-    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-    RankExecutor executor{*this, r, micro};
-    r.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
-  }
+  void train(Rank& r, const Job& job);
 
   // A rank's executor: its answers are the grid's (the sums all-reduced
   // before, the overflow and the norm over the stages).
@@ -945,55 +594,12 @@ class GridEngine {
     share_state(r);
   }
 
-  void evaluate(Rank& r, const Job& job) {
-    share_state(r);
-    r.net->set_precision(job.precision);
-    const auto& data = *job.dataset;
-    const std::size_t sample = data.sample_size();
-    const auto share = batch_share(data.count, grid_.replicas, r.replica);
-    const std::size_t micro = std::min(schedule_.micro_batches, job.n);
-    prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.inputs.size()));
-    r.stats = {};
-    for (std::size_t at = 0; at < share.count; at += job.n) {
-      const std::size_t n = std::min(job.n, share.count - at);
-      const std::size_t pieces = std::min(micro, n);
-      for (std::size_t m = 0; m < pieces; ++m) {
-        const auto piece = batch_share(n, pieces, m);
-        const std::size_t first_sample = share.first + at + piece.first;
-        const float* input =
-            receive_input(r, data.images.data() + first_sample * sample, piece.count, 0);
-        const float* output = r.net->forward(input, piece.count, 0, Pass{});
-        if (last(r)) {
-          const auto sums = SoftmaxCrossEntropy::evaluate<float>(
-              output, data.labels.data() + first_sample, piece.count, net_.classes, piece.count,
-              nullptr);
-          r.stats[0] += sums.loss;
-          r.stats[1] += static_cast<double>(sums.correct);
-        } else {
-          send_output(r, output, piece.count);
-        }
-      }
-    }
-    drain(r);
-    r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
-  }
+  void evaluate(Rank& r, const Job& job);
 
   // Replica 0's slices (weights or running statistics) into `whole` (the
   // replicas' copies are equal).
   void gather(Rank& r, std::span<const float> mine, std::size_t offset, std::size_t total,
-              float* whole) {
-    if (all_local()) {
-      if (r.replica == 0) std::copy(mine.begin(), mine.end(), whole + offset);
-      return;
-    }
-    // Each stage of replica 0 adds its slice into zeros: the sum is every
-    // slice, exactly.
-    std::vector<float> all(total, 0.0f);
-    if (r.replica == 0)
-      std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(offset));
-    r.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
-    std::copy(all.begin(), all.end(), whole);
-  }
+              float* whole);
 
   static void drain(Rank& r) {
     if (r.to_next) r.to_next->drain();
@@ -1013,6 +619,437 @@ class GridEngine {
   std::atomic<bool> started_ = false;  // every rank's groups exist
   Crew<Job> crew_;  // after ranks_: its threads stop before the ranks go
 };
+
+#if LOOM_IMPLEMENT
+LOOM_DECL void Outbox::send(std::span<const float> data) {
+  if (!thread_.joinable()) {
+    comm_.send(data, peer_);
+    return;
+  }
+  std::vector<float> message;
+  {
+    std::lock_guard lock(mutex_);
+    if (!free_.empty()) {
+      message = std::move(free_.back());
+      free_.pop_back();
+    }
+  }
+  message.assign(data.begin(), data.end());
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back(std::move(message));
+    ++posted_;
+  }
+  changed_.notify_all();
+}
+
+LOOM_DECL void Outbox::run() {
+  for (;;) {
+    std::vector<float> message;
+    bool skip = false;
+    {
+      std::unique_lock lock(mutex_);
+      changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      message = std::move(queue_.front());
+      queue_.pop_front();
+      skip = error_ != nullptr || stop_;
+    }
+    if (!skip) {
+      try {
+        comm_.send(std::span<const float>(message), peer_);
+      } catch (const std::exception& error) {
+        comm_.cancel(error.what());
+        std::lock_guard lock(mutex_);
+        error_ = std::current_exception();
+      }
+    }
+    {
+      std::lock_guard lock(mutex_);
+      free_.push_back(std::move(message));
+      ++sent_;
+    }
+    changed_.notify_all();
+  }
+}
+
+LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
+                                 const std::vector<Device>& devices, comm::Comm processes,
+                                 PipelineGrid grid, PipelineSchedule schedule)
+    : net_(std::move(net)),
+      grid_(std::move(grid)),
+      schedule_(schedule.micro_batches == 0 ? grid_.schedule : schedule),
+      stages_(net_.stages),
+      crew_(grid_.policy, devices.front().threads) {
+  LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
+  std::vector<comm::Comm> comms;
+  local_ = !processes;  // LocalComm: buffered sends
+  const char* name = grid_.policy;
+  const std::size_t ranks = grid_.replicas * stages_;
+  if (processes) {
+    LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, name, " has ", layout(),
+               ", one per process, but ", processes.size(), " processes were started; start ",
+               ranks, " (mpirun -np ", ranks, ")");
+    LOOM_CHECK(devices.size() == 1, name, " over ", processes.size(),
+               " processes takes one device per process (its rank's), but this one was given ",
+               devices.size(), "; pass dist::Environment::devices()");
+#if defined(LOOM_WITH_MPI)
+    // A stage's outboxes send while its compute thread receives.
+    int initialized = 0, level = MPI_THREAD_SINGLE;
+    MPI_Initialized(&initialized);
+    if (initialized) MPI_Query_thread(&level);
+    LOOM_CHECK(stages_ == 1 || !initialized || level == MPI_THREAD_MULTIPLE, name,
+               " over MPI processes sends and receives from several threads at once and needs "
+               "MPI_THREAD_MULTIPLE; this MPI library provides thread level ",
+               level);
+#endif
+    comms.push_back(std::move(processes));
+  } else {
+    LOOM_CHECK(devices.size() == ranks, name, " has ", layout(), " and needs ", ranks,
+               " devices, one each, but ", devices.size(), " were given");
+    for (auto& local : comm::LocalComm::create(static_cast<int>(ranks)))
+      comms.emplace_back(std::move(local));
+  }
+  for (auto& c : comms) {
+    auto rank = std::make_unique<Rank>();
+    const auto w = static_cast<std::size_t>(c.rank());
+    rank->replica = w / stages_;
+    rank->stage = w % stages_;
+    rank->net = make_stage(rank->stage);
+    rank->world = std::move(c);
+    ranks_.push_back(std::move(rank));
+  }
+  if (ranks == 1) crew_.set_alone();
+  crew_.start(
+      ranks_.size(), [this](std::size_t i, const Job& job) { work(*ranks_[i], job); },
+      [this](std::size_t i, const std::string& why) { cancel(*ranks_[i], why); });
+  try {
+    crew_.run({.kind = JobKind::start});
+    started_ = true;
+  } catch (...) {
+    crew_.stop();  // no destructor runs for a constructor that throws
+    throw;
+  }
+}
+
+LOOM_DECL cpu::LossSums GridEngine::micro_step(const float* images, const std::int32_t* labels,
+                                               std::size_t n, std::size_t group_samples,
+                                               bool accumulate, bool last,
+                                               const StepSettings& settings, const Pass& pass) {
+  crew_.run({.kind = JobKind::train,
+             .images = images,
+             .labels = labels,
+             .n = n,
+             .group_samples = group_samples,
+             .accumulate = accumulate,
+             .last = last,
+             .settings = settings,
+             .pass = pass});
+  auto sums = loss_sums(ranks_.front()->stats);
+  sums.overflowed = ranks_.front()->overflowed;
+  return sums;
+}
+
+LOOM_DECL cpu::LossSums GridEngine::evaluate(const data::Dataset& dataset, std::size_t batch,
+                                             Precision precision) {
+  crew_.run({.kind = JobKind::evaluate, .n = batch, .precision = precision, .dataset = &dataset});
+  return loss_sums(ranks_.front()->stats);
+}
+
+LOOM_DECL StageReport GridEngine::report(std::size_t i) const {
+  const Rank& r = *ranks_.at(i);
+  std::size_t inputs = 0;
+  for (const auto& buffer : r.inputs) inputs += buffer.size();
+  StageReport report;
+  report.stage = r.stage;
+  report.replica = r.replica;
+  report.peak_in_flight = r.peak_in_flight;
+  report.activation_elements = r.net->arena_elements() + inputs;
+  report.busy_seconds = r.busy;
+  report.begin = r.begin;
+  report.end = r.end;
+  report.backward_begin = r.backward_begin;
+  report.backward_end = r.backward_end;
+  if (r.reducer) {
+    report.reduce_posted = r.reducer->posted();
+    report.reduce_begin = r.reducer->begun();
+    report.reduce_end = r.reducer->ended();
+  }
+  return report;
+}
+
+LOOM_DECL std::vector<double> GridEngine::step_seconds() const {
+  std::vector<double> seconds;
+  for (const auto& r : ranks_) seconds.push_back(r->step_seconds);
+  return seconds;
+}
+
+LOOM_DECL std::string GridEngine::layout() const {
+  std::string text = std::to_string(stages_) + " stage" + (stages_ == 1 ? "" : "s");
+  if (stages_ == 1)
+    text = std::to_string(grid_.replicas) + " replica" + (grid_.replicas == 1 ? "" : "s");
+  else if (grid_.replicas > 1)
+    text = std::to_string(grid_.replicas) + " replicas x " + text + " = " +
+           std::to_string(grid_.replicas * stages_) + " ranks";
+  return text;
+}
+
+LOOM_DECL void GridEngine::work(Rank& r, const Job& job) {
+  switch (job.kind) {
+    case JobKind::start:
+      start(r);
+      break;
+    case JobKind::train: {
+      const auto began = Clock::now();
+      if (!job.accumulate) r.step_seconds = 0.0;
+      train(r, job);
+      r.step_seconds += seconds_since(began);
+      break;
+    }
+    case JobKind::evaluate:
+      evaluate(r, job);
+      break;
+    case JobKind::gather:
+      gather(r, r.net->parameters(), r.net->parameter_offset, net_.parameter_count, job.whole);
+      break;
+    case JobKind::gather_state:
+      gather(r, r.net->state(), r.net->state_offset, net_.state_count, job.whole);
+      break;
+    case JobKind::scatter: {
+      auto mine = r.net->parameters();
+      std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
+      break;
+    }
+    case JobKind::scatter_state: {
+      auto mine = r.net->state();
+      std::copy_n(job.whole + r.net->state_offset, mine.size(), mine.begin());
+      break;
+    }
+    case JobKind::gather_buffer:
+      gather(r, r.net->optimizer_buffer(job.n), r.net->parameter_offset, net_.parameter_count,
+             job.whole);
+      break;
+    case JobKind::scatter_buffer: {
+      auto mine = r.net->optimizer_buffer(job.n);
+      std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
+      break;
+    }
+    case JobKind::share:
+      share_weights(r);
+      break;
+    case JobKind::reserve: {
+      const auto share = batch_share(job.n, grid_.replicas, 0);
+      const std::size_t micro =
+          std::max<std::size_t>(1, std::min(schedule_.micro_batches, share.count));
+      prepare(r, std::max<std::size_t>(1, batch_share(share.count, micro, 0).count),
+              pipeline_in_flight(schedule_.kind, stages_, r.stage, micro));
+      break;
+    }
+    case JobKind::agree:
+      if (job.rows != nullptr) {
+        auto all = comm::gather_rows(r.world, job.row);
+        if (&r == ranks_.front().get()) *job.rows = std::move(all);
+        break;
+      }
+      r.stats = {job.value, 0.0};
+      r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+      break;
+  }
+}
+
+LOOM_DECL void GridEngine::start(Rank& r) {
+  check_same_program(r.world,
+                     "network " + net_.network + ", policy " + grid_.identity + " (" +
+                         std::to_string(grid_.replicas) + " replicas), optimizer " + net_.optimizer,
+                     net_.parameter_count);
+  if (grid_.replicas > 1) {
+    r.pipeline = r.world.split(static_cast<int>(r.replica), static_cast<int>(r.stage));
+    r.reducer = std::make_unique<Reducer>(
+        r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica)),
+        r.net->buckets.size());
+    r.reducer->comm().broadcast(r.net->parameters(), 0);
+  } else {
+    r.pipeline = r.world;
+  }
+  if (net_.syncs)
+    r.statistics.comm = r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica));
+  const bool threaded = !local_;
+  if (!last(r))
+    r.to_next = std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage + 1), threaded);
+  if (!first(r))
+    r.to_previous = std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage - 1), threaded);
+}
+
+LOOM_DECL void GridEngine::prepare(Rank& r, std::size_t micro_batch, std::size_t slots) {
+  r.net->reserve(micro_batch, slots);
+  if (micro_batch > r.capacity || slots > r.inputs.size()) {
+    r.capacity = std::max(r.capacity, micro_batch);
+    r.inputs.resize(std::max(slots, r.inputs.size()));
+    if (!first(r)) {
+      for (auto& buffer : r.inputs) buffer.resize(r.capacity * r.net->input_size);
+      r.input_gradient.resize(r.capacity * r.net->input_size);
+    }
+    r.outputs.resize(r.inputs.size());
+  }
+  r.free_slots.clear();
+  for (std::size_t s = slots; s-- > 0;) r.free_slots.push_back(s);
+}
+
+LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
+  share_state(r);
+  // This replica's share of the global batch, in micro-batches.
+  const auto share = batch_share(job.n, grid_.replicas, r.replica);
+  const std::size_t micro = std::min(schedule_.micro_batches, share.count);
+  if (micro > 0)
+    prepare(r, batch_share(share.count, micro, 0).count,
+            pipeline_in_flight(schedule_.kind, stages_, r.stage, micro));
+  r.slot_of.assign(micro, 0);
+  if (!job.accumulate) {
+    r.stats = {};
+    r.overflowed = false;
+    r.fault = {};
+    r.net->keep_state();
+  }
+  r.net->set_precision(job.settings.precision);
+  bool accumulate = job.accumulate;
+  // Several replicas: the step's last backward hands each bucket to the
+  // reducer as soon as its layers are done. SyncBatchNorm's backward
+  // calls collectives of its own: the buckets then wait for the
+  // backward's end, so that no two threads of a rank are in MPI at once
+  // (MPI_THREAD_SERIALIZED).
+  const bool reduce = r.reducer != nullptr && job.last;
+  const bool overlap = reduce && !net_.syncs;
+  std::size_t backwards = 0;
+  r.next_bucket = 0;
+  r.busy = 0.0;
+  r.begin = Clock::now();
+  for_each_pipeline_op(schedule_.kind, stages_, r.stage, micro, [&](PipelineOp op) {
+    const auto piece = batch_share(share.count, micro, op.micro_batch);
+    const std::size_t first_sample = share.first + piece.first;
+    if (op.forward) {
+      const std::size_t slot = r.free_slots.back();
+      r.free_slots.pop_back();
+      r.slot_of[op.micro_batch] = slot;
+      r.peak_in_flight = std::max(r.peak_in_flight, ++r.in_flight);
+      const float* input =
+          receive_input(r, job.images + first_sample * net_.input_size, piece.count, slot);
+      const auto started = Clock::now();
+      Pass pass = job.pass;
+      pass.first_sample = first_sample;
+      if (net_.syncs) pass.replicas = &r.statistics;
+      const float* output = r.net->forward(input, piece.count, slot, pass);
+      r.busy += seconds_since(started);
+      if (last(r)) {
+        r.outputs[slot] = output;
+      } else {
+        // Looked at now: by the step's end a later micro-batch may hold the slot.
+        if (!r.fault && !all_finite(output, piece.count * r.net->output_size))
+          r.fault = r.net->find_nonfinite_output(slot, first(r));
+        send_output(r, output, piece.count);
+      }
+    } else {
+      const std::size_t slot = r.slot_of[op.micro_batch];
+      float* dy = r.net->output_gradient();
+      if (!last(r))
+        r.pipeline.recv(std::span<float>(dy, piece.count * r.net->output_size),
+                        static_cast<int>(r.stage + 1));
+      const auto started = Clock::now();
+      if (last(r)) {
+        const auto sums = SoftmaxCrossEntropy::evaluate<float>(
+            r.outputs[slot], job.labels + first_sample, piece.count, net_.classes,
+            job.group_samples, dy, job.settings.loss_scale);
+        r.stats[0] += sums.loss;
+        r.stats[1] += static_cast<double>(sums.correct);
+        if (!std::isfinite(sums.loss) && !r.fault)
+          r.fault = r.net->find_nonfinite_output(slot, first(r));
+      }
+      float* input_gradient = first(r) ? nullptr : r.input_gradient.data();
+      const bool final_backward = ++backwards == micro;
+      if (final_backward) r.backward_begin = Clock::now();
+      // The capture is one pointer: std::function holds it without allocating.
+      if (overlap && final_backward) {
+        r.net->backward(slot, accumulate, input_gradient,
+                        [rank = &r](std::size_t layer) { post_ready(*rank, layer); });
+      } else {
+        r.net->backward(slot, accumulate, input_gradient);
+        if (final_backward) r.backward_end = Clock::now();
+      }
+      r.busy += seconds_since(started);
+      if (!first(r))
+        r.to_previous->send(
+            std::span<const float>(r.input_gradient.data(), piece.count * r.net->input_size));
+      accumulate = true;
+      r.free_slots.push_back(slot);
+      --r.in_flight;
+    }
+  });
+  r.end = Clock::now();
+  // A replica with no sample of the step adds zeros to the sums.
+  if (micro == 0 && !job.accumulate) std::ranges::fill(r.net->gradients(), 0.0f);
+  if (!job.last) return;
+  if (reduce) post_ready(r, std::nullopt);
+  drain(r);
+  if (reduce) r.reducer->drain();
+  // Only the last stages have the loss, and each stage its gradients (the
+  // reduced ones with several replicas); every rank learns the sums, so
+  // all skip a non-finite step or all take it. (fp16 checks its gradients
+  // when it unscales them: non-finite there is an overflow.)
+  const bool fp16 = job.settings.precision == Precision::fp16;
+  r.stats[2] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
+  r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+  RankExecutor executor{*this, r, micro};
+  r.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
+}
+
+LOOM_DECL void GridEngine::evaluate(Rank& r, const Job& job) {
+  share_state(r);
+  r.net->set_precision(job.precision);
+  const auto& data = *job.dataset;
+  const std::size_t sample = data.sample_size();
+  const auto share = batch_share(data.count, grid_.replicas, r.replica);
+  const std::size_t micro = std::min(schedule_.micro_batches, job.n);
+  prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.inputs.size()));
+  r.stats = {};
+  for (std::size_t at = 0; at < share.count; at += job.n) {
+    const std::size_t n = std::min(job.n, share.count - at);
+    const std::size_t pieces = std::min(micro, n);
+    for (std::size_t m = 0; m < pieces; ++m) {
+      const auto piece = batch_share(n, pieces, m);
+      const std::size_t first_sample = share.first + at + piece.first;
+      const float* input =
+          receive_input(r, data.images.data() + first_sample * sample, piece.count, 0);
+      const float* output = r.net->forward(input, piece.count, 0, Pass{});
+      if (last(r)) {
+        const auto sums =
+            SoftmaxCrossEntropy::evaluate<float>(output, data.labels.data() + first_sample,
+                                                 piece.count, net_.classes, piece.count, nullptr);
+        r.stats[0] += sums.loss;
+        r.stats[1] += static_cast<double>(sums.correct);
+      } else {
+        send_output(r, output, piece.count);
+      }
+    }
+  }
+  drain(r);
+  r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+}
+
+LOOM_DECL void GridEngine::gather(Rank& r, std::span<const float> mine, std::size_t offset,
+                                  std::size_t total, float* whole) {
+  if (all_local()) {
+    if (r.replica == 0) std::copy(mine.begin(), mine.end(), whole + offset);
+    return;
+  }
+  // Each stage of replica 0 adds its slice into zeros: the sum is every
+  // slice, exactly.
+  std::vector<float> all(total, 0.0f);
+  if (r.replica == 0)
+    std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(offset));
+  r.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
+  std::copy(all.begin(), all.end(), whole);
+}
+
+#endif  // LOOM_IMPLEMENT
 
 }  // namespace detail
 }  // namespace loom

@@ -1,9 +1,10 @@
 // The end of every optimizer step, written once for every policy and
 // backend: once the step's gradients are summed (and reduced over the
 // replicas), check them, unscale fp16's, clip, then update, or skip the step
-// and put the running statistics back. One device (train/trainer.hpp), the
-// CPU's grid engine (every other CPU policy) and the GPUs' pipeline all call
-// step_protocol over their own executor.
+// and put the running statistics back. The CPU's grid engine (every CPU
+// policy, one device included) and the GPUs' pipeline call step_protocol
+// over their own executor; DeviceModel (one GPU, DataParallel on GPUs)
+// takes the same decisions on the device, with flags, in its captured step.
 #pragma once
 
 #include <cmath>

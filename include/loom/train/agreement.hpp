@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../core/error.hpp"
+#include "../core/linkage.hpp"
 #include "../core/meta.hpp"
 #include "../data/dataset.hpp"
 
@@ -42,15 +43,7 @@ class Fingerprint {
 
   // A data set by its size, its sample shape and a digest of its first
   // samples (images and labels): the same files on every process.
-  Fingerprint& add_data(const std::string& name, const data::Dataset& set) {
-    add(name + ".samples", set.count);
-    add(name + ".shape", std::to_string(set.channels) + "x" + std::to_string(set.height) + "x" +
-                             std::to_string(set.width));
-    const std::size_t head = std::min<std::size_t>(set.count, 256);
-    std::uint64_t h = detail::fnv1a(set.images.data(), head * set.sample_size() * sizeof(float));
-    h = detail::fnv1a(set.labels.data(), head * sizeof(std::int32_t), h);
-    return add(name + ".first_samples_digest", h >> 16);
-  }
+  Fingerprint& add_data(const std::string& name, const data::Dataset& set);
 
  private:
   template <class V>
@@ -112,12 +105,20 @@ struct Disagreement {
 inline constexpr std::size_t field_slots = 96, text_slots = 400;
 inline constexpr std::size_t row_size = 3 + field_slots + text_slots;
 
-inline void put_text(std::span<double> slots, std::string_view text) {
+// Defined below; compiled once under LOOM_SEPARATE_COMPILATION (core/linkage.hpp).
+LOOM_DECL Disagreement compare_across_ranks(AgreementPhase phase, const Fingerprint& mine,
+                                            const std::string* failure, const GatherRows& gather);
+LOOM_DECL std::string ranks_values(const std::vector<std::string>& values);
+LOOM_DECL std::string disagreement_text(const Disagreement& d, AgreementPhase phase,
+                                        std::size_t rank);
+
+#if LOOM_IMPLEMENT
+LOOM_DECL void put_text(std::span<double> slots, std::string_view text) {
   for (std::size_t i = 0; i < slots.size() && i < text.size(); ++i)
     slots[i] = static_cast<double>(static_cast<unsigned char>(text[i]));
 }
 
-inline std::string get_text(std::span<const double> slots) {
+LOOM_DECL std::string get_text(std::span<const double> slots) {
   std::string text;
   for (const double c : slots) {
     if (c == 0.0) break;
@@ -126,7 +127,7 @@ inline std::string get_text(std::span<const double> slots) {
   return text;
 }
 
-inline double field_digest(const std::pair<std::string, std::string>& field) {
+LOOM_DECL double field_digest(const std::pair<std::string, std::string>& field) {
   const std::uint64_t h =
       fnv1a(field.second, fnv1a(std::string_view("="), fnv1a(std::string_view(field.first))));
   return static_cast<double>(h >> 16);
@@ -136,9 +137,8 @@ inline double field_digest(const std::pair<std::string, std::string>& field) {
 // with its own phase and fingerprint, or its failure's text when it could
 // not make one). Two rounds at most, both of fixed sizes; the second, each
 // rank's text of the first field that differs, runs on every rank or none.
-inline Disagreement compare_across_ranks(AgreementPhase phase, const Fingerprint& mine,
-                                         const std::string* failure,
-                                         const GatherRows& gather) {
+LOOM_DECL Disagreement compare_across_ranks(AgreementPhase phase, const Fingerprint& mine,
+                                            const std::string* failure, const GatherRows& gather) {
   const auto& fields = mine.fields();
   // Too many fields is this rank's failure, sent like any other: it must
   // still take part in the gather, or the others would wait for it.
@@ -223,7 +223,7 @@ inline Disagreement compare_across_ranks(AgreementPhase phase, const Fingerprint
 }
 
 // "rank 0 has 64, rank 1 has 32" (ranks that agree are listed together).
-inline std::string ranks_values(const std::vector<std::string>& values) {
+LOOM_DECL std::string ranks_values(const std::vector<std::string>& values) {
   std::vector<std::pair<std::string, std::vector<std::size_t>>> groups;
   for (std::size_t r = 0; r < values.size(); ++r) {
     auto at = std::find_if(groups.begin(), groups.end(),
@@ -247,8 +247,8 @@ inline std::string ranks_values(const std::vector<std::string>& values) {
 
 // The message every rank raises for a disagreement over `phase`'s fields
 // (the failing rank raises its own error instead).
-inline std::string disagreement_text(const Disagreement& d, AgreementPhase phase,
-                                     std::size_t rank) {
+LOOM_DECL std::string disagreement_text(const Disagreement& d, AgreementPhase phase,
+                                        std::size_t rank) {
   std::ostringstream text;
   text << "loom: ";
   const char* call = phase_call(phase);
@@ -278,5 +278,20 @@ inline std::string disagreement_text(const Disagreement& d, AgreementPhase phase
   return text.str();
 }
 
+#endif  // LOOM_IMPLEMENT
+
 }  // namespace detail
+
+#if LOOM_IMPLEMENT
+LOOM_DECL Fingerprint& Fingerprint::add_data(const std::string& name, const data::Dataset& set) {
+  add(name + ".samples", set.count);
+  add(name + ".shape", std::to_string(set.channels) + "x" + std::to_string(set.height) + "x" +
+                           std::to_string(set.width));
+  const std::size_t head = std::min<std::size_t>(set.count, 256);
+  std::uint64_t h = detail::fnv1a(set.images.data(), head * set.sample_size() * sizeof(float));
+  h = detail::fnv1a(set.labels.data(), head * sizeof(std::int32_t), h);
+  return add(name + ".first_samples_digest", h >> 16);
+}
+#endif  // LOOM_IMPLEMENT
+
 }  // namespace loom

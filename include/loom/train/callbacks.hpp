@@ -21,13 +21,17 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <ostream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "../core/linkage.hpp"
+#if LOOM_IMPLEMENT
 #include <nlohmann/json.hpp>
+#endif
 
 #include "../data/data.hpp"
 #include "../io/atomic_file.hpp"
@@ -68,72 +72,18 @@ class Progress {
                   (options.style == Style::automatic && options.out == &std::cout &&
                    ::isatty(STDOUT_FILENO) == 1)) {}
 
-  void on_fit_begin(const FitInfo& info) {
-    *options_.out << "training: " << info.samples_per_epoch << " samples, " << info.epochs
-                  << " epoch(s) of " << info.steps_per_epoch << " steps, batch " << info.batch_size
-                  << '\n';
-    if (info.placement.size() > 1)
-      *options_.out << "placement (" << info.policy << "):\n" << describe_placement(info.placement);
-    options_.out->flush();
-  }
+  void on_fit_begin(const FitInfo& info);
 
-  void on_step(const StepInfo& step) {
-    const auto now = std::chrono::steady_clock::now();
-    const std::size_t every = std::max<std::size_t>(
-        1, step.steps / static_cast<std::size_t>(std::max(1, options_.lines_per_epoch)));
-    const bool last = step.step == step.steps;
-    // A step skipped as non-finite (NonFinite::skip) gets a line of its own, always.
-    if (!step.nonfinite.empty()) {
-      *options_.out << (terminal_ ? "\r\x1b[K" : "") << "skipped: " << step.nonfinite << '\n';
-      options_.out->flush();
-    }
-    if (terminal_) {
-      // Redraws cost a terminal write; ten a second reads as smooth.
-      if (!last && now - last_draw_ < std::chrono::milliseconds(100)) return;
-      last_draw_ = now;
-      *options_.out << '\r' << line(step, true) << "\x1b[K";
-      if (last) *options_.out << '\n';
-      options_.out->flush();
-    } else if (step.step % every == 0 || last) {
-      *options_.out << line(step, false) << '\n';
-      options_.out->flush();
-    }
-  }
+  void on_step(const StepInfo& step);
 
-  void on_epoch_end(const EpochInfo& epoch) {
-    // Formatted apart, so the caller's stream keeps its own precision flags.
-    std::ostringstream text;
-    text << "epoch " << epoch.epoch << '/' << epoch.epochs << " done: loss " << std::fixed
-         << std::setprecision(4) << epoch.loss << ", accuracy " << std::setprecision(2)
-         << 100.0 * epoch.accuracy << "%, " << std::setprecision(0)
-         << rate(epoch.samples, epoch.seconds) << " samples/s, " << std::setprecision(1)
-         << epoch.seconds << " s\n";
-    *options_.out << text.str();
-    options_.out->flush();
-  }
+  void on_epoch_end(const EpochInfo& epoch);
 
  private:
   static double rate(std::size_t samples, double seconds) {
     return seconds > 0 ? static_cast<double>(samples) / seconds : 0.0;
   }
 
-  std::string line(const StepInfo& step, bool bar) const {
-    std::ostringstream out;
-    out << "epoch " << step.epoch << '/' << step.epochs << ' ';
-    if (bar) {
-      const auto filled =
-          static_cast<int>(options_.bar_width * step.step / std::max<std::size_t>(1, step.steps));
-      out << '[' << std::string(static_cast<std::size_t>(filled), '=')
-          << std::string(static_cast<std::size_t>(options_.bar_width - filled), ' ') << "] ";
-    }
-    const double per_step = step.step ? step.seconds / static_cast<double>(step.step) : 0.0;
-    const double eta = per_step * static_cast<double>(step.steps - step.step);
-    out << "step " << step.step << '/' << step.steps << " loss " << std::fixed
-        << std::setprecision(4) << step.loss << " acc " << std::setprecision(2)
-        << 100.0 * step.accuracy << "% " << std::setprecision(0) << rate(step.samples, step.seconds)
-        << " samples/s ETA " << detail::clock(eta);
-    return out.str();
-  }
+  std::string line(const StepInfo& step, bool bar) const;
 
   Options options_;
   bool terminal_ = false;
@@ -314,21 +264,7 @@ class Checkpoint {
   // A folder in the file's place, or a folder this process cannot create a
   // file in, fails every save: a probe file beside the checkpoint is
   // created and removed (saves write a temporary file there too).
-  void check_writable() const {
-    const std::string where = options_.path.string();
-    std::error_code error;
-    LOOM_CHECK(!std::filesystem::is_directory(options_.path, error), "callbacks::Checkpoint: '",
-               where, "' is a folder; give the checkpoint's file name (e.g. ",
-               (options_.path / "checkpoint.safetensors").string(), ")");
-    // Named as a save's own temporary file: what one can create, so can a save.
-    const std::filesystem::path probe = options_.path.string() + ".tmp-" + std::to_string(::getpid());
-    std::FILE* file = std::fopen(probe.c_str(), "wx");
-    LOOM_CHECK(file != nullptr, "callbacks::Checkpoint: cannot create a file in the folder of '",
-               where, "' (", std::strerror(errno), "); every save would fail: choose a "
-               "writable place");
-    std::fclose(file);
-    std::filesystem::remove(probe, error);
-  }
+  void check_writable() const;
 
   template <class TrainerT>
   void save(TrainerT& trainer) {
@@ -396,108 +332,201 @@ class Metrics {
  private:
   // The lines, written once for every trainer type. loss_scale: fp16's.
   void write_step(const StepInfo& step, std::uint64_t steps, float lr,
-                  const std::vector<double>& device_step_seconds,
-                  std::optional<float> loss_scale) {
-    const auto now = std::chrono::steady_clock::now();
-    const double seconds = std::chrono::duration<double>(now - last_).count();
-    last_ = now;
-    nlohmann::json line{{"kind", "step"},
-                        {"step", steps},
-                        {"epoch", step.epoch},
-                        {"epoch_step", step.step},
-                        {"loss", step.step_loss},
-                        {"accuracy", step.step_accuracy},
-                        {"epoch_loss", step.loss},
-                        {"epoch_accuracy", step.accuracy},
-                        {"lr", lr},
-                        {"skipped", step.skipped},
-                        {"samples_per_second",
-                         seconds > 0 ? static_cast<double>(step.step_samples) / seconds : 0.0},
-                        {"device_step_seconds", device_step_seconds}};
-    if (loss_scale) line["loss_scale"] = *loss_scale;
-    if (!step.nonfinite.empty()) line["nonfinite"] = step.nonfinite;
-    write(line);
-  }
+                  const std::vector<double>& device_step_seconds, std::optional<float> loss_scale);
 
-  void write_epoch(const EpochInfo& epoch, std::uint64_t steps, float lr) {
-    nlohmann::json line{{"kind", "epoch"},
-                        {"step", steps},
-                        {"epoch", epoch.epoch},
-                        {"loss", epoch.loss},
-                        {"accuracy", epoch.accuracy},
-                        {"seconds", epoch.seconds},
-                        {"samples_per_second",
-                         epoch.seconds > 0 ? static_cast<double>(epoch.samples) / epoch.seconds
-                                           : 0.0},
-                        {"lr", lr}};
-    if (options_.evaluate != nullptr && !options_.evaluate->history.empty()) {
-      line["test_loss"] = options_.evaluate->last.loss;
-      line["test_accuracy"] = options_.evaluate->last.accuracy;
-    }
-    write(line);
-    last_ = std::chrono::steady_clock::now();  // the evaluation is not the next step's
-  }
+  void write_epoch(const EpochInfo& epoch, std::uint64_t steps, float lr);
 
-  void open() {
-    file_.open(options_.path, options_.append ? std::ios::app : std::ios::trunc);
-    LOOM_CHECK(file_.is_open(), "callbacks::Metrics: cannot open '", options_.path.string(),
-               "' for writing: ", std::strerror(errno));
-  }
+  void open();
 
-  void write(const nlohmann::json& line) {
-    file_ << line.dump() << '\n';
-    file_.flush();
-    LOOM_CHECK(file_.good(), "callbacks::Metrics: writing '", options_.path.string(),
-               "' failed (disk full?)");
-  }
+  void write(const nlohmann::json& line);
 
   // Drops the lines of steps after `steps`, and the line of the epoch that
   // ended at step `steps` when `epoch_open` (the checkpoint was saved at its
   // last step, before its end: the resumed fit ends it again).
-  void drop_lines_after(std::uint64_t steps, bool epoch_open) {
-    file_.close();
-    const std::string where = options_.path.string();
-    std::ifstream in(options_.path, std::ios::binary);
-    LOOM_CHECK(in.is_open(), "callbacks::Metrics: cannot read '", where, "' to append to it: ",
-               std::strerror(errno));
-    std::string kept;
-    bool dropped = false;
-    std::size_t number = 0;
-    for (std::string line; std::getline(in, line);) {
-      ++number;
-      if (in.eof()) {  // no newline: the line a crash cut short
-        dropped = true;
-        break;
-      }
-      const auto record = nlohmann::json::parse(line, nullptr, false);
-      const bool known = record.is_object() && record.contains("kind") &&
-                         record["kind"].is_string() && record.contains("step") &&
-                         record["step"].is_number_unsigned();
-      LOOM_CHECK(known, "callbacks::Metrics: line ", number, " of '", where,
-                 "' is not a metrics line (a JSON object with a \"kind\" and a \"step\"): '",
-                 line.substr(0, 80), "'; appending needs the earlier lines' steps, so move the "
-                 "file away or mend the line");
-      const auto step = record["step"].get<std::uint64_t>();
-      if (step > steps || (step == steps && epoch_open && record["kind"] == "epoch")) {
-        dropped = true;
-        continue;
-      }
-      kept += line;
-      kept += '\n';
-    }
-    LOOM_CHECK(!in.bad(), "callbacks::Metrics: reading '", where, "' failed: ",
-               std::strerror(errno));
-    in.close();
-    if (dropped)
-      io::write_file_atomically(options_.path, "metrics file", kept.size(), [&](std::FILE* file) {
-        return kept.empty() || std::fwrite(kept.data(), 1, kept.size(), file) == kept.size();
-      });
-    open();
-  }
+  void drop_lines_after(std::uint64_t steps, bool epoch_open);
 
   Options options_;
   std::ofstream file_;
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();  // last line
 };
+
+#if LOOM_IMPLEMENT
+LOOM_DECL void Metrics::write_step(const StepInfo& step, std::uint64_t steps, float lr,
+                                   const std::vector<double>& device_step_seconds,
+                                   std::optional<float> loss_scale) {
+  const auto now = std::chrono::steady_clock::now();
+  const double seconds = std::chrono::duration<double>(now - last_).count();
+  last_ = now;
+  nlohmann::json line{
+      {"kind", "step"},
+      {"step", steps},
+      {"epoch", step.epoch},
+      {"epoch_step", step.step},
+      {"loss", step.step_loss},
+      {"accuracy", step.step_accuracy},
+      {"epoch_loss", step.loss},
+      {"epoch_accuracy", step.accuracy},
+      {"lr", lr},
+      {"skipped", step.skipped},
+      {"samples_per_second", seconds > 0 ? static_cast<double>(step.step_samples) / seconds : 0.0},
+      {"device_step_seconds", device_step_seconds}};
+  if (loss_scale) line["loss_scale"] = *loss_scale;
+  if (!step.nonfinite.empty()) line["nonfinite"] = step.nonfinite;
+  write(line);
+}
+
+LOOM_DECL void Metrics::write_epoch(const EpochInfo& epoch, std::uint64_t steps, float lr) {
+  nlohmann::json line{
+      {"kind", "epoch"},
+      {"step", steps},
+      {"epoch", epoch.epoch},
+      {"loss", epoch.loss},
+      {"accuracy", epoch.accuracy},
+      {"seconds", epoch.seconds},
+      {"samples_per_second",
+       epoch.seconds > 0 ? static_cast<double>(epoch.samples) / epoch.seconds : 0.0},
+      {"lr", lr}};
+  if (options_.evaluate != nullptr && !options_.evaluate->history.empty()) {
+    line["test_loss"] = options_.evaluate->last.loss;
+    line["test_accuracy"] = options_.evaluate->last.accuracy;
+  }
+  write(line);
+  last_ = std::chrono::steady_clock::now();  // the evaluation is not the next step's
+}
+
+LOOM_DECL void Metrics::open() {
+  file_.open(options_.path, options_.append ? std::ios::app : std::ios::trunc);
+  LOOM_CHECK(file_.is_open(), "callbacks::Metrics: cannot open '", options_.path.string(),
+             "' for writing: ", std::strerror(errno));
+}
+
+LOOM_DECL void Metrics::write(const nlohmann::json& line) {
+  file_ << line.dump() << '\n';
+  file_.flush();
+  LOOM_CHECK(file_.good(), "callbacks::Metrics: writing '", options_.path.string(),
+             "' failed (disk full?)");
+}
+
+LOOM_DECL void Metrics::drop_lines_after(std::uint64_t steps, bool epoch_open) {
+  file_.close();
+  const std::string where = options_.path.string();
+  std::ifstream in(options_.path, std::ios::binary);
+  LOOM_CHECK(in.is_open(), "callbacks::Metrics: cannot read '", where,
+             "' to append to it: ", std::strerror(errno));
+  std::string kept;
+  bool dropped = false;
+  std::size_t number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++number;
+    if (in.eof()) {  // no newline: the line a crash cut short
+      dropped = true;
+      break;
+    }
+    const auto record = nlohmann::json::parse(line, nullptr, false);
+    const bool known = record.is_object() && record.contains("kind") &&
+                       record["kind"].is_string() && record.contains("step") &&
+                       record["step"].is_number_unsigned();
+    LOOM_CHECK(known, "callbacks::Metrics: line ", number, " of '", where,
+               "' is not a metrics line (a JSON object with a \"kind\" and a \"step\"): '",
+               line.substr(0, 80),
+               "'; appending needs the earlier lines' steps, so move the "
+               "file away or mend the line");
+    const auto step = record["step"].get<std::uint64_t>();
+    if (step > steps || (step == steps && epoch_open && record["kind"] == "epoch")) {
+      dropped = true;
+      continue;
+    }
+    kept += line;
+    kept += '\n';
+  }
+  LOOM_CHECK(!in.bad(), "callbacks::Metrics: reading '", where, "' failed: ", std::strerror(errno));
+  in.close();
+  if (dropped)
+    io::write_file_atomically(options_.path, "metrics file", kept.size(), [&](std::FILE* file) {
+      return kept.empty() || std::fwrite(kept.data(), 1, kept.size(), file) == kept.size();
+    });
+  open();
+}
+
+LOOM_DECL void Progress::on_fit_begin(const FitInfo& info) {
+  *options_.out << "training: " << info.samples_per_epoch << " samples, " << info.epochs
+                << " epoch(s) of " << info.steps_per_epoch << " steps, batch " << info.batch_size
+                << '\n';
+  if (info.placement.size() > 1)
+    *options_.out << "placement (" << info.policy << "):\n" << describe_placement(info.placement);
+  options_.out->flush();
+}
+
+LOOM_DECL void Progress::on_step(const StepInfo& step) {
+  const auto now = std::chrono::steady_clock::now();
+  const std::size_t every = std::max<std::size_t>(
+      1, step.steps / static_cast<std::size_t>(std::max(1, options_.lines_per_epoch)));
+  const bool last = step.step == step.steps;
+  // A step skipped as non-finite (NonFinite::skip) gets a line of its own, always.
+  if (!step.nonfinite.empty()) {
+    *options_.out << (terminal_ ? "\r\x1b[K" : "") << "skipped: " << step.nonfinite << '\n';
+    options_.out->flush();
+  }
+  if (terminal_) {
+    // Redraws cost a terminal write; ten a second reads as smooth.
+    if (!last && now - last_draw_ < std::chrono::milliseconds(100)) return;
+    last_draw_ = now;
+    *options_.out << '\r' << line(step, true) << "\x1b[K";
+    if (last) *options_.out << '\n';
+    options_.out->flush();
+  } else if (step.step % every == 0 || last) {
+    *options_.out << line(step, false) << '\n';
+    options_.out->flush();
+  }
+}
+
+LOOM_DECL void Progress::on_epoch_end(const EpochInfo& epoch) {
+  // Formatted apart, so the caller's stream keeps its own precision flags.
+  std::ostringstream text;
+  text << "epoch " << epoch.epoch << '/' << epoch.epochs << " done: loss " << std::fixed
+       << std::setprecision(4) << epoch.loss << ", accuracy " << std::setprecision(2)
+       << 100.0 * epoch.accuracy << "%, " << std::setprecision(0)
+       << rate(epoch.samples, epoch.seconds) << " samples/s, " << std::setprecision(1)
+       << epoch.seconds << " s\n";
+  *options_.out << text.str();
+  options_.out->flush();
+}
+
+LOOM_DECL std::string Progress::line(const StepInfo& step, bool bar) const {
+  std::ostringstream out;
+  out << "epoch " << step.epoch << '/' << step.epochs << ' ';
+  if (bar) {
+    const auto filled =
+        static_cast<int>(options_.bar_width * step.step / std::max<std::size_t>(1, step.steps));
+    out << '[' << std::string(static_cast<std::size_t>(filled), '=')
+        << std::string(static_cast<std::size_t>(options_.bar_width - filled), ' ') << "] ";
+  }
+  const double per_step = step.step ? step.seconds / static_cast<double>(step.step) : 0.0;
+  const double eta = per_step * static_cast<double>(step.steps - step.step);
+  out << "step " << step.step << '/' << step.steps << " loss " << std::fixed << std::setprecision(4)
+      << step.loss << " acc " << std::setprecision(2) << 100.0 * step.accuracy << "% "
+      << std::setprecision(0) << rate(step.samples, step.seconds) << " samples/s ETA "
+      << detail::clock(eta);
+  return out.str();
+}
+
+LOOM_DECL void Checkpoint::check_writable() const {
+  const std::string where = options_.path.string();
+  std::error_code error;
+  LOOM_CHECK(!std::filesystem::is_directory(options_.path, error), "callbacks::Checkpoint: '",
+             where, "' is a folder; give the checkpoint's file name (e.g. ",
+             (options_.path / "checkpoint.safetensors").string(), ")");
+  // Named as a save's own temporary file: what one can create, so can a save.
+  const std::filesystem::path probe = options_.path.string() + ".tmp-" + std::to_string(::getpid());
+  std::FILE* file = std::fopen(probe.c_str(), "wx");
+  LOOM_CHECK(file != nullptr, "callbacks::Checkpoint: cannot create a file in the folder of '",
+             where, "' (", std::strerror(errno),
+             "); every save would fail: choose a "
+             "writable place");
+  std::fclose(file);
+  std::filesystem::remove(probe, error);
+}
+
+#endif  // LOOM_IMPLEMENT
 
 }  // namespace loom::callbacks

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../core/error.hpp"
+#include "../core/linkage.hpp"
 #include "../core/meta.hpp"
 #include "../data/dataset.hpp"
 #include "../io/safetensors.hpp"
@@ -117,10 +118,28 @@ N parse_number(const io::SafetensorsFile& file, const std::string& key, const st
   return value;
 }
 
+// The options of an optimizer (Options::hyperparameters()), by name.
+using OptimizerOptions = std::span<const std::pair<const char*, float>>;
+
+// Defined below; compiled once under LOOM_SEPARATE_COMPILATION (core/linkage.hpp).
+LOOM_DECL void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& image,
+                                const std::vector<TensorSlot>& table);
+LOOM_DECL void check_position(const TrainingPosition& p, const FitIdentity& f,
+                              const std::string& where);
+LOOM_DECL CheckpointImage read_checkpoint(const std::filesystem::path& path,
+                                          std::string_view optimizer,
+                                          const std::vector<std::string>& buffer_names,
+                                          OptimizerOptions options,
+                                          const std::vector<TensorSlot>& table,
+                                          std::size_t parameter_count, std::size_t state_count);
+LOOM_DECL void check_resumed_options(const CheckpointImage& image, OptimizerOptions options,
+                                     const std::string& where);
+
+#if LOOM_IMPLEMENT
 // `table`: the network's tensors (tensor_table<Net>()). Not a template, so
 // that it is compiled once however many networks a program checkpoints.
-inline void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& image,
-                             const std::vector<TensorSlot>& table) {
+LOOM_DECL void write_checkpoint(const std::filesystem::path& path, const CheckpointImage& image,
+                                const std::vector<TensorSlot>& table) {
   io::SafetensorsWriter writer;
   for (const auto& slot : table) {
     const auto& from = slot.state ? image.state : image.parameters;
@@ -176,8 +195,8 @@ inline void write_checkpoint(const std::filesystem::path& path, const Checkpoint
 // A position is where its fit's batches left it: every field follows from
 // the epoch, the batches trained and the fit's data and batch options. A
 // field that does not is named; the file is corrupt (or edited).
-inline void check_position(const TrainingPosition& p, const FitIdentity& f,
-                           const std::string& where) {
+LOOM_DECL void check_position(const TrainingPosition& p, const FitIdentity& f,
+                              const std::string& where) {
   const auto corrupt = [&](const char* field, auto value, const auto&... why) {
     LOOM_FAIL("checkpoint '", where, "': metadata ", field, " is ", value, ", but ", why...,
               "; the checkpoint is corrupt (its position does not fit its fit's options)");
@@ -217,21 +236,18 @@ inline void check_position(const TrainingPosition& p, const FitIdentity& f,
     corrupt("position.seconds", p.seconds, "a duration is finite and >= 0");
 }
 
-// The options of an optimizer (Options::hyperparameters()), by name.
-using OptimizerOptions = std::span<const std::pair<const char*, float>>;
-
 // Reads and checks everything before the caller changes anything: a
 // checkpoint that does not fit leaves the trainer as it was.
 // `buffer_names`: the optimizer's buffers this trainer keeps; `options`:
 // its options, whose names are read (check_resumed_options compares them).
 // `table`: the network's tensors (tensor_table<Net>()), `parameter_count`
 // and `state_count` its sizes.
-inline CheckpointImage read_checkpoint(const std::filesystem::path& path,
-                                       std::string_view optimizer,
-                                       const std::vector<std::string>& buffer_names,
-                                       OptimizerOptions options,
-                                       const std::vector<TensorSlot>& table,
-                                       std::size_t parameter_count, std::size_t state_count) {
+LOOM_DECL CheckpointImage read_checkpoint(const std::filesystem::path& path,
+                                          std::string_view optimizer,
+                                          const std::vector<std::string>& buffer_names,
+                                          OptimizerOptions options,
+                                          const std::vector<TensorSlot>& table,
+                                          std::size_t parameter_count, std::size_t state_count) {
   const std::string where = path.string();
   const auto file = io::SafetensorsFile::read(path);
   LOOM_CHECK(file.metadata().contains("format") && file.metadata("format") == checkpoint_format,
@@ -335,8 +351,8 @@ inline CheckpointImage read_checkpoint(const std::filesystem::path& path,
 // A resumed run continues the one that wrote the checkpoint only with the
 // same optimizer options; lr aside, which schedules change (the checkpoint's
 // goes on).
-inline void check_resumed_options(const CheckpointImage& image, OptimizerOptions options,
-                                  const std::string& where) {
+LOOM_DECL void check_resumed_options(const CheckpointImage& image, OptimizerOptions options,
+                                     const std::string& where) {
   for (const auto& [name, was] : image.optimizer_options)
     for (const auto& [this_name, now] : options)
       if (name == this_name && was != now)
@@ -348,6 +364,8 @@ inline void check_resumed_options(const CheckpointImage& image, OptimizerOptions
                                  "new fit from the checkpoint's weights and optimizer state",
                              name, number_text(was), number_text(now));
 }
+
+#endif  // LOOM_IMPLEMENT
 
 }  // namespace detail
 }  // namespace loom

@@ -14,9 +14,10 @@
 
 namespace loom::detail {
 
-inline void TrainerCore::save_with(const std::filesystem::path& path,
-                                   const std::function<void(CheckpointImage&)>& fill,
-                                   const ImageWriter& write) {
+#if LOOM_IMPLEMENT
+LOOM_DECL void TrainerCore::save_with(const std::filesystem::path& path,
+                                      const std::function<void(CheckpointImage&)>& fill,
+                                      const ImageWriter& write) {
   LOOM_CHECK(gpu_unreported_ == 0, "Trainer::save: called while the GPU runs a step that "
              "fit() has not reported (the GPU runs a step ahead of the callbacks, and a fit "
              "that failed may leave one behind); save from callbacks::Checkpoint, at an "
@@ -51,9 +52,9 @@ inline void TrainerCore::save_with(const std::filesystem::path& path,
   }
 }
 
-inline void TrainerCore::load_with(const std::filesystem::path& path, bool resume,
-                                   const std::function<CheckpointImage()>& read_image,
-                                   const std::function<void(const CheckpointImage&)>& restore) {
+LOOM_DECL void TrainerCore::load_with(const std::filesystem::path& path, bool resume,
+                                      const std::function<CheckpointImage()>& read_image,
+                                      const std::function<void(const CheckpointImage&)>& restore) {
   // Across processes every one reads the file; all go on only if all
   // could, and read the same: a stale copy on one node would split them.
   detail::CheckpointImage image;
@@ -94,8 +95,8 @@ inline void TrainerCore::load_with(const std::filesystem::path& path, bool resum
   resume_fit_ = resume ? image.fit : std::nullopt;
 }
 
-inline std::optional<TrainingPosition> TrainerCore::resume_position(const FitIdentity& identity,
-                                                std::size_t batches_per_epoch) {
+LOOM_DECL std::optional<TrainingPosition> TrainerCore::resume_position(
+    const FitIdentity& identity, std::size_t batches_per_epoch) {
   if (!resume_ || !resume_fit_) {
     resume_.reset();
     resume_fit_.reset();
@@ -134,5 +135,7 @@ inline std::optional<TrainingPosition> TrainerCore::resume_position(const FitIde
   resume_fit_.reset();
   return std::exchange(resume_, std::nullopt);
 }
+
+#endif  // LOOM_IMPLEMENT
 
 }  // namespace loom::detail

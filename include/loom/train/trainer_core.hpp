@@ -25,6 +25,7 @@
 
 #include "../backend/cpu/softmax_xent.hpp"
 #include "../core/error.hpp"
+#include "../core/linkage.hpp"
 #include "../core/precision.hpp"
 #include "../data/loader.hpp"
 #include "../net/model.hpp"
@@ -329,39 +330,7 @@ class TrainerCore {
   void run_fit(data::Loader& loader, const FitPlan& plan, FitEvents& events);
 
   // What every process of a fit must share (the callbacks add theirs).
-  void describe_fit(Fingerprint& f, const data::Dataset& train, const FitOptions& options) const {
-    describe_setup(f);
-    f.add("trainer.seed", options_.seed)
-        .add("trainer.precision", precision_name(options_.precision))
-        .add("trainer.allow_tf32", options_.allow_tf32)
-        .add("trainer.steps", steps_);
-    if (options_.precision == Precision::fp16) {
-      const auto& l = options_.loss_scaling;
-      f.add("loss_scaling.initial_scale", l.initial_scale)
-          .add("loss_scaling.growth_factor", l.growth_factor)
-          .add("loss_scaling.backoff_factor", l.backoff_factor)
-          .add("loss_scaling.growth_interval", l.growth_interval)
-          .add("loss_scaling.min_scale", l.min_scale)
-          .add("loss_scaling.max_scale", l.max_scale);
-    }
-    if (const auto schedule = running_schedule())
-      f.add("schedule", pipeline_kind_name(schedule->kind))
-          .add("micro_batches", schedule->micro_batches);
-    f.add("resume", resume_ ? "after batch " + std::to_string(resume_->batches) + " of epoch " +
-                                  std::to_string(resume_->epoch)
-                            : std::string("none"))
-        .add("fit.epochs", options.epochs)
-        .add("fit.batch_size", options.batch_size)
-        .add("fit.accumulation_steps", options.accumulation_steps)
-        .add("fit.shuffle", options.shuffle)
-        .add("fit.seed", options.seed)
-        .add("fit.drop_last", options.drop_last)
-        .add("fit.augment.crop_padding", options.augment.crop_padding)
-        .add("fit.augment.horizontal_flip", options.augment.horizontal_flip)
-        .add("fit.max_grad_norm", options.max_grad_norm)
-        .add("fit.on_nonfinite", options.on_nonfinite == NonFinite::raise ? "raise" : "skip")
-        .add_data("data", train);
-  }
+  void describe_fit(Fingerprint& f, const data::Dataset& train, const FitOptions& options) const;
 
   // fit() and evaluate(): a data set the network can take.
   static void check_samples(const data::Dataset& dataset, const char* what,
@@ -404,27 +373,7 @@ class TrainerCore {
   // own failure only.
   detail::Disagreement compare_processes(detail::AgreementPhase phase,
                                          const Fingerprint& fingerprint,
-                                         std::exception_ptr failure) {
-    if (process_count_ <= 1) {
-      if (failure) std::rethrow_exception(failure);
-      return {};
-    }
-    std::string failure_text;
-    if (failure) {
-      try {
-        std::rethrow_exception(failure);
-      } catch (const std::exception& error) {
-        failure_text = error.what();
-      } catch (...) {
-        failure_text = "an exception that is not a std::exception";
-      }
-    }
-    auto found = detail::compare_across_ranks(
-        phase, fingerprint, failure ? &failure_text : nullptr,
-        [this](std::span<const double> row) { return gather_over_processes(row); });
-    if (failure) std::rethrow_exception(failure);
-    return found;
-  }
+                                         std::exception_ptr failure);
 
   // What callbacks learn before the step that follows `done` steps of `epoch`.
   static StepBegin step_begin(int epoch, std::size_t done, const FitInfo& info,
@@ -450,22 +399,7 @@ class TrainerCore {
   // False for a finite step.
   bool handle_nonfinite(double loss, const NonFiniteSpot& spot, int epoch, std::size_t step,
                         NonFinite on_nonfinite, const std::string& scale_note = {},
-                        bool gradients_bad = false) {
-    if (std::isfinite(loss) && !spot && scale_note.empty() && !gradients_bad) return false;
-    const std::string what =
-        (std::isfinite(loss) ? std::string("the gradients became non-finite")
-                             : "the training loss became " + loss_text(loss)) +
-        " at epoch " + std::to_string(epoch) + ", step " + std::to_string(step) +
-        (std::isfinite(loss) ? " under a finite loss" : "") + scale_note +
-        (spot ? ": " + spot_text(spot) : std::string());
-    if (on_nonfinite == NonFinite::raise)
-      LOOM_FAIL(what, "; the weights are kept from the step before. Lower the learning rate or "
-                "check the input data (FitOptions::on_nonfinite = NonFinite::skip skips such "
-                "steps)");
-    nonfinite_steps_ += 1;
-    nonfinite_ = what;
-    return true;
-  }
+                        bool gradients_bad = false);
 
   static std::string min_scale_note(float scale) {
     return ", even at fp16's minimum loss scale " + detail::number_text(scale) +
@@ -526,8 +460,87 @@ class TrainerCore {
   std::size_t gpu_unreported_ = 0;
 };
 
-inline void TrainerCore::fit_with(const data::Dataset& train, const FitOptions& options,
-                                  FitEvents& events) {
+#if LOOM_IMPLEMENT
+LOOM_DECL void TrainerCore::describe_fit(Fingerprint& f, const data::Dataset& train,
+                                         const FitOptions& options) const {
+  describe_setup(f);
+  f.add("trainer.seed", options_.seed)
+      .add("trainer.precision", precision_name(options_.precision))
+      .add("trainer.allow_tf32", options_.allow_tf32)
+      .add("trainer.steps", steps_);
+  if (options_.precision == Precision::fp16) {
+    const auto& l = options_.loss_scaling;
+    f.add("loss_scaling.initial_scale", l.initial_scale)
+        .add("loss_scaling.growth_factor", l.growth_factor)
+        .add("loss_scaling.backoff_factor", l.backoff_factor)
+        .add("loss_scaling.growth_interval", l.growth_interval)
+        .add("loss_scaling.min_scale", l.min_scale)
+        .add("loss_scaling.max_scale", l.max_scale);
+  }
+  if (const auto schedule = running_schedule())
+    f.add("schedule", pipeline_kind_name(schedule->kind))
+        .add("micro_batches", schedule->micro_batches);
+  f.add("resume", resume_ ? "after batch " + std::to_string(resume_->batches) + " of epoch " +
+                                std::to_string(resume_->epoch)
+                          : std::string("none"))
+      .add("fit.epochs", options.epochs)
+      .add("fit.batch_size", options.batch_size)
+      .add("fit.accumulation_steps", options.accumulation_steps)
+      .add("fit.shuffle", options.shuffle)
+      .add("fit.seed", options.seed)
+      .add("fit.drop_last", options.drop_last)
+      .add("fit.augment.crop_padding", options.augment.crop_padding)
+      .add("fit.augment.horizontal_flip", options.augment.horizontal_flip)
+      .add("fit.max_grad_norm", options.max_grad_norm)
+      .add("fit.on_nonfinite", options.on_nonfinite == NonFinite::raise ? "raise" : "skip")
+      .add_data("data", train);
+}
+
+LOOM_DECL detail::Disagreement TrainerCore::compare_processes(detail::AgreementPhase phase,
+                                                              const Fingerprint& fingerprint,
+                                                              std::exception_ptr failure) {
+  if (process_count_ <= 1) {
+    if (failure) std::rethrow_exception(failure);
+    return {};
+  }
+  std::string failure_text;
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& error) {
+      failure_text = error.what();
+    } catch (...) {
+      failure_text = "an exception that is not a std::exception";
+    }
+  }
+  auto found = detail::compare_across_ranks(
+      phase, fingerprint, failure ? &failure_text : nullptr,
+      [this](std::span<const double> row) { return gather_over_processes(row); });
+  if (failure) std::rethrow_exception(failure);
+  return found;
+}
+
+LOOM_DECL bool TrainerCore::handle_nonfinite(double loss, const NonFiniteSpot& spot, int epoch,
+                                             std::size_t step, NonFinite on_nonfinite,
+                                             const std::string& scale_note, bool gradients_bad) {
+  if (std::isfinite(loss) && !spot && scale_note.empty() && !gradients_bad) return false;
+  const std::string what = (std::isfinite(loss) ? std::string("the gradients became non-finite")
+                                                : "the training loss became " + loss_text(loss)) +
+                           " at epoch " + std::to_string(epoch) + ", step " + std::to_string(step) +
+                           (std::isfinite(loss) ? " under a finite loss" : "") + scale_note +
+                           (spot ? ": " + spot_text(spot) : std::string());
+  if (on_nonfinite == NonFinite::raise)
+    LOOM_FAIL(what,
+              "; the weights are kept from the step before. Lower the learning rate or "
+              "check the input data (FitOptions::on_nonfinite = NonFinite::skip skips such "
+              "steps)");
+  nonfinite_steps_ += 1;
+  nonfinite_ = what;
+  return true;
+}
+
+LOOM_DECL void TrainerCore::fit_with(const data::Dataset& train, const FitOptions& options,
+                                     FitEvents& events) {
   std::exception_ptr failure;
   Fingerprint fingerprint;
   try {
@@ -576,7 +589,7 @@ inline void TrainerCore::fit_with(const data::Dataset& train, const FitOptions& 
   events.fit_end();
 }
 
-inline void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, FitEvents& events) {
+LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, FitEvents& events) {
   const FitOptions& options = plan.options;
   const FitInfo& info = plan.info;
   const std::size_t k = options.accumulation_steps;
@@ -670,6 +683,8 @@ inline void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, FitE
     events.epoch_end(done);
   }
 }
+
+#endif  // LOOM_IMPLEMENT
 
 }  // namespace detail
 }  // namespace loom

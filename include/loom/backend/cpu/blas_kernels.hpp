@@ -18,6 +18,8 @@
 #include <string>
 #include <string_view>
 
+#include "../../core/linkage.hpp"
+
 namespace loom::cpu {
 
 // OpenBLAS's name for the kernels it runs ("Haswell", "Prescott", ...).
@@ -26,11 +28,17 @@ inline std::string blas_kernels() {
   return name != nullptr ? name : "unknown";
 }
 
+// Defined below; compiled once under LOOM_SEPARATE_COMPILATION (core/linkage.hpp).
+LOOM_DECL std::string better_blas_kernels(std::string_view chosen, std::string_view flags);
+LOOM_DECL std::string cpu_flags();
+LOOM_DECL std::string blas_kernels_note();
+
+#if LOOM_IMPLEMENT
 // The kernels OpenBLAS should run instead of `chosen` on a CPU with these
 // /proc/cpuinfo flags (space-separated), or "" when `chosen` is fine: only
 // Prescott-class kernels (OpenBLAS's fallback) are replaced, by the best
 // that the flags allow.
-inline std::string better_blas_kernels(std::string_view chosen, std::string_view flags) {
+LOOM_DECL std::string better_blas_kernels(std::string_view chosen, std::string_view flags) {
   constexpr std::string_view old_kernels[] = {"Prescott", "Core2",     "Penryn",     "Dunnington",
                                               "Nehalem",  "Atom",      "Sandybridge"};
   bool old = false;
@@ -56,7 +64,7 @@ inline std::string better_blas_kernels(std::string_view chosen, std::string_view
 }
 
 // This CPU's flags (the first "flags" line of /proc/cpuinfo; "" elsewhere).
-inline std::string cpu_flags() {
+LOOM_DECL std::string cpu_flags() {
   std::ifstream cpuinfo("/proc/cpuinfo");
   for (std::string line; std::getline(cpuinfo, line);)
     if (line.starts_with("flags")) {
@@ -68,7 +76,7 @@ inline std::string cpu_flags() {
 
 // What to do when OpenBLAS runs older kernels than this CPU can ("" when it
 // does not, or when OPENBLAS_CORETYPE chose them).
-inline std::string blas_kernels_note() {
+LOOM_DECL std::string blas_kernels_note() {
   if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return {};
   const std::string chosen = blas_kernels();
   const std::string better = better_blas_kernels(chosen, cpu_flags());
@@ -77,5 +85,7 @@ inline std::string blas_kernels_note() {
          " kernels: start with OPENBLAS_CORETYPE=" + better +
          " set (scripts/run does): CPU training 1.6 to 3 times as fast on a 5th-generation Xeon";
 }
+
+#endif  // LOOM_IMPLEMENT
 
 }  // namespace loom::cpu
