@@ -194,7 +194,10 @@ class StageOf final : public PipelineStage {
   }
   float* output_gradient() override { return model_.output_gradient(); }
   void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
-    model_.backward(slot, accumulate, input_gradient);
+    // Through the overload below: each stage's network compiles one
+    // backward, not two (a call per layer is all the no-op costs).
+    static const std::function<void(std::size_t)> nothing = [](std::size_t) {};
+    model_.backward(slot, accumulate, input_gradient, nothing);
   }
   void backward(std::size_t slot, bool accumulate, float* input_gradient,
                 const std::function<void(std::size_t)>& done) override {
