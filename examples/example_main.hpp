@@ -6,15 +6,15 @@
 //                     nvcc), else the CPU
 //   --policy data     DataParallel<> over --devices CPU worker devices, or
 //                     over the processes of mpirun (one device each)
-//   --policy split    ModelSplit<Balanced<S>> over S = --devices CPU worker
-//                     devices, or S stages over the GPUs (built by nvcc), or
-//                     the S processes of mpirun (CPU), with
-//                     --schedule gpipe|1f1b and --micro-batches M
-//   --policy hybrid   Hybrid<replicas_from_devices, ModelSplit<Balanced<S>>>:
-//                     R = --replicas pipelines of S = --devices / R stages
-//                     (2 to 4; R is a run-time value), on CPU worker
-//                     devices or over the GPUs (built by nvcc), or over the
-//                     processes of mpirun (CPU)
+//   --policy split    a pipeline of S = --devices balanced stages (2 to 4)
+//                     on CPU worker devices, or S stages over the GPUs
+//                     (built by nvcc), or the S processes of mpirun (CPU),
+//                     with --schedule gpipe|1f1b and --micro-batches M
+//   --policy hybrid   R = --replicas pipelines of S = --devices / R stages
+//                     (2 to 4), on CPU worker devices or over the GPUs
+//                     (built by nvcc), or over the processes of mpirun (CPU)
+// Both are one trainer type, PipelinePolicy (example_trainers.hpp): its
+// Balanced<2, 3, 4> carries the three cuts, and R and S are run-time values.
 // Without --policy: single for one device, data for more, data under mpirun.
 #pragma once
 
@@ -150,9 +150,11 @@ inline void describe_run(std::ostream& out, const char* title, const Options& o,
 // `pipelined`: --schedule and --micro-batches count.
 inline TrainerOptions trainer_options(const Options& o, bool pipelined) {
   TrainerOptions options{.seed = o.seed, .precision = precision_of(o.precision)};
-  if (pipelined)
+  if (pipelined) {
     options.schedule = {o.schedule == "gpipe" ? PipelineKind::gpipe : PipelineKind::one_f_one_b,
                         o.micro_batches};
+    options.replicas = o.policy == "hybrid" ? static_cast<std::size_t>(std::max(1, o.replicas)) : 1;
+  }
   return options;
 }
 
@@ -201,15 +203,15 @@ void train(const char* title, const Options& o, const data::Split& data,
   const TrainerOptions trainer = trainer_options(o, is_pipelined<Policy>);
   std::ostringstream policy;
   if constexpr (is_pipelined<Policy>) {
-    constexpr auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
     const auto grid = pipeline_grid<Policy>(
-        processes ? static_cast<std::size_t>(processes.size()) : devices.size());
+        processes ? static_cast<std::size_t>(processes.size()) : devices.size(), trainer.replicas);
+    const auto bounds = cut_bounds<Net, typename Policy::partition>(grid.stages);
     policy << grid.policy << " (";
     if (grid.replicas > 1)
-      policy << grid.replicas << " replicas x " << Policy::stages << " stages; ";
+      policy << grid.replicas << " replicas x " << grid.stages << " stages; ";
     policy << pipeline_kind_name(trainer.schedule.kind) << ", " << o.micro_batches
            << " micro-batches; stages start at layers";
-    for (std::size_t k = 0; k < Policy::stages; ++k) policy << ' ' << bounds[k] + 1;
+    for (std::size_t k = 0; k < grid.stages; ++k) policy << ' ' << bounds[k] + 1;
     policy << ')';
   } else {
     policy << Policy::name;
@@ -247,30 +249,13 @@ void train(const char* title, const Options& o, const data::Split& data,
              t.nonfinite_steps(), started);
 }
 
-// ModelSplit and Hybrid: R pipelines of S balanced stages (a Hybrid with one
-// replica is a ModelSplit, and names itself so), so three trainer types lay
-// out every grid.
-template <class Net>
-void train_pipelines(const char* title, const Options& o, const data::Split& data, int stages,
-                     std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
-  const auto run = [&]<std::size_t S>() {
-    train<Net, PipelinePolicy<S>>(title, o, data, devices, processes, out);
-  };
-  if (stages == 2)
-    run.template operator()<2>();
-  else if (stages == 3)
-    run.template operator()<3>();
-  else
-    run.template operator()<4>();
-}
-
 // ModelSplit over `stages` devices or processes.
 template <class Net>
 void train_split(const char* title, const Options& o, const data::Split& data, int stages,
                  std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
   LOOM_CHECK(stages >= 2 && stages <= 4, "--policy split takes 2 to 4 stages (--devices, or "
              "mpirun -np), not ", stages);
-  train_pipelines<Net>(title, o, data, stages, std::move(devices), std::move(processes), out);
+  train<Net, PipelinePolicy>(title, o, data, std::move(devices), std::move(processes), out);
 }
 
 // Hybrid: --replicas pipelines over `ranks` devices or processes.
@@ -282,7 +267,7 @@ void train_hybrid(const char* title, const Options& o, const data::Split& data, 
              " devices (--devices, or mpirun -np) out as --replicas ", o.replicas,
              " x stages; this example builds pipelines of 2 to 4 stages: give --replicas R and "
              "R x 2, R x 3 or R x 4 devices");
-  train_pipelines<Net>(title, o, data, s, std::move(devices), std::move(processes), out);
+  train<Net, PipelinePolicy>(title, o, data, std::move(devices), std::move(processes), out);
 }
 
 // Trains Net under the policy --policy names, over the processes of mpirun

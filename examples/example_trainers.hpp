@@ -10,10 +10,11 @@
 
 namespace loom::examples {
 
-// --policy split and hybrid: R pipelines of S balanced stages (S from 2 to
-// 4: each cut is a type of its own; R is a run-time value).
-template <std::size_t S>
-using PipelinePolicy = Hybrid<replicas_from_devices, ModelSplit<Balanced<S>>>;
+// --policy split and hybrid: R pipelines of S balanced stages, one trainer
+// type for every grid: the three cuts (S from 2 to 4) are made at compile
+// time, and R and S are run-time values (TrainerOptions::replicas, the
+// devices or processes given).
+using PipelinePolicy = Hybrid<replicas_from_devices, ModelSplit<Balanced<2, 3, 4>>>;
 
 // One trainer type per policy for both optimizers: AnyOptimizer runs the one
 // --optimizer names.
@@ -38,7 +39,6 @@ struct PolicyList {
   }
 #endif
 };
-using ExamplePolicies = PolicyList<SingleDevice, DataParallel<>, PipelinePolicy<2>,
-                                   PipelinePolicy<3>, PipelinePolicy<4>>;
+using ExamplePolicies = PolicyList<SingleDevice, DataParallel<>, PipelinePolicy>;
 
 }  // namespace loom::examples

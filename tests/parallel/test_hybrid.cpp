@@ -227,3 +227,61 @@ TEST_CASE("Hybrid: wrong device counts and a failing rank are clear errors, not 
   REQUIRE_THROWS_WITH(trainer.fit(part, {.epochs = 1, .batch_size = 100}),
                       Catch::Contains("an earlier step failed"));
 }
+
+TEST_CASE("Balanced<2, 3, 4>: one trainer type, the stage count from the devices, the numbers of Balanced<S>") {
+  using Any = Balanced<2, 3, 4>;
+  STATIC_REQUIRE(Any::stages == 0);
+  STATIC_REQUIRE(ModelSplit<Any>::devices_needed == 0);
+  STATIC_REQUIRE(Hybrid<2, ModelSplit<Any>>::devices_needed == 0);
+  STATIC_REQUIRE(Balanced<3>::stages == 3);
+  STATIC_REQUIRE(Balanced<3>::stage_counts.size() == 1);
+  constexpr auto three = partition_bounds<LeNet, Balanced<3>>::bounds;
+  REQUIRE(cut_bounds<LeNet, Any>(3) == std::vector<std::size_t>(three.begin(), three.end()));
+  REQUIRE(cut_bounds<LeNet, Any>(5).empty());
+  REQUIRE(stage_counts_text<Any>() == "2, 3 or 4");
+  REQUIRE(stage_counts_text<Balanced<2, 4>>() == "2 or 4");
+
+  const auto part = head(fashion().train, 240);
+  const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
+  for (const std::size_t stages : {2u, 3u, 4u}) {
+    Trainer<LeNet, ModelSplit<Any>> trainer(devices::cpu(stages), sgd, {.seed = 7});
+    REQUIRE(trainer.placement().size() == stages);
+    const auto weights = trained(trainer, part, fit);
+    const auto expected = stages == 2   ? grid<LeNet, ModelSplit<Balanced<2>>>(part, fit)
+                          : stages == 3 ? grid<LeNet, ModelSplit<Balanced<3>>>(part, fit)
+                                        : grid<LeNet, ModelSplit<Balanced<4>>>(part, fit);
+    test::require_equal(weights, expected,
+                        "Balanced<2, 3, 4> on " + std::to_string(stages) + " devices");
+  }
+
+  // Hybrid<replicas_from_devices, ...>: TrainerOptions::replicas lays the
+  // devices out, the stages are the rest.
+  Trainer<LeNet, Hybrid<replicas_from_devices, ModelSplit<Any>>> hybrid(
+      devices::cpu(6), sgd, {.seed = 7, .replicas = 2});
+  REQUIRE(std::string(hybrid.policy_name()) == "Hybrid");
+  const auto places = hybrid.placement();
+  REQUIRE(places.size() == 6);
+  REQUIRE(places.back().replica == 1);
+  REQUIRE(places.back().stage == 2);
+  REQUIRE(places.back().first_layer == three[2] + 1);
+  test::require_equal(trained(hybrid, part, fit),
+                      grid<LeNet, Hybrid<2, ModelSplit<Balanced<3>>>>(part, fit),
+                      "Hybrid of Balanced<2, 3, 4>, 2 replicas on 6 devices");
+  // Without a replica count, one pipeline of all the devices.
+  Trainer<LeNet, Hybrid<replicas_from_devices, ModelSplit<Any>>> one(devices::cpu(4), sgd);
+  REQUIRE(std::string(one.policy_name()) == "ModelSplit");
+  REQUIRE(one.placement().back().stage == 3);
+
+  REQUIRE_THROWS_WITH((Trainer<LeNet, ModelSplit<Balanced<2, 4>>>(devices::cpu(3), sgd)),
+                      Catch::Contains("ModelSplit runs pipelines of 2 or 4 stages, one device (or "
+                                      "process) per stage, 1 pipeline: give that many devices (or "
+                                      "processes), not 3"));
+  REQUIRE_THROWS_WITH((Trainer<LeNet, Hybrid<replicas_from_devices, ModelSplit<Any>>>(
+                          devices::cpu(10), sgd, {.replicas = 2})),
+                      Catch::Contains("Hybrid runs pipelines of 2, 3 or 4 stages, one device (or "
+                                      "process) per stage, 2 pipelines: give 2 x that many "
+                                      "devices (or processes), not 10"));
+  REQUIRE_THROWS_WITH(
+      (Trainer<LeNet, Hybrid<2, ModelSplit<Any>>>(devices::cpu(6), sgd, {.replicas = 3})),
+      Catch::Contains("Hybrid runs 2 replica(s), not the 3 asked for"));
+}

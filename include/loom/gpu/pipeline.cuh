@@ -714,7 +714,6 @@ class DeviceStage final : public DeviceStageBase {
 template <class Net, class Partition>
 class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
  public:
-  static constexpr std::size_t stages = Partition::stages;
   static constexpr std::size_t classes = Net::output_shape::size;
 
   // Planned for global batches of up to max_batch samples; `previous` (same
@@ -730,7 +729,8 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
                  std::size_t max_batch, PipelineEngine* previous = nullptr)
       : name_(grid.policy),
         replicas_(grid.replicas),
-        ranks_(grid.replicas * stages),
+        stage_count_(grid.stages),
+        ranks_(grid.replicas * grid.stages),
         schedule_(schedule.micro_batches == 0 ? grid.schedule : schedule),
         max_batch_(max_batch),
         optimizer_(optimizer),
@@ -740,11 +740,11 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
         crew_(name_.c_str(), devices::hardware_threads()) {
     LOOM_CHECK(replicas_ >= 1, name_, " needs at least one replica");
     if (replicas_ > 1)
-      LOOM_CHECK(devices.size() == ranks_, name_, " has ", replicas_, " replicas x ", stages,
+      LOOM_CHECK(devices.size() == ranks_, name_, " has ", replicas_, " replicas x ", stage_count_,
                  " stages and needs ", ranks_, " GPUs, one per rank, but ", devices.size(),
                  " were given (a GPU may be named more than once)");
     else
-      LOOM_CHECK(devices.size() == stages, name_, " has ", stages, " stages but ",
+      LOOM_CHECK(devices.size() == stage_count_, name_, " has ", stage_count_, " stages but ",
                  devices.size(), " GPUs were given (a GPU may be named more than once)");
     try {
       make_stages(devices, initial, allow_tf32, previous);
@@ -873,7 +873,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
   // Replica 0's stages hold the weights (the copies are equal) and the
   // running statistics (each copy keeps its own).
   void gather(Model<Net, float>& whole) override {
-    for (std::size_t k = 0; k < stages; ++k) {
+    for (std::size_t k = 0; k < stage_count_; ++k) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
       stages_[k]->copy_parameters(whole.parameters().data() + offsets_[k], cudaMemcpyDeviceToHost);
       stages_[k]->copy_running_state(whole.state().data() + state_offsets_[k],
@@ -883,7 +883,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
   // Optimizer buffer b of the whole network into `whole` (replica 0's
   // stages: the copies are equal), or every stage's slice from it.
   void gather_optimizer(std::size_t b, float* whole) override {
-    for (std::size_t k = 0; k < stages; ++k) {
+    for (std::size_t k = 0; k < stage_count_; ++k) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
       stages_[k]->copy_optimizer(b, whole + offsets_[k], cudaMemcpyDeviceToHost);
     }
@@ -891,7 +891,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
   void scatter_optimizer(std::size_t b, const float* whole) override {
     for (std::size_t w = 0; w < ranks_; ++w) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
-      stages_[w]->copy_optimizer(b, const_cast<float*>(whole) + offsets_[w % stages],
+      stages_[w]->copy_optimizer(b, const_cast<float*>(whole) + offsets_[w % stage_count_],
                                  cudaMemcpyHostToDevice);
     }
   }
@@ -903,10 +903,10 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
     for (std::size_t w = 0; w < ranks_; ++w) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[w]->device()));
       stages_[w]->copy_parameters(
-          const_cast<float*>(whole.parameters().data()) + offsets_[w % stages],
+          const_cast<float*>(whole.parameters().data()) + offsets_[w % stage_count_],
           cudaMemcpyHostToDevice);
       stages_[w]->copy_running_state(
-          const_cast<float*>(whole.state().data()) + state_offsets_[w % stages],
+          const_cast<float*>(whole.state().data()) + state_offsets_[w % stage_count_],
           cudaMemcpyHostToDevice);
     }
   }
@@ -921,10 +921,10 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
     std::unique_ptr<Event> reduced;  // the leader's stream: the sum is in its accumulator
   };
 
-  static std::size_t replica_of(std::size_t w) { return w / stages; }
-  static std::size_t stage_of(std::size_t w) { return w % stages; }
+  std::size_t replica_of(std::size_t w) const { return w / stage_count_; }
+  std::size_t stage_of(std::size_t w) const { return w % stage_count_; }
   // Link between stage k and k + 1 of replica r.
-  static std::size_t link(std::size_t r, std::size_t k) { return r * (stages - 1) + k; }
+  std::size_t link(std::size_t r, std::size_t k) const { return r * (stage_count_ - 1) + k; }
 
   void make_stages(const std::vector<Device>& devices, const Model<Net, float>& initial,
                    bool allow_tf32, PipelineEngine* previous) {
@@ -936,29 +936,34 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
         std::max<std::size_t>(1, std::min(schedule_.micro_batches, replica_batch_));
     const std::size_t most = batch_share(replica_batch_, micro, 0).count;
     stages_.resize(ranks_);
-    offsets_.resize(stages);
-    state_offsets_.resize(stages);
-    static_for<stages>([&](auto k) {
-      constexpr std::size_t K = decltype(k)::value;
-      using StageNet = stage_net_t<Net, Partition, K>;
-      constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
-      constexpr std::size_t state_at = stage_state_offset<Net, Partition, K>;
-      offsets_[K] = offset;
-      state_offsets_[K] = state_at;
-      for (std::size_t r = 0; r < replicas_; ++r) {
-        const std::size_t w = r * stages + K;
-        const int device = devices[w].index;
-        LOOM_CUDA_CHECK(cudaSetDevice(device));
-        stages_[w] = std::make_unique<DeviceStage<StageNet, K == 0>>(
-            device, initial.parameters().subspan(offset, StageNet::parameter_count),
-            initial.state().subspan(state_at, StageNet::state_count), optimizer_, most,
-            pipeline_in_flight(schedule_.kind, stages, K, micro), precision_, allow_tf32);
-        if (previous != nullptr) stages_[w]->copy_state_from(*previous->stages_[w]);
-      }
+    offsets_.resize(stage_count_);
+    state_offsets_.resize(stage_count_);
+    stage_squares_.assign(stage_count_, 0.0);
+    with_cut<Partition>(stage_count_, [&]<class Cut>() {
+      static_for<Cut::stages>([&](auto k) {
+        constexpr std::size_t K = decltype(k)::value;
+        using StageNet = stage_net_t<Net, Cut, K>;
+        constexpr std::size_t offset = stage_parameter_offset<Net, Cut, K>;
+        constexpr std::size_t state_at = stage_state_offset<Net, Cut, K>;
+        offsets_[K] = offset;
+        state_offsets_[K] = state_at;
+        for (std::size_t r = 0; r < replicas_; ++r) {
+          const std::size_t w = r * stage_count_ + K;
+          const int device = devices[w].index;
+          LOOM_CUDA_CHECK(cudaSetDevice(device));
+          stages_[w] = std::make_unique<DeviceStage<StageNet, K == 0>>(
+              device, initial.parameters().subspan(offset, StageNet::parameter_count),
+              initial.state().subspan(state_at, StageNet::state_count), optimizer_, most,
+              pipeline_in_flight(schedule_.kind, stage_count_, K, micro), precision_,
+              allow_tf32);
+          if (previous != nullptr) stages_[w]->copy_state_from(*previous->stages_[w]);
+        }
+      });
     });
     for (std::size_t r = 0; r < replicas_; ++r)
-      for (std::size_t k = 0; k + 1 < stages; ++k) {
-        const int from = stages_[r * stages + k]->device(), to = stages_[r * stages + k + 1]->device();
+      for (std::size_t k = 0; k + 1 < stage_count_; ++k) {
+        const int from = stages_[r * stage_count_ + k]->device();
+        const int to = stages_[r * stage_count_ + k + 1]->device();
         enable_peer_access(from, to);
         forward_.push_back(std::make_unique<DeviceLink>(from, to));
         backward_.push_back(std::make_unique<DeviceLink>(to, from));
@@ -969,10 +974,10 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
         ready_.push_back(std::make_unique<Event>());
         pulled_.push_back(std::make_unique<Event>());
       }
-      for (std::size_t k = 0; k < stages; ++k) {
+      for (std::size_t k = 0; k < stage_count_; ++k) {
         DeviceStageBase& leader = *stages_[k];
         for (std::size_t r = 1; r < replicas_; ++r)
-          enable_peer_access(leader.device(), stages_[r * stages + k]->device());
+          enable_peer_access(leader.device(), stages_[r * stage_count_ + k]->device());
         LOOM_CUDA_CHECK(cudaSetDevice(leader.device()));
         groups_.push_back({DeviceBuffer<float>(leader.device_parameters(),
                                                "Hybrid's reduction of stage " + std::to_string(k)),
@@ -1084,7 +1089,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
 
   // The first non-finite gradient of replica 0's summed ones, in backward order.
   NonFiniteSpot gradient_spot() {
-    for (std::size_t k = 0; k < stages; ++k) {
+    for (std::size_t k = 0; k < stage_count_; ++k) {
       LOOM_CUDA_CHECK(cudaSetDevice(stages_[k]->device()));
       stages_[k]->copy_accumulator(diagnosis_->gradients().data() + offsets_[k]);
     }
@@ -1096,8 +1101,8 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
     const std::size_t count = leader.device_parameters();
     StageGroup& group = groups_[k];
     for (std::size_t r = 1; r < replicas_; ++r) {
-      DeviceStageBase& copy = *stages_[r * stages + k];
-      ready_[r * stages + k]->wait_on(leader.stream());
+      DeviceStageBase& copy = *stages_[r * stage_count_ + k];
+      ready_[r * stage_count_ + k]->wait_on(leader.stream());
       LOOM_CUDA_CHECK(cudaMemcpyPeerAsync(group.scratch.data(), leader.device(), copy.accumulator(),
                                           copy.device(), count * sizeof(float), leader.stream()));
       add_into(leader.accumulator(), group.scratch.data(), count, leader.stream());
@@ -1122,10 +1127,10 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
     const std::size_t r = replica_of(w), k = stage_of(w);
     // A stage of in-place layers sends from its input buffer: it waits for
     // the next stage to have copied the last micro-batch out of it.
-    if (k + 1 < stages && stage.output(slot) == stage.input(slot))
+    if (k + 1 < stage_count_ && stage.output(slot) == stage.input(slot))
       forward_[link(r, k)]->before_overwrite(stage.input(slot),
                                              k == 0 ? stage.stream() : stage.copy_stream());
-    const bool first = k == 0, last = k + 1 == stages;
+    const bool first = k == 0, last = k + 1 == stage_count_;
     if (first || last) stage.staged(slot).synchronize();  // the slot's pinned memory is free
     if (first) {
       const std::size_t values = count * stage.input_size();
@@ -1150,7 +1155,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
   void forward_pass(std::size_t w, DeviceStageBase& stage, std::size_t slot, std::size_t count,
                     bool training = false, const DevicePass& pass = {}) {
     const std::size_t r = replica_of(w), k = stage_of(w);
-    const bool sends = k + 1 < stages;
+    const bool sends = k + 1 < stage_count_;
     if (sends) forward_[link(r, k)]->before_overwrite(stage.output(slot), stage.stream());
     stage.forward(slot, count, training, pass);
     stage.slot_done(slot).record(stage.stream());
@@ -1167,10 +1172,11 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
     // only once every copy has taken the last step's sum out of it.
     const auto wait_for_copies = [&] {
       if (replicas_ > 1 && r == 0)
-        for (std::size_t c = 1; c < replicas_; ++c) pulled_[c * stages + k]->wait_on(stage.stream());
+        for (std::size_t c = 1; c < replicas_; ++c)
+          pulled_[c * stage_count_ + k]->wait_on(stage.stream());
     };
     std::vector<std::size_t> free_slots, slot_of(micro, 0);
-    for (std::size_t s = pipeline_in_flight(schedule_.kind, stages, k, micro); s-- > 0;)
+    for (std::size_t s = pipeline_in_flight(schedule_.kind, stage_count_, k, micro); s-- > 0;)
       free_slots.push_back(s);
     bool first_backward = !job.accumulate;
     if (!job.accumulate) {
@@ -1179,7 +1185,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
       stage.set_loss_scale(job.settings.loss_scale);
     }
     const std::size_t sample = Net::input_shape::size;
-    for_each_pipeline_op(schedule_.kind, stages, k, micro, [&](PipelineOp op) {
+    for_each_pipeline_op(schedule_.kind, stage_count_, k, micro, [&](PipelineOp op) {
       const auto piece = batch_share(share.count, micro, op.micro_batch);
       const std::size_t first_sample = share.first + piece.first;
       if (op.forward) {
@@ -1193,7 +1199,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
         return;
       }
       const std::size_t slot = slot_of[op.micro_batch];
-      if (k + 1 == stages)
+      if (k + 1 == stage_count_)
         stage.loss(slot, piece.count, job.group_samples, true);
       else
         backward_[link(r, k)]->receive(stage.output_gradient(), piece.count * stage.output_size(),
@@ -1216,7 +1222,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
     }
     if (!job.last) return;
     if (replicas_ > 1) ready_[w]->record(stage.stream());
-    if (k + 1 == stages) totals_[r] = stage.take_totals();
+    if (k + 1 == stage_count_) totals_[r] = stage.take_totals();
   }
 
   // Each replica evaluates its share of the data set in pieces of up to
@@ -1238,10 +1244,10 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
         load(w, stage, 0, data.images.data() + first * sample, data.labels.data() + first,
              part.count);
         forward_pass(w, stage, 0, part.count);
-        if (k + 1 == stages) stage.loss(0, part.count, part.count, false);
+        if (k + 1 == stage_count_) stage.loss(0, part.count, part.count, false);
       }
     }
-    if (k + 1 == stages) totals_[r] = stage.take_totals();
+    if (k + 1 == stage_count_) totals_[r] = stage.take_totals();
   }
 
   // The replicas' last stages' totals, summed, a training step's non-finite
@@ -1265,7 +1271,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
   }
 
   std::string name_;  // the policy's, for messages
-  std::size_t replicas_, ranks_;
+  std::size_t replicas_, stage_count_, ranks_;
   PipelineSchedule schedule_;
   std::size_t max_batch_;
   DeviceOptimizer optimizer_;
@@ -1276,7 +1282,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
   // replica 0's stages' (norm jobs) in stage order.
   UpdateScalars scalars_{};
   double clip_squares_ = -1.0;
-  std::array<double, stages> stage_squares_{};
+  std::vector<double> stage_squares_;  // per stage
   std::size_t replica_batch_ = 1;  // the most samples of a batch one replica takes
   std::vector<std::unique_ptr<DeviceStageBase>> stages_;  // by rank: replica * stages + stage
   std::vector<std::size_t> offsets_;  // where each stage's slice of the whole network's weights starts

@@ -97,13 +97,15 @@ struct StageReport {
   std::vector<std::chrono::steady_clock::time_point> reduce_posted, reduce_begin, reduce_end;
 };
 
-// What a policy's engine takes at run time: the replica count, schedule
-// and bucket size are values, so ModelSplit and every Hybrid grid over one
-// cut share one engine type (DataParallel's is a grid of one stage).
+// What a policy's engine takes at run time: the replica and stage counts,
+// schedule and bucket size are values, so ModelSplit and every Hybrid grid
+// over one partition share one engine type (DataParallel's is a grid of one
+// stage).
 struct PipelineGrid {
   const char* policy = "ModelSplit";  // its name, for messages (a literal: it outlives the trainer)
   std::string identity;               // its type, which every process must share
   std::size_t replicas = 1;
+  std::size_t stages = 1;  // one of the partition's stage counts
   std::size_t bucket_bytes = default_bucket_bytes;  // several replicas: gradient buckets
   PipelineSchedule schedule{PipelineKind::one_f_one_b, 4};  // the policy's own
 };

@@ -47,8 +47,9 @@ struct Hybrid {
   using partition = typename Split::partition;
   using schedule_type = typename Split::schedule_type;
   static constexpr std::size_t replicas = Replicas;  // 0: replicas_from_devices
-  static constexpr std::size_t stages = Split::stages;
-  static constexpr std::size_t devices_needed = Replicas * stages;  // 0: any multiple of stages
+  static constexpr std::size_t stages = Split::stages;  // 0: one of the partition's, at run time
+  // 0: any grid of Replicas (any count, with replicas_from_devices) x a stage count
+  static constexpr std::size_t devices_needed = Replicas * stages;
   static constexpr PipelineSchedule schedule = Split::schedule;
   static constexpr std::size_t bucket_bytes = BucketBytes;
   static constexpr const char* name = "Hybrid";
@@ -73,17 +74,20 @@ struct Placement {
 };
 
 // The placement of Net under Policy on `devices` (or, with `processes` > 0,
-// one device per MPI process, this one `process` with `devices.front()`).
+// one device per MPI process, this one `process` with `devices.front()`);
+// `grid_replicas`: Hybrid<replicas_from_devices, ...>'s replica count, as
+// pipeline_grid takes it.
 template <class Net, class Policy>
 std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t processes = 0,
-                                 std::size_t process = 0) {
+                                 std::size_t process = 0, std::size_t grid_replicas = 0) {
   std::size_t replicas = 1, stages = 1;
   std::vector<std::size_t> starts{0, Net::layer_count};  // stage k: layers starts[k] + 1 ...
   if constexpr (is_pipelined<Policy>) {
-    stages = Policy::stages;
-    replicas = pipeline_grid<Policy>(processes > 0 ? processes : devices.size()).replicas;
-    const auto bounds = partition_bounds<Net, typename Policy::partition>::bounds;
-    starts.assign(bounds.begin(), bounds.end());
+    const auto grid =
+        pipeline_grid<Policy>(processes > 0 ? processes : devices.size(), grid_replicas);
+    replicas = grid.replicas;
+    stages = grid.stages;
+    starts = cut_bounds<Net, typename Policy::partition>(stages);
   } else if constexpr (is_data_parallel<Policy>) {
     replicas = processes > 0 ? processes : devices.size();
   }

@@ -40,9 +40,11 @@ template <class Partition_, class Schedule_ = OneFOneB<4>>
 struct ModelSplit {
   using partition = Partition_;
   using schedule_type = Schedule_;
+  // 0: the partition carries several stage counts (Balanced<2, 3, 4>), and
+  // the devices (or processes) given pick one.
   static constexpr std::size_t stages = Partition_::stages;
   static constexpr std::size_t replicas = 1;  // Hybrid<R, ModelSplit<...>> runs R pipelines
-  static constexpr std::size_t devices_needed = stages;
+  static constexpr std::size_t devices_needed = stages;  // 0: any of the stage counts
   static constexpr PipelineSchedule schedule = Schedule_::schedule;
   static constexpr const char* name = "ModelSplit";
 };
@@ -89,6 +91,8 @@ constexpr StageMemory stage_memory(PipelineSchedule schedule, std::size_t batch)
 template <class Net, class Policy>
 constexpr std::array<StageMemory, Policy::stages> pipeline_memory_plan(
     std::size_t batch, PipelineSchedule schedule = Policy::schedule) {
+  static_assert(Policy::stages > 0, "pipeline_memory_plan: a policy of one stage count (for "
+                "Balanced<2, 3, 4>, plan ModelSplit<Balanced<S>> for the S that runs)");
   std::array<StageMemory, Policy::stages> plan{};
   static_for<Policy::stages>([&](auto k) {
     plan[k] = detail::stage_memory<Net, typename Policy::partition, k>(schedule, batch);
@@ -97,23 +101,46 @@ constexpr std::array<StageMemory, Policy::stages> pipeline_memory_plan(
 }
 
 // A pipelined policy's grid over `ranks` devices or processes: its own
-// replica count, or (Hybrid<replicas_from_devices, ...>) ranks / stages,
-// named ModelSplit when that is one.
+// replica count, or (Hybrid<replicas_from_devices, ...>) `replicas`, else
+// ranks over its stage count (1 when its partition carries several); its
+// stage count, or (Balanced<2, 3, 4>) ranks over the replicas. Named
+// ModelSplit when one replica runs.
 template <class Policy>
-PipelineGrid pipeline_grid(std::size_t ranks) {
+PipelineGrid pipeline_grid(std::size_t ranks, std::size_t replicas = 0) {
+  using Partition = typename Policy::partition;
   PipelineGrid grid{.policy = Policy::name,
                     .identity = detail::type_label<Policy>(),
                     .replicas = Policy::replicas,
+                    .stages = Policy::stages,
                     .schedule = Policy::schedule};
   if constexpr (requires { Policy::bucket_bytes; }) grid.bucket_bytes = Policy::bucket_bytes;
+  LOOM_CHECK(replicas == 0 || Policy::replicas == 0 || replicas == Policy::replicas, Policy::name,
+             " runs ", Policy::replicas, " replica(s), not the ", replicas, " asked for");
   if (grid.replicas == 0) {
-    LOOM_CHECK(ranks > 0 && ranks % Policy::stages == 0, Policy::name,
-               "<replicas_from_devices, ...> runs pipelines of ", Policy::stages,
-               " stages, one device (or process) per stage: give a multiple of ", Policy::stages,
-               ", not ", ranks);
-    grid.replicas = ranks / Policy::stages;
+    if (replicas > 0) {
+      grid.replicas = replicas;
+    } else if (grid.stages > 0) {
+      LOOM_CHECK(ranks > 0 && ranks % grid.stages == 0, Policy::name,
+                 "<replicas_from_devices, ...> runs pipelines of ", grid.stages,
+                 " stages, one device (or process) per stage: give a multiple of ", grid.stages,
+                 ", not ", ranks);
+      grid.replicas = ranks / grid.stages;
+    } else {
+      grid.replicas = 1;
+    }
     // Hybrid<1, Split> trains as Split does, bit for bit.
     if (grid.replicas == 1) grid.policy = "ModelSplit";
+  }
+  // The grid engine checks that a partition of one stage count fits the
+  // ranks; one of several must be among them.
+  if (grid.stages == 0) {
+    grid.stages = ranks / grid.replicas;
+    LOOM_CHECK(ranks % grid.replicas == 0 && with_cut<Partition>(grid.stages, []<class>() {}),
+               grid.policy, " runs pipelines of ", stage_counts_text<Partition>(),
+               " stages, one device (or process) per stage, ", grid.replicas,
+               grid.replicas == 1 ? " pipeline" : " pipelines", ": give ",
+               grid.replicas == 1 ? std::string() : std::to_string(grid.replicas) + " x ",
+               "that many devices (or processes), not ", ranks);
   }
   return grid;
 }
@@ -121,18 +148,19 @@ PipelineGrid pipeline_grid(std::size_t ranks) {
 namespace detail {
 
 // ModelSplit and Hybrid on CPU devices or processes: the grid engine over
-// the stages of Net cut by Partition, each stage a Model of its own
-// sub-network (StageOf), made from the whole network's initial weights.
+// the stages of Net cut by Partition (its cut into grid.stages stages),
+// each stage a Model of its own sub-network (StageOf), made from the whole
+// network's initial weights.
 template <class Net, class Partition, class Optimizer>
 class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
  public:
-  static constexpr std::size_t stages = Partition::stages;
-
   PipelineEngine(const std::vector<Device>& devices, comm::Comm processes,
                  const Model<Net, float>& initial, typename Optimizer::Options options,
                  PipelineGrid grid, PipelineSchedule schedule)
-      : GridEngine(grid_net<Net, Optimizer>(stages, false),
-                   [&](std::size_t k) { return make_stage(k, initial, options, grid.bucket_bytes); },
+      : GridEngine(grid_net<Net, Optimizer>(grid.stages, false),
+                   [&](std::size_t k) {
+                     return make_stage(grid.stages, k, initial, options, grid.bucket_bytes);
+                   },
                    devices, std::move(processes), grid, schedule) {}
 
   bool all_local() const override { return GridEngine::all_local(); }
@@ -171,19 +199,22 @@ class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
   }
 
  private:
-  static std::unique_ptr<PipelineStage> make_stage(std::size_t k, const Model<Net, float>& whole,
+  static std::unique_ptr<PipelineStage> make_stage(std::size_t stages, std::size_t k,
+                                                   const Model<Net, float>& whole,
                                                    typename Optimizer::Options options,
                                                    std::size_t bucket_bytes) {
     std::unique_ptr<PipelineStage> made;
-    static_for<stages>([&](auto K) {
-      using StageNet = stage_net_t<Net, Partition, K>;
-      constexpr std::size_t offset = stage_parameter_offset<Net, Partition, K>;
-      constexpr std::size_t state_at = stage_state_offset<Net, Partition, K>;
-      if (K == k)
-        made = make_stage_of<StageNet, Optimizer>(
-            whole.parameters().subspan(offset, StageNet::parameter_count),
-            whole.state().subspan(state_at, StageNet::state_count), options, offset, state_at,
-            bucket_bytes);
+    with_cut<Partition>(stages, [&]<class Cut>() {
+      static_for<Cut::stages>([&](auto K) {
+        using StageNet = stage_net_t<Net, Cut, K>;
+        constexpr std::size_t offset = stage_parameter_offset<Net, Cut, K>;
+        constexpr std::size_t state_at = stage_state_offset<Net, Cut, K>;
+        if (K == k)
+          made = make_stage_of<StageNet, Optimizer>(
+              whole.parameters().subspan(offset, StageNet::parameter_count),
+              whole.state().subspan(state_at, StageNet::state_count), options, offset, state_at,
+              bucket_bytes);
+      });
     });
     return made;
   }

@@ -3,6 +3,11 @@
 // indices are the user's, 1-based (Input = 0), as in shape errors; a cut
 // "before layer i" starts a stage with layer i.
 //
+// Balanced<2, 3, 4> carries the balanced cut for each stage count listed,
+// all made at compile time; the run-time count of devices (or processes)
+// picks one (PipelineGrid::stages). One trainer type then runs pipelines of
+// any of those lengths.
+//
 // The cost model, per training sample, in FLOP-equivalents:
 //   - a layer: its forward and backward FLOPs, plus its optimizer update
 //     (4 FLOPs per parameter, spread over a nominal batch of 64 samples);
@@ -17,20 +22,30 @@
 #include <array>
 #include <cstddef>
 #include <limits>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "../net/sequential.hpp"
 
 namespace loom {
 
+// `stages`: the partition's stage count, or 0 when it carries several
+// (`stage_counts`) and the run-time count picks.
 template <std::size_t... Cuts>
 struct At {
   static constexpr std::size_t stages = sizeof...(Cuts) + 1;
+  static constexpr std::array<std::size_t, 1> stage_counts{stages};
 };
 
-template <std::size_t S>
+template <std::size_t... S>
 struct Balanced {
-  static constexpr std::size_t stages = S;
+  static_assert(sizeof...(S) >= 1, "loom ModelSplit error: Balanced<S...> needs a stage count");
+  static constexpr std::array<std::size_t, sizeof...(S)> stage_counts{S...};
+  static_assert(std::ranges::is_sorted(stage_counts) &&
+                    std::ranges::adjacent_find(stage_counts) == stage_counts.end(),
+                "loom ModelSplit error: Balanced<S...>'s stage counts must increase");
+  static constexpr std::size_t stages = sizeof...(S) == 1 ? stage_counts[0] : 0;
 };
 
 // The errors a partition can have, named in the compiler's message with
@@ -188,6 +203,61 @@ inline constexpr std::size_t stage_parameter_offset =
 template <class Net, class Partition, std::size_t K>
 inline constexpr std::size_t stage_state_offset =
     detail::list_info<typename Net::layers>::state_offsets[partition_bounds<Net, Partition>::bounds[K]];
+
+namespace detail {
+
+// A partition's cuts, one per stage count: At<...> itself, Balanced<S...>
+// as Balanced<S>....
+template <class Partition>
+struct cuts_of;
+template <std::size_t... Cuts>
+struct cuts_of<At<Cuts...>> {
+  using type = TypeList<At<Cuts...>>;
+};
+template <std::size_t... S>
+struct cuts_of<Balanced<S...>> {
+  using type = TypeList<Balanced<S>...>;
+};
+
+}  // namespace detail
+
+// Calls f.template operator()<Cut>() with Partition's cut into `stages`
+// stages (a partition of one stage count); false when it carries none.
+template <class Partition, class F>
+bool with_cut(std::size_t stages, F&& f) {
+  using cuts = typename detail::cuts_of<Partition>::type;
+  bool found = false;
+  static_for<cuts::size>([&](auto i) {
+    using Cut = type_at_t<i, cuts>;
+    if (!found && Cut::stages == stages) {
+      f.template operator()<Cut>();
+      found = true;
+    }
+  });
+  return found;
+}
+
+// Stage bounds of Net cut by Partition into `stages` stages (one of its
+// stage counts): stage k holds user layers [bounds[k], bounds[k+1]).
+template <class Net, class Partition>
+std::vector<std::size_t> cut_bounds(std::size_t stages) {
+  std::vector<std::size_t> bounds;
+  with_cut<Partition>(stages, [&]<class Cut>() {
+    constexpr auto b = partition_bounds<Net, Cut>::bounds;
+    bounds.assign(b.begin(), b.end());
+  });
+  return bounds;
+}
+
+// "2, 3 or 4": the stage counts a partition carries, for messages.
+template <class Partition>
+std::string stage_counts_text() {
+  std::string text;
+  constexpr auto& counts = Partition::stage_counts;
+  for (std::size_t i = 0; i < counts.size(); ++i)
+    text += (i == 0 ? "" : i + 1 == counts.size() ? " or " : ", ") + std::to_string(counts[i]);
+  return text;
+}
 
 // The most expensive stage of a cut, under the cost model.
 template <class Net, std::size_t N>

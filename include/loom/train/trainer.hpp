@@ -108,7 +108,8 @@ class Trainer : public detail::TrainerCore {
     }
     if constexpr (is_pipelined<Policy>) {
       grid_ = pipeline_grid<Policy>(
-          processes ? static_cast<std::size_t>(processes.size()) : devices_.size());
+          processes ? static_cast<std::size_t>(processes.size()) : devices_.size(),
+          trainer_options.replicas);
       // On GPUs the stages are made by the first fit() or evaluate(), for its batch size.
       if (devices_.front().kind == Device::Kind::cpu)
         pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
@@ -127,7 +128,8 @@ class Trainer : public detail::TrainerCore {
   }
 
   std::vector<Placement> placement() const override {
-    return loom::placement<Net, Policy>(devices_, process_count_, process_rank_);
+    return loom::placement<Net, Policy>(devices_, process_count_, process_rank_,
+                                        options_.replicas);
   }
 
   // Across MPI processes fit() first compares, in one collective, what
@@ -509,7 +511,7 @@ class Trainer : public detail::TrainerCore {
   // " (R replicas x S stages)" for the policies laid out as a grid.
   static std::string grid_text() {
     if constexpr (is_hybrid<Policy>)
-      if (Policy::replicas > 0)
+      if (Policy::replicas > 0 && Policy::stages > 0)
         return " (" + std::to_string(Policy::replicas) + " replicas x " +
                std::to_string(Policy::stages) + " stages)";
     return "";

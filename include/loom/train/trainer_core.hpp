@@ -49,6 +49,11 @@ struct TrainerOptions {
   // ModelSplit: the pipeline schedule and micro-batch count to run instead
   // of the policy's (micro_batches 0: keep the policy's schedule).
   PipelineSchedule schedule{};
+  // Hybrid<replicas_from_devices, ...>: the replica count to lay the devices
+  // (or processes) out as. 0: the devices over the policy's stage count, or,
+  // when its partition carries several (Balanced<2, 3, 4>), one pipeline of
+  // them all.
+  std::size_t replicas = 0;
   // Compute precision (see core/precision.hpp): bf16 or fp16 with fp32
   // master weights; fp16 scales the loss dynamically (`loss_scaling`),
   // skipping the steps whose gradients overflow. A step that overflows even
