@@ -310,6 +310,17 @@ class Convolution {
     return static_cast<int>(value);
   }
 
+  // An algorithm's workspace, or none when the descriptors cannot use it
+  // (cuDNN answers BAD_PARAM or NOT_SUPPORTED, in any of their sub-codes):
+  // the choice then skips it. Any other failure is an error.
+  std::optional<std::size_t> workspace_if_supported(cudnnStatus_t status, std::size_t bytes,
+                                                    const char* call) const {
+    const auto category = CUDNN_STATUS_CATEGORY(status);
+    if (category == CUDNN_STATUS_BAD_PARAM || category == CUDNN_STATUS_NOT_SUPPORTED)
+      return std::nullopt;
+    check(status, call);
+    return bytes;
+  }
   void check(cudnnStatus_t status, const char* call) const {
     detail::check_dnn(status, call, shape_);
   }
@@ -393,11 +404,10 @@ class Convolution {
                             cudnnMathType_t math) -> std::optional<std::size_t> {
       check(cudnnSetConvolutionMathType(conv_fwd_.get(), math), "cudnnSetConvolutionMathType");
       std::size_t bytes = 0;
-      if (cudnnGetConvolutionForwardWorkspaceSize(handle_, x_desc_.get(), w_desc_.get(),
-                                                  conv_fwd_.get(), y_desc_.get(), algo,
-                                                  &bytes) != CUDNN_STATUS_SUCCESS)
-        return std::nullopt;
-      return bytes;
+      return workspace_if_supported(
+          cudnnGetConvolutionForwardWorkspaceSize(handle_, x_desc_.get(), w_desc_.get(),
+                                                  conv_fwd_.get(), y_desc_.get(), algo, &bytes),
+          bytes, "cudnnGetConvolutionForwardWorkspaceSize");
     };
     std::optional<cudnnConvolutionFwdAlgo_t> preferred;
     if (options.prefer_fused_epilogue) preferred = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
@@ -421,11 +431,11 @@ class Convolution {
                             cudnnMathType_t math) -> std::optional<std::size_t> {
       check(cudnnSetConvolutionMathType(conv_bwd_data_.get(), math), "cudnnSetConvolutionMathType");
       std::size_t bytes = 0;
-      if (cudnnGetConvolutionBackwardDataWorkspaceSize(handle_, w_desc_.get(), y_desc_.get(),
+      return workspace_if_supported(
+          cudnnGetConvolutionBackwardDataWorkspaceSize(handle_, w_desc_.get(), y_desc_.get(),
                                                        conv_bwd_data_.get(), x_desc_.get(), algo,
-                                                       &bytes) != CUDNN_STATUS_SUCCESS)
-        return std::nullopt;
-      return bytes;
+                                                       &bytes),
+          bytes, "cudnnGetConvolutionBackwardDataWorkspaceSize");
     };
     backward_data_ = pick(perf, options, workspace_of, {}, "backward-data");
     check(cudnnSetConvolutionMathType(conv_bwd_data_.get(), backward_data_.math),
@@ -448,11 +458,11 @@ class Convolution {
       check(cudnnSetConvolutionMathType(conv_bwd_filter_.get(), math),
             "cudnnSetConvolutionMathType");
       std::size_t bytes = 0;
-      if (cudnnGetConvolutionBackwardFilterWorkspaceSize(handle_, x_desc_.get(), y_desc_.get(),
+      return workspace_if_supported(
+          cudnnGetConvolutionBackwardFilterWorkspaceSize(handle_, x_desc_.get(), y_desc_.get(),
                                                          conv_bwd_filter_.get(), w_desc_.get(),
-                                                         algo, &bytes) != CUDNN_STATUS_SUCCESS)
-        return std::nullopt;
-      return bytes;
+                                                         algo, &bytes),
+          bytes, "cudnnGetConvolutionBackwardFilterWorkspaceSize");
     };
     backward_filter_ = pick(perf, options, workspace_of, {}, "backward-filter");
     check(cudnnSetConvolutionMathType(conv_bwd_filter_.get(), backward_filter_.math),
