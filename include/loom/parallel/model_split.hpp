@@ -16,6 +16,7 @@
 // The engine is the grid engine (grid_engine.hpp), over one Model per stage.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -135,7 +136,9 @@ PipelineGrid pipeline_grid(std::size_t ranks, std::size_t replicas = 0) {
   // ranks; one of several must be among them.
   if (grid.stages == 0) {
     grid.stages = ranks / grid.replicas;
-    LOOM_CHECK(ranks % grid.replicas == 0 && with_cut<Partition>(grid.stages, []<class>() {}),
+    LOOM_CHECK(ranks % grid.replicas == 0 &&
+                   std::ranges::find(Partition::stage_counts, grid.stages) !=
+                       Partition::stage_counts.end(),
                grid.policy, " runs pipelines of ", stage_counts_text<Partition>(),
                " stages, one device (or process) per stage, ", grid.replicas,
                grid.replicas == 1 ? " pipeline" : " pipelines", ": give ",
