@@ -1,7 +1,8 @@
 // Model<Net, T>: one instance of a network on the CPU backend: the flat
 // parameter and gradient buffers (offsets fixed at compile time) and an arena
 // for activations sized from the memory plan, so forward and backward never
-// allocate.
+// allocate. A Model of a LayerRange is a pipeline stage's: it holds and runs
+// those executed layers only.
 #pragma once
 
 #include <algorithm>
@@ -189,19 +190,38 @@ class Model {
   static constexpr std::size_t state_count = Net::state_count;
   static constexpr std::size_t input_size = Net::input_shape::size;
   static constexpr std::size_t output_size = Net::output_shape::size;
-  // (Named here: nvcc 13 loses `executed` in backward_slot's instantiation
-  // from DataParallel's engine when spelled out there.)
-  static constexpr bool first_in_place = type_at_t<0, executed>::in_place;
+  static constexpr LayerRange all_layers{0, layer_count};
 
   explicit Model(std::uint64_t seed = 0, std::size_t max_batch = 0)
-      : params_(parameter_count),
-        grads_(parameter_count),
-        state_(state_count),
-        kept_state_(state_count),
+      : Model(all_layers, seed, max_batch) {}
+
+  // The executed layers of `range` alone (parameters(), state() and the
+  // sizes below are theirs), seeded as the whole network's are.
+  Model(LayerRange range, std::uint64_t seed = 0, std::size_t max_batch = 0)
+      : range_(checked(range)),
+        param_base_(offsets::param_offsets[range.first]),
+        state_base_(offsets::state_offsets[range.first]),
+        params_(offsets::param_offsets[range.last] - param_base_),
+        grads_(params_.size()),
+        state_(offsets::state_offsets[range.last] - state_base_),
+        kept_state_(state_.size()),
         arena_(0, "Model activations") {
+    static_for<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if (i == range.first) {
+        in_size_ = L::input_shape::size;
+        first_in_place_ = L::in_place;
+      }
+      if (i + 1 == range.last) out_size_ = L::output_shape::size;
+    });
     initialize(seed);
     if (max_batch > 0) reserve(max_batch);
   }
+
+  const LayerRange& range() const { return range_; }
+  // Per sample, the range's input and output (the network's for the whole).
+  std::size_t range_input_size() const { return in_size_; }
+  std::size_t range_output_size() const { return out_size_; }
 
   // Seeded weights: the same seed gives the same weights for any backend,
   // policy, or fused/unfused form of the network.
@@ -210,9 +230,14 @@ class Model {
     using user_layers = typename Net::layers;
     static_for<user_layers::size>([&](auto i) {
       using L = type_at_t<i, user_layers>;
-      L::init(params_.data() + detail::list_info<user_layers>::param_offsets[i], seed,
-              relu_follows<i>());
-      L::init_state(state_.data() + detail::list_info<user_layers>::state_offsets[i]);
+      const std::size_t at = detail::list_info<user_layers>::param_offsets[i];
+      const std::size_t state_at = detail::list_info<user_layers>::state_offsets[i];
+      // A range's layers: their parameters and statistics lie in its buffers.
+      if (at < param_base_ || at + L::param_count > param_base_ + params_.size() ||
+          state_at < state_base_ || state_at + L::state_count > state_base_ + state_.size())
+        return;
+      L::init(params_.data() + (at - param_base_), seed, relu_follows<i>());
+      L::init_state(state_.data() + (state_at - state_base_));
     });
   }
 
@@ -226,28 +251,54 @@ class Model {
     if (max_batch <= capacity_ && slots <= slots_.size()) return;
     max_batch = std::max(max_batch, capacity_);
     slots = std::max(slots, slots_.size());
-    arena_.reserve(activation_elements(max_batch, slots));
-    workspace_ = arena_.take(Net::memory_plan.workspace_elements(max_batch));
-    grad_buffers_[0] = arena_.take(Net::memory_plan.activation_gradients / 2 * max_batch);
-    grad_buffers_[1] = arena_.take(Net::memory_plan.activation_gradients / 2 * max_batch);
+    const MemoryPlan plan = memory_plan(range_);
+    arena_.reserve(activation_elements(max_batch, slots, range_));
+    workspace_ = arena_.take(plan.workspace_elements(max_batch));
+    grad_buffers_[0] = arena_.take(plan.activation_gradients / 2 * max_batch);
+    grad_buffers_[1] = arena_.take(plan.activation_gradients / 2 * max_batch);
     slots_.assign(slots, Slot{});
     for (auto& slot : slots_)
       static_for<layer_count>([&](auto i) {
         using L = type_at_t<i, executed>;
+        if (!in_range(i)) return;
         if constexpr (!L::in_place) slot.outputs[i] = arena_.take(L::output_shape::size * max_batch);
         if constexpr (L::saved > 0) slot.saved[i] = arena_.take(L::saved * max_batch);
       });
     capacity_ = max_batch;
   }
 
+  // The activation memory plan of a range of the layers (Net::memory_plan's
+  // rule: for all of them, the same).
+  static constexpr MemoryPlan memory_plan(LayerRange range) {
+    MemoryPlan plan;
+    std::size_t largest = 0;
+    static_for<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if (i < range.first || i >= range.last) return;
+      plan.activations += (L::in_place ? 0 : L::output_shape::size) + L::saved;
+      largest = std::max({largest, L::input_shape::size, L::output_shape::size});
+      plan.chunk = std::max(plan.chunk, L::chunk);
+      if (L::chunk == 0) {
+        plan.workspace = std::max(plan.workspace, L::workspace);
+      } else {
+        plan.chunked_workspace = std::max(plan.chunked_workspace, L::workspace);
+        plan.chunk_workspace = std::max(plan.chunk_workspace, L::workspace * L::chunk);
+      }
+    });
+    plan.activation_gradients = 2 * largest;
+    return plan;
+  }
+
   // Elements reserve(max_batch, slots) carves: the activation memory plan,
   // with each buffer padded to the arena's alignment.
-  static constexpr std::size_t activation_elements(std::size_t max_batch, std::size_t slots = 1) {
-    constexpr auto plan = Net::memory_plan;
+  static constexpr std::size_t activation_elements(std::size_t max_batch, std::size_t slots = 1,
+                                                   LayerRange range = all_layers) {
+    const MemoryPlan plan = memory_plan(range);
     using Pad = Arena<T>;
     std::size_t outputs = 0;
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
+      if (i < range.first || i >= range.last) return;
       if constexpr (!L::in_place) outputs += Pad::padded_size(L::output_shape::size * max_batch);
       if constexpr (L::saved > 0) outputs += Pad::padded_size(L::saved * max_batch);
     });
@@ -280,20 +331,23 @@ class Model {
         weights_stale_ = false;
       }
       // The first layer reads the input rounded, as a GPU's converts it.
-      if (s.rounded_input.size() < capacity_ * input_size)
-        s.rounded_input.resize(capacity_ * input_size);
-      std::copy_n(input, n * input_size, s.rounded_input.data());
-      round_to(precision_, s.rounded_input.data(), n * input_size);
+      if (s.rounded_input.size() < capacity_ * in_size_)
+        s.rounded_input.resize(capacity_ * in_size_);
+      std::copy_n(input, n * in_size_, s.rounded_input.data());
+      round_to(precision_, s.rounded_input.data(), n * in_size_);
       s.input = s.rounded_input.data();
     }
+    const T* output = nullptr;
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
+      if (!in_range(i)) return;
       detail::run_forward<L, T>(layer_params<i>(), layer_input<i>(s), layer_output<i>(s),
                                 workspace_, n, context<i>(s));
       if constexpr (!L::in_place)
         round_to(precision_, layer_output<i>(s), n * L::output_shape::size);
+      output = layer_output<i>(s);
     });
-    return layer_output<layer_count - 1>(s);
+    return output;
   }
 
   // Where the loss writes d(loss)/d(output) before backward().
@@ -310,7 +364,8 @@ class Model {
   }
 
   // The same, calling done(i) as soon as executed layer i's gradients are
-  // final (layers in reverse order): data parallelism starts reducing them
+  // final (layers in reverse order; i counts from the range's first layer):
+  // data parallelism starts reducing them
   // while the layers before are still back-propagating.
   template <class OnLayerDone>
   void backward(bool accumulate, OnLayerDone&& done) {
@@ -349,7 +404,7 @@ class Model {
   void set_precision(Precision precision) {
     if (precision == precision_) return;
     precision_ = precision;
-    compute_params_.assign(precision == Precision::fp32 ? 0 : parameter_count, T(0));
+    compute_params_.assign(precision == Precision::fp32 ? 0 : params_.size(), T(0));
     grad_sums_.assign(precision == Precision::fp32 ? 0 : largest_layer_parameters(), T(0));
     weights_stale_ = true;
   }
@@ -387,11 +442,11 @@ class Model {
               s.pass.first_sample + at / per_sample, static_cast<float>(values[at])};
       return true;
     };
-    if (input && look(NonFiniteSpot::Where::input, 0, 0, s.input, input_size)) return spot;
+    if (input && look(NonFiniteSpot::Where::input, 0, 0, s.input, in_size_)) return spot;
     bool found = false;
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
-      if (found) return;
+      if (found || !in_range(i)) return;
       spot = weight_spot<i>();
       if (spot) {
         found = true;
@@ -417,7 +472,7 @@ class Model {
   NonFiniteSpot find_nonfinite_weight() const {
     NonFiniteSpot spot;
     static_for<layer_count>([&](auto i) {
-      if (!spot) spot = weight_spot<i>();
+      if (!spot && in_range(i)) spot = weight_spot<i>();
     });
     return spot;
   }
@@ -438,7 +493,7 @@ class Model {
     static_for_reverse<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (L::param_count > 0) {
-        if (found) return;
+        if (found || !in_range(i)) return;
         if constexpr (requires { typename L::layers; })
           found = L::visit_body_gradients(
               layer_grads<i>(), [&](std::size_t layer, const T* values, std::size_t count) {
@@ -458,7 +513,7 @@ class Model {
   NonFiniteSpot weight_spot() const {
     using L = type_at_t<I, executed>;
     if constexpr (L::param_count > 0) {
-      const T* weights = params_.data() + detail::list_info<executed>::param_offsets[I];
+      const T* weights = params_.data() + (offsets::param_offsets[I] - param_base_);
       const std::size_t at = detail::first_nonfinite(weights, L::param_count);
       if (at < L::param_count)
         return {NonFiniteSpot::Where::weight, L::index, L::index, at, L::param_count, 0,
@@ -484,6 +539,16 @@ class Model {
       return false;
   }
 
+  using offsets = detail::list_info<executed>;
+
+  static LayerRange checked(LayerRange range) {
+    LOOM_CHECK(range.first < range.last && range.last <= layer_count, "Model: layers [",
+               range.first, ", ", range.last, ") are no range of the network's ", layer_count,
+               " executed layers");
+    return range;
+  }
+  bool in_range(std::size_t i) const { return i >= range_.first && i < range_.last; }
+
   void check_batch(std::size_t n, const char* what) {
     LOOM_CHECK(n > 0, "Model::", what, ": empty batch");
     if (n > capacity_) reserve(n);
@@ -493,11 +558,11 @@ class Model {
   template <std::size_t I>
   T* layer_params() {
     return (precision_ == Precision::fp32 ? params_.data() : compute_params_.data()) +
-           detail::list_info<executed>::param_offsets[I];
+           (offsets::param_offsets[I] - param_base_);
   }
   template <std::size_t I>
   T* layer_grads() {
-    return grads_.data() + detail::list_info<executed>::param_offsets[I];
+    return grads_.data() + (offsets::param_offsets[I] - param_base_);
   }
   // Per micro-batch in flight: its input, pass, every layer's output and
   // what layers saved for backward.
@@ -512,7 +577,7 @@ class Model {
 
   template <std::size_t I>
   LayerContext<T> context(const Slot& s) {
-    return {s.pass, state_.data() + detail::list_info<executed>::state_offsets[I], s.saved[I],
+    return {s.pass, state_.data() + (offsets::state_offsets[I] - state_base_), s.saved[I],
             precision_};
   }
 
@@ -523,12 +588,13 @@ class Model {
     // The loss gradient, as bf16 logits would get it (a later stage's is
     // rounded already: rounding again changes nothing).
     if (precision_ != Precision::fp32)
-      round_to(precision_, grad_buffers_[0], s.batch * output_size);
+      round_to(precision_, grad_buffers_[0], s.batch * out_size_);
     int current = 0;
     static_for_reverse<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
+      if (!in_range(i)) return;
       const T* dy = grad_buffers_[current];
-      T* dx = i == 0 ? input_gradient : grad_buffers_[1 - current];
+      T* dx = i == range_.first ? input_gradient : grad_buffers_[1 - current];
       // In a reduced precision a layer's weight gradients come out of its
       // GEMMs rounded, and are added to the earlier micro-batches' in fp32:
       // the sum so far waits in grad_sums_ while the layer writes its own.
@@ -547,31 +613,33 @@ class Model {
           if (dx != nullptr) round_to(precision_, dx, s.batch * L::input_shape::size);
       }
       if (!L::in_place) current = 1 - current;
-      done(std::size_t{i});
+      done(i - range_.first);
     });
     // An in-place first layer (Flatten) passes the gradient through unchanged.
-    if constexpr (first_in_place)
-      if (input_gradient != nullptr)
-        std::copy_n(grad_buffers_[current], s.batch * input_size, input_gradient);
+    if (first_in_place_ && input_gradient != nullptr)
+      std::copy_n(grad_buffers_[current], s.batch * in_size_, input_gradient);
   }
 
   template <std::size_t I>
-  static const T* layer_input(const Slot& s) {
-    if constexpr (I == 0)
-      return s.input;
-    else
-      return layer_output<I - 1>(s);
+  const T* layer_input(const Slot& s) const {
+    if constexpr (I > 0)
+      if (I > range_.first) return layer_output<I - 1>(s);
+    return s.input;
   }
-  // In-place layers write nothing: their "output" is an earlier buffer.
+  // In-place layers write nothing: their "output" is an earlier buffer (the
+  // input, when none of the range's layers wrote it).
   template <std::size_t I>
-  static T* layer_output(const Slot& s) {
-    constexpr int owner = detail::list_info<executed>::output_owner[I];
-    if constexpr (owner < 0)
-      return const_cast<T*>(s.input);
-    else
-      return s.outputs[owner];
+  T* layer_output(const Slot& s) const {
+    constexpr int owner = offsets::output_owner[I];
+    if constexpr (owner >= 0)
+      if (static_cast<std::size_t>(owner) >= range_.first) return s.outputs[owner];
+    return const_cast<T*>(s.input);
   }
 
+  LayerRange range_;
+  std::size_t param_base_ = 0, state_base_ = 0;  // where the range's begin in the network's
+  std::size_t in_size_ = 0, out_size_ = 0;
+  bool first_in_place_ = false;  // the range begins with an in-place layer
   std::vector<T> params_;
   std::vector<T> compute_params_;  // params_ rounded to precision_ (empty in fp32)
   std::vector<T> grad_sums_;       // a layer's accumulated gradients, meanwhile (reduced precisions)

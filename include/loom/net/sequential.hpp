@@ -98,6 +98,16 @@ struct list_info<TypeList<Ls...>> {
 
 }  // namespace detail
 
+// A run of a network's executed layers (after fusion), [first, last): a
+// pipeline stage's share when the stage's cuts fall between executed
+// layers. A Model of a range holds its layers' parameters, gradients,
+// running statistics and activations only, and runs the same code as the
+// whole network's Model: one type for every stage.
+struct LayerRange {
+  std::size_t first = 0;
+  std::size_t last = 0;
+};
+
 // The activation memory plan of a layer list, in elements. Training holds
 // every layer output (backward needs them), two ping-pong buffers for
 // activation gradients, and one workspace shared by all layers; layers that

@@ -46,12 +46,15 @@ inline constexpr auto norm_segments = [] {
 // one per segment of the whole network (`starts`).
 template <class LocalNet>
 void add_layer_squares(std::span<const float> grads, std::size_t offset,
-                       std::span<const std::size_t> starts, std::span<double> squares) {
+                       std::span<const std::size_t> starts, std::span<double> squares,
+                       LayerRange range = {0, LocalNet::executed::size}) {
   using layers = typename LocalNet::executed;
   static_for<layers::size>([&](auto i) {
     using L = type_at_t<i, layers>;
+    if (i < range.first || i >= range.last) return;
     if constexpr (L::param_count > 0) {
-      const std::size_t begin = list_info<layers>::param_offsets[i];
+      const std::size_t begin =
+          list_info<layers>::param_offsets[i] - list_info<layers>::param_offsets[range.first];
       const auto at = std::ranges::lower_bound(starts, offset + begin) - starts.begin();
       double sum = 0.0;
       for (std::size_t j = begin; j < begin + L::param_count; ++j)

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstddef>
+#include <span>
 
 #include "../net/sequential.hpp"
 
@@ -22,12 +23,12 @@ struct GradientBucket {
 // The planning rule, for any layout: layer i's gradients fill
 // [offsets[i], offsets[i + 1]) of the flat buffer (an empty range: no
 // parameters). emit(bucket) is called for each, in order.
-template <std::size_t N, class Emit>
-constexpr void plan_buckets(const std::array<std::size_t, N>& offsets, std::size_t target_elements,
+template <class Emit>
+constexpr void plan_buckets(std::span<const std::size_t> offsets, std::size_t target_elements,
                             Emit&& emit) {
   std::size_t open_end = 0, open_size = 0;
   std::size_t lowest = 0;
-  for (std::size_t i = N - 1; i-- > 0;) {
+  for (std::size_t i = offsets.size() - 1; i-- > 0;) {
     const std::size_t params = offsets[i + 1] - offsets[i];
     if (params == 0) continue;
     if (open_size == 0) open_end = offsets[i + 1];

@@ -133,8 +133,7 @@ class DataParallelEngine final : public GridEngine {
       : GridEngine(
             grid_net<Net, Optimizer>(1, is_data_parallel<Policy> && Net::syncs),
             [&](std::size_t) {
-              return make_stage_of<Net, Optimizer>(initial.parameters(), initial.state(), options,
-                                                   0, 0, bucket_bytes());
+              return make_stage_of<Net, Optimizer>(initial, options, bucket_bytes());
             },
             devices, processes,
             {.policy = Policy::name,

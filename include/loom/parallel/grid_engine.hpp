@@ -174,14 +174,19 @@ class PipelineStage {
   std::vector<GradientBucket> buckets;  // the stage's gradients, reduced over its copies
 };
 
+// A stage: the layers `range` of StageNet's executed list (all of them, or
+// a pipeline stage's share of the whole network's, whose cuts fall between
+// executed layers: then every stage of every cut is one type), with its
+// slice of the network's weights and running statistics.
 template <class StageNet, class Optimizer>
 class StageOf final : public PipelineStage {
  public:
   StageOf(std::span<const float> weights, std::span<const float> state,
-          typename Optimizer::Options options, std::size_t offset, std::size_t state_at)
-      : optimizer_(options, StageNet::parameter_count) {
-    input_size = StageNet::input_shape::size;
-    output_size = StageNet::output_shape::size;
+          typename Optimizer::Options options, std::size_t offset, std::size_t state_at,
+          LayerRange range)
+      : model_(range), optimizer_(options, model_.parameters().size()) {
+    input_size = model_.range_input_size();
+    output_size = model_.range_output_size();
     parameter_offset = offset;
     state_offset = state_at;
     std::copy(weights.begin(), weights.end(), model_.parameters().begin());
@@ -212,7 +217,8 @@ class StageOf final : public PipelineStage {
   void set_precision(Precision precision) override { model_.set_precision(precision); }
   void add_layer_squares(std::span<const std::size_t> starts,
                          std::span<double> squares) const override {
-    detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares);
+    detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares,
+                                        model_.range());
   }
   std::span<float> parameters() override { return model_.parameters(); }
   std::span<float> gradients() override { return model_.gradients(); }
@@ -315,19 +321,36 @@ GridNet grid_net(std::size_t stages, bool syncs) {
           .syncs = syncs};
 }
 
-// A stage of StageNet from its slice of the whole network's weights and
-// running statistics (at `offset` and `state_at`), its gradients in
-// buckets of about `bucket_bytes` (as BucketPlan plans them, for a size
-// known at run time).
-template <class StageNet, class Optimizer>
-std::unique_ptr<PipelineStage> make_stage_of(std::span<const float> weights,
-                                             std::span<const float> state,
+// A stage of the executed layers `range` of StageNet (all by default) from
+// the whole network's weights and running statistics (`initial`), its
+// gradients in buckets of about `bucket_bytes` (as BucketPlan plans them,
+// for a size known at run time).
+template <class StageNet, class Optimizer, class Net>
+std::unique_ptr<PipelineStage> make_stage_of(const Model<Net, float>& initial,
                                              typename Optimizer::Options options,
-                                             std::size_t offset, std::size_t state_at,
-                                             std::size_t bucket_bytes) {
-  auto made =
-      std::make_unique<StageOf<StageNet, Optimizer>>(weights, state, options, offset, state_at);
-  plan_buckets(list_info<typename StageNet::executed>::param_offsets,
+                                             std::size_t bucket_bytes,
+                                             LayerRange range = Model<StageNet>::all_layers) {
+  using offsets = list_info<typename StageNet::executed>;
+  // Where StageNet's first executed layer (and so the range's) lies in Net.
+  constexpr std::size_t stage_at =
+      list_info<typename Net::layers>::param_offsets[type_at_t<0, typename StageNet::layers>::index -
+                                                     type_at_t<0, typename Net::layers>::index];
+  constexpr std::size_t stage_state_at =
+      list_info<typename Net::layers>::state_offsets[type_at_t<0, typename StageNet::layers>::index -
+                                                     type_at_t<0, typename Net::layers>::index];
+  const std::size_t offset = stage_at + offsets::param_offsets[range.first];
+  const std::size_t state_at = stage_state_at + offsets::state_offsets[range.first];
+  const std::size_t size = offsets::param_offsets[range.last] - offsets::param_offsets[range.first];
+  const std::size_t state_size =
+      offsets::state_offsets[range.last] - offsets::state_offsets[range.first];
+  auto made = std::make_unique<StageOf<StageNet, Optimizer>>(
+      initial.parameters().subspan(offset, size), initial.state().subspan(state_at, state_size),
+      options, offset, state_at, range);
+  // The range's layers, numbered from its first as its backward's hooks are.
+  std::vector<std::size_t> starts(offsets::param_offsets.begin() + range.first,
+                                  offsets::param_offsets.begin() + range.last + 1);
+  for (std::size_t& start : starts) start -= offsets::param_offsets[range.first];
+  plan_buckets(std::span<const std::size_t>(starts),
                std::max<std::size_t>(1, bucket_bytes / sizeof(float)),
                [&](const GradientBucket& b) { made->buckets.push_back(b); });
   return made;

@@ -13,7 +13,9 @@
 // network's flat buffer from stage_parameter_offset, initialised from the
 // whole network's seeded weights.
 //
-// The engine is the grid engine (grid_engine.hpp), over one Model per stage.
+// The engine is the grid engine (grid_engine.hpp), over one Model per stage:
+// a range of the whole network's executed layers (Model<Net>), or, where an
+// At<...> cut splits a fused pair, a Model of the stage's own network.
 #pragma once
 
 #include <algorithm>
@@ -152,8 +154,7 @@ namespace detail {
 
 // ModelSplit and Hybrid on CPU devices or processes: the grid engine over
 // the stages of Net cut by Partition (its cut into grid.stages stages),
-// each stage a Model of its own sub-network (StageOf), made from the whole
-// network's initial weights.
+// each made from the whole network's initial weights.
 template <class Net, class Partition, class Optimizer>
 class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
  public:
@@ -208,16 +209,20 @@ class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
                                                    std::size_t bucket_bytes) {
     std::unique_ptr<PipelineStage> made;
     with_cut<Partition>(stages, [&]<class Cut>() {
-      static_for<Cut::stages>([&](auto K) {
-        using StageNet = stage_net_t<Net, Cut, K>;
-        constexpr std::size_t offset = stage_parameter_offset<Net, Cut, K>;
-        constexpr std::size_t state_at = stage_state_offset<Net, Cut, K>;
-        if (K == k)
-          made = make_stage_of<StageNet, Optimizer>(
-              whole.parameters().subspan(offset, StageNet::parameter_count),
-              whole.state().subspan(state_at, StageNet::state_count), options, offset, state_at,
-              bucket_bytes);
-      });
+      constexpr auto bounds = partition_bounds<Net, Cut>::bounds;
+      if constexpr (cuts_between_executed<Net>(bounds)) {
+        // A range of the whole network's executed layers: the same stage
+        // type as every other stage (and as DataParallel's replica).
+        made = make_stage_of<Net, Optimizer>(
+            whole, options, bucket_bytes,
+            {executed_from<Net>(bounds[k]), executed_from<Net>(bounds[k + 1])});
+      } else {
+        // A cut splits a fused pair (Linear, ReLU): each stage fuses its own layers.
+        static_for<Cut::stages>([&](auto K) {
+          if (K == k)
+            made = make_stage_of<stage_net_t<Net, Cut, K>, Optimizer>(whole, options, bucket_bytes);
+        });
+      }
     });
     return made;
   }

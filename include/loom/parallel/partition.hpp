@@ -15,7 +15,11 @@
 //     on both stages it joins, 1 per byte.
 // Balanced<S> takes the contiguous cut into S non-empty stages whose most
 // expensive stage is the cheapest (exact, by dynamic programming); among
-// equal cuts the first found (stages ending earliest) wins.
+// equal cuts the first found (stages ending earliest) wins. It cuts only
+// between the layers that run (after the fusion pass): a fused pair such as
+// Conv2d, ReLU stays in one stage, so no stage sends a pre-activation, and
+// every stage is a range of the whole network's layers (one stage type
+// for every cut; see StageOf). At<...> cuts anywhere.
 #pragma once
 
 #include <algorithm>
@@ -67,12 +71,13 @@ struct model_split_cuts_not_increasing {
   static constexpr bool ok = Cut > Previous;
 };
 
-template <std::size_t Stages, std::size_t LayerCount>
+template <std::size_t Stages, std::size_t ExecutedCount>
 struct model_split_more_stages_than_layers {
-  static_assert(Stages >= 1 && Stages <= LayerCount,
-                "loom ModelSplit error: Balanced<S> needs 1 <= S <= the network's layer count "
-                "(template arguments: stages, layer count)");
-  static constexpr bool ok = Stages >= 1 && Stages <= LayerCount;
+  static_assert(Stages >= 1 && Stages <= ExecutedCount,
+                "loom ModelSplit error: Balanced<S> needs 1 <= S <= the network's layer count, "
+                "a fused pair such as Conv2d, ReLU counting once (template arguments: stages, "
+                "that count)");
+  static constexpr bool ok = Stages >= 1 && Stages <= ExecutedCount;
 };
 
 template <class Net>
@@ -106,6 +111,28 @@ struct StageCostModel {
   }
 };
 
+// The executed layer (after fusion) that begins with user layer position
+// `position` (0-based; the layer count: one past the last executed layer),
+// or npos when `position` falls inside a fused layer.
+template <class Net>
+constexpr std::size_t executed_from(std::size_t position) {
+  constexpr auto starts = []<class... Ls>(TypeList<Ls...>) {
+    return std::array<std::size_t, sizeof...(Ls)>{(Ls::index - 1)...};
+  }(typename Net::executed{});
+  if (position == Net::layer_count) return starts.size();
+  for (std::size_t i = 0; i < starts.size(); ++i)
+    if (starts[i] == position) return i;
+  return static_cast<std::size_t>(-1);
+}
+
+// Whether every stage of a cut begins and ends between executed layers:
+// its stages are then ranges of the whole network's executed list.
+template <class Net, std::size_t N>
+constexpr bool cuts_between_executed(const std::array<std::size_t, N>& bounds) {
+  return std::ranges::none_of(
+      bounds, [](std::size_t b) { return executed_from<Net>(b) == static_cast<std::size_t>(-1); });
+}
+
 // Stage bounds as 0-based layer positions: stage k holds [bounds[k], bounds[k+1]).
 template <class Net, class Partition>
 struct partition_bounds;
@@ -138,7 +165,8 @@ struct partition_bounds<Net, At<Cuts...>> {
 template <class Net, std::size_t S>
 struct partition_bounds<Net, Balanced<S>> {
   static constexpr std::size_t stages = S;
-  static constexpr bool checked = model_split_more_stages_than_layers<S, Net::layer_count>::ok;
+  static constexpr bool checked =
+      model_split_more_stages_than_layers<S, Net::executed::size>::ok;
   static constexpr std::array<std::size_t, S + 1> bounds = [] {
     static_assert(checked, "loom ModelSplit error: see the Balanced<S> error above");
     using Cost = StageCostModel<Net>;
@@ -150,9 +178,13 @@ struct partition_bounds<Net, Balanced<S>> {
     std::array<std::array<std::size_t, L + 1>, S + 1> from{};
     for (auto& row : best) row.fill(infinity);
     best[0][0] = 0.0;
+    constexpr auto between = [](std::size_t i) {
+      return executed_from<Net>(i) != static_cast<std::size_t>(-1);
+    };
     for (std::size_t k = 1; k <= S; ++k)
       for (std::size_t j = k; j <= L; ++j)
         for (std::size_t i = k - 1; i < j; ++i) {
+          if (!between(i) || !between(j)) continue;
           const double worst = std::max(best[k - 1][i], Cost::stage(i, j));
           if (worst < best[k][j]) {
             best[k][j] = worst;
