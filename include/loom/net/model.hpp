@@ -233,8 +233,8 @@ class Model {
       const std::size_t at = detail::list_info<user_layers>::param_offsets[i];
       const std::size_t state_at = detail::list_info<user_layers>::state_offsets[i];
       // A range's layers: their parameters and statistics lie in its buffers.
-      if (at < param_base_ || at + L::param_count > param_base_ + params_.size() ||
-          state_at < state_base_ || state_at + L::state_count > state_base_ + state_.size())
+      if (!within(at, L::param_count, param_base_, params_.size()) ||
+          !within(state_at, L::state_count, state_base_, state_.size()))
         return;
       L::init(params_.data() + (at - param_base_), seed, relu_follows<i>());
       L::init_state(state_.data() + (state_at - state_base_));
@@ -548,6 +548,11 @@ class Model {
     return range;
   }
   bool in_range(std::size_t i) const { return i >= range_.first && i < range_.last; }
+  // Whether [at, at + count) of the network's flat buffer lies in a range's
+  // [base, base + size).
+  static bool within(std::size_t at, std::size_t count, std::size_t base, std::size_t size) {
+    return at >= base && at - base + count <= size;
+  }
 
   void check_batch(std::size_t n, const char* what) {
     LOOM_CHECK(n > 0, "Model::", what, ": empty batch");
