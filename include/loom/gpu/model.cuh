@@ -74,6 +74,7 @@
 #include "../optim/loss_scaler.hpp"
 #include "../optim/sgd.hpp"
 #include "../parallel/buckets.hpp"
+#include "../parallel/step_protocol.hpp"
 #include "cudnn_rnn.cuh"
 #include "layer_call.hpp"
 #include "layers.cuh"
@@ -1281,21 +1282,15 @@ class DeviceModel {
         } else if (s.accumulate) {
           add_into(grads_, accum_, layout::total, stream());
         }
-        // Checked (fp16: unscaled first) before the norm and the update;
-        // under data parallelism the summed gradients, so every rank
-        // decides alike (the all-reduce summed fp16's scaled gradients, as
-        // the CPU's replicas do).
-        if (fp16())
-          unscale_and_update(grads_, layout::total, scale_state_, options_.loss_scaling,
-                             skip_nonfinite_, totals_, skip_, stream());
-        else
-          check_gradients(grads_, layout::total, bad_gradients_, skip_nonfinite_, totals_, skip_,
-                          stream());
-        if (s.clip)
-          squared_norm(grads_, layout::total, norm_, norm_scratch_, norm_scratch_bytes_, stream());
-        optimizer_update(optimizer_, params_, grads_, moments_[0], moments_[1], layout::total,
-                         update_, s.clip ? norm_ : nullptr, skip_, stream());
-        if constexpr (state_count > 0) copy_if_set(skip_, kept_state_, state_, state_count, stream());
+        // The step protocol, every policy's (parallel/step_protocol.hpp),
+        // enqueued: under data parallelism over the summed gradients, so
+        // every rank decides alike (the all-reduce summed fp16's scaled
+        // gradients, as the CPU's replicas do).
+        FlaggedStep executor{*this, s.clip};
+        ::loom::detail::step_protocol(
+            executor, {.lr = lr_,
+                       .max_grad_norm = s.clip ? max_norm_ : 0.0f,
+                       .precision = options_.precision});
       }
     }
     LOOM_CUDA_CHECK(cudaMemcpyAsync(snapshots_.data() + slot, totals_, sizeof(LossTotals),
@@ -1304,6 +1299,47 @@ class DeviceModel {
       LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_snapshots_.data() + slot, scale_state_,
                                       sizeof(LossScaleState), cudaMemcpyDeviceToHost, stream()));
   }
+
+  // The step protocol's executor for a step whose decisions are taken on
+  // the device, in flags the host never waits for: each question enqueues
+  // the pass that sets its flag (the loss's, accumulate_loss, is enqueued
+  // already) and answers "go on", and every later pass is a no-op once the
+  // step is to be skipped (halted, non-finite or overflowed): the update
+  // leaves the weights, and the running statistics are put back. So the
+  // host takes the updating branch, whose enqueued work is the whole
+  // protocol; the skipping branches are the device's.
+  struct FlaggedStep {
+    DeviceModel& m;
+    bool clipping;
+
+    bool loss_finite() { return true; }  // accumulate_loss set the flags
+    bool gradients_finite() {
+      check_gradients(m.grads_, layout::total, m.bad_gradients_, m.skip_nonfinite_, m.totals_,
+                      m.skip_, m.stream());
+      return true;
+    }
+    // The scale is the device's, and moves there (LossScaler's rule).
+    bool unscale(float) {
+      unscale_and_update(m.grads_, layout::total, m.scale_state_, m.options_.loss_scaling,
+                         m.skip_nonfinite_, m.totals_, m.skip_, m.stream());
+      return true;
+    }
+    void skip_nonfinite(bool) {}
+    void skip_overflow(bool) {}
+    // The norm, read by the update (which scales by it, as clip_gradients does).
+    void clip(float) {
+      squared_norm(m.grads_, layout::total, m.norm_, m.norm_scratch_, m.norm_scratch_bytes_,
+                   m.stream());
+    }
+    // At the learning rate staged in the update's scalars (stage_update).
+    void update(float) {
+      optimizer_update(m.optimizer_, m.params_, m.grads_, m.moments_[0], m.moments_[1],
+                       layout::total, m.update_, clipping ? m.norm_ : nullptr, m.skip_,
+                       m.stream());
+      if constexpr (state_count > 0)
+        copy_if_set(m.skip_, m.kept_state_, m.state_, state_count, m.stream());
+    }
+  };
 
   // Bucket b's gradients are final on the compute stream: the communication
   // stream waits for that point only, then sums them over the ranks.

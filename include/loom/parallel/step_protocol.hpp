@@ -2,9 +2,10 @@
 // backend: once the step's gradients are summed (and reduced over the
 // replicas), check them, unscale fp16's, clip, then update, or skip the step
 // and put the running statistics back. The CPU's grid engine (every CPU
-// policy, one device included) and the GPUs' pipeline call step_protocol
-// over their own executor; DeviceModel (one GPU, DataParallel on GPUs)
-// takes the same decisions on the device, with flags, in its captured step.
+// policy, one device included), the GPUs' pipeline and DeviceModel (one
+// GPU, DataParallel on GPUs) call step_protocol over their own executor;
+// DeviceModel's enqueues it in its captured step, each pass predicated on
+// flags the device sets (gpu/model.cuh, FlaggedStep).
 #pragma once
 
 #include <cmath>
