@@ -151,48 +151,56 @@ TEST_CASE("partition: a stage as a range of the whole network's layers is that s
                  Model<stage_net_t<LeNet, Cut, 2>>::activation_elements(8, 3));
 
   constexpr std::size_t n = 16;
-  Model<LeNet, float> whole(3);
-  std::vector<Model<LeNet, float>> stages;
-  for (const LayerRange range : {LayerRange{0, 2}, LayerRange{2, 4}, LayerRange{4, 7}})
-    stages.emplace_back(range, 3);
-  // Seeded alike: each range holds its slice of the whole's weights.
-  std::vector<float> joined;
-  for (auto& stage : stages)
-    joined.insert(joined.end(), stage.parameters().begin(), stage.parameters().end());
-  loom::test::require_equal(joined, std::vector<float>(whole.parameters().begin(),
-                                                       whole.parameters().end()),
-                            "the ranges' weights");
-  REQUIRE(stages[1].range_input_size() == 20 * 12 * 12);
-  REQUIRE(stages[1].range_output_size() == 800);
+  // In bf16 too: each range rounds what the whole network rounds.
+  const auto check = [&](Precision precision) {
+    INFO(precision_name(precision));
+    Model<LeNet, float> whole(3);
+    std::vector<Model<LeNet, float>> stages;
+    for (const LayerRange range : {LayerRange{0, 2}, LayerRange{2, 4}, LayerRange{4, 7}})
+      stages.emplace_back(range, 3);
+    whole.set_precision(precision);
+    for (auto& stage : stages) stage.set_precision(precision);
+    // Seeded alike: each range holds its slice of the whole's weights.
+    std::vector<float> joined;
+    for (auto& stage : stages)
+      joined.insert(joined.end(), stage.parameters().begin(), stage.parameters().end());
+    loom::test::require_equal(joined, std::vector<float>(whole.parameters().begin(),
+                                                         whole.parameters().end()),
+                              "the ranges' weights");
+    REQUIRE(stages[1].range_input_size() == 20 * 12 * 12);
+    REQUIRE(stages[1].range_output_size() == 800);
 
-  const float* images = loom::test::fashion().test.images.data();
-  const float* expected = whole.forward(images, n);
-  const float* got = stages[2].forward(stages[1].forward(stages[0].forward(images, n), n), n);
-  loom::test::require_equal(std::vector<float>(got, got + n * 10),
-                            std::vector<float>(expected, expected + n * 10), "chained ranges");
+    const float* images = loom::test::fashion().test.images.data();
+    const float* expected = whole.forward(images, n);
+    const float* got = stages[2].forward(stages[1].forward(stages[0].forward(images, n), n), n);
+    loom::test::require_equal(std::vector<float>(got, got + n * 10),
+                              std::vector<float>(expected, expected + n * 10), "chained ranges");
 
-  // Backward: the same loss gradient gives the same weight gradients, and
-  // each range hands the one before it the gradient of its input.
-  for (std::size_t i = 0; i < n * 10; ++i) {
-    const float dy = 0.01f * static_cast<float>(i % 7) - 0.03f;
-    whole.output_gradient()[i] = dy;
-    stages[2].output_gradient()[i] = dy;
-  }
-  whole.backward();
-  std::vector<std::size_t> done;
-  std::vector<float> dx2(n * 800), dx1(n * 20 * 12 * 12);
-  stages[2].backward(0, false, dx2.data(), [&](std::size_t i) { done.push_back(i); });
-  REQUIRE(done == std::vector<std::size_t>{2, 1, 0});  // numbered from the range's first
-  std::copy(dx2.begin(), dx2.end(), stages[1].output_gradient());
-  stages[1].backward(0, false, dx1.data());
-  std::copy(dx1.begin(), dx1.end(), stages[0].output_gradient());
-  stages[0].backward(0, false, nullptr);
-  joined.clear();
-  for (auto& stage : stages)
-    joined.insert(joined.end(), stage.gradients().begin(), stage.gradients().end());
-  loom::test::require_equal(joined, std::vector<float>(whole.gradients().begin(),
-                                                       whole.gradients().end()),
-                            "the ranges' gradients");
+    // Backward: the same loss gradient gives the same weight gradients, and
+    // each range hands the one before it the gradient of its input.
+    for (std::size_t i = 0; i < n * 10; ++i) {
+      const float dy = 0.01f * static_cast<float>(i % 7) - 0.03f;
+      whole.output_gradient()[i] = dy;
+      stages[2].output_gradient()[i] = dy;
+    }
+    whole.backward();
+    std::vector<std::size_t> done;
+    std::vector<float> dx2(n * 800), dx1(n * 20 * 12 * 12);
+    stages[2].backward(0, false, dx2.data(), [&](std::size_t i) { done.push_back(i); });
+    REQUIRE(done == std::vector<std::size_t>{2, 1, 0});  // numbered from the range's first
+    std::copy(dx2.begin(), dx2.end(), stages[1].output_gradient());
+    stages[1].backward(0, false, dx1.data());
+    std::copy(dx1.begin(), dx1.end(), stages[0].output_gradient());
+    stages[0].backward(0, false, nullptr);
+    joined.clear();
+    for (auto& stage : stages)
+      joined.insert(joined.end(), stage.gradients().begin(), stage.gradients().end());
+    loom::test::require_equal(joined, std::vector<float>(whole.gradients().begin(),
+                                                         whole.gradients().end()),
+                              "the ranges' gradients");
+  };
+  check(Precision::fp32);
+  check(Precision::bf16);
 
   REQUIRE_THROWS_WITH((Model<LeNet, float>(LayerRange{3, 3})),
                       Catch::Contains("Model: layers [3, 3) are no range of the network's 7 "

@@ -1312,7 +1312,9 @@ class DeviceModel {
     DeviceModel& m;
     bool clipping;
 
-    bool loss_finite() { return true; }  // accumulate_loss set the flags
+    // The loss kernels (accumulate_loss; accumulate_global_loss under data
+    // parallelism) set the flags.
+    bool loss_finite() { return true; }
     bool gradients_finite() {
       check_gradients(m.grads_, layout::total, m.bad_gradients_, m.skip_nonfinite_, m.totals_,
                       m.skip_, m.stream());

@@ -1,5 +1,5 @@
 // Model<Net, T>: one instance of a network on the CPU backend: the flat
-// parameter and gradient buffers (offsets fixed at compile time) and an arena
+// parameter and gradient buffers (layer offsets fixed at compile time) and an arena
 // for activations sized from the memory plan, so forward and backward never
 // allocate. A Model of a LayerRange is a pipeline stage's: it holds and runs
 // those executed layers only.
@@ -186,6 +186,9 @@ class Model {
   using T = T_;
   using executed = typename Net::executed;
   static constexpr std::size_t layer_count = executed::size;
+  // The whole network's sizes, also on a Model of a range (whose own are
+  // parameters().size(), state().size(), range_input_size() and
+  // range_output_size()).
   static constexpr std::size_t parameter_count = Net::parameter_count;
   static constexpr std::size_t state_count = Net::state_count;
   static constexpr std::size_t input_size = Net::input_shape::size;
@@ -197,7 +200,7 @@ class Model {
 
   // The executed layers of `range` alone (parameters(), state() and the
   // sizes below are theirs), seeded as the whole network's are.
-  Model(LayerRange range, std::uint64_t seed = 0, std::size_t max_batch = 0)
+  explicit Model(LayerRange range, std::uint64_t seed = 0, std::size_t max_batch = 0)
       : range_(checked(range)),
         param_base_(offsets::param_offsets[range.first]),
         state_base_(offsets::state_offsets[range.first]),
@@ -267,8 +270,8 @@ class Model {
     capacity_ = max_batch;
   }
 
-  // The activation memory plan of a range of the layers (Net::memory_plan's
-  // rule: for all of them, the same).
+  // The activation memory plan of a range of the layers, by Net::memory_plan's
+  // rule (for all of them, its figures but `parameters`, left 0).
   static constexpr MemoryPlan memory_plan(LayerRange range) {
     MemoryPlan plan;
     std::size_t largest = 0;
@@ -311,8 +314,9 @@ class Model {
   // Elements the activation arena holds (what reserve() allocated).
   std::size_t arena_elements() const { return arena_.capacity(); }
 
-  // Runs the network on n samples (n x input_size, NCHW). Returns the
-  // outputs (n x output_size), valid until the next forward on that slot.
+  // Runs the network (the range) on n samples (n x range_input_size(),
+  // NCHW). Returns the outputs (n x range_output_size()), valid until the
+  // next forward on that slot.
   // The input must stay valid until the slot's backward (layers read it).
   // `pass` says training or evaluation (BatchNorm, Dropout); the default,
   // evaluation, uses the running statistics and drops nothing.
@@ -373,7 +377,7 @@ class Model {
   }
 
   // A pipeline stage's backward: the micro-batch that slot `slot` holds,
-  // writing d(loss)/d(input) to input_gradient (n x input_size) for the
+  // writing d(loss)/d(input) to input_gradient (n x range_input_size()) for the
   // stage before.
   void backward(std::size_t slot, bool accumulate, T* input_gradient) {
     backward(slot, accumulate, input_gradient, [](std::size_t) {});
@@ -522,10 +526,11 @@ class Model {
     return {};
   }
 
-  static constexpr std::size_t largest_layer_parameters() {
+  std::size_t largest_layer_parameters() const {
     std::size_t most = 0;
-    static_for<layer_count>(
-        [&](auto i) { most = std::max(most, type_at_t<i, executed>::param_count); });
+    static_for<layer_count>([&](auto i) {
+      if (in_range(i)) most = std::max(most, type_at_t<i, executed>::param_count);
+    });
     return most;
   }
 

@@ -1,4 +1,5 @@
-// Gradient buckets for data parallelism, planned at compile time: slices of
+// Gradient buckets for data parallelism (BucketPlan plans them at compile
+// time; a grid engine's stage at run time, over its range): slices of
 // the flat gradient buffer in reverse layer order (the order backward
 // produces them), each closed once it holds at least the target bytes, so a
 // bucket's all-reduce can start as soon as backward has finished the lowest
@@ -16,7 +17,9 @@ namespace loom {
 struct GradientBucket {
   std::size_t begin = 0;        // first element in the flat gradient buffer
   std::size_t end = 0;          // one past the last
-  std::size_t ready_after = 0;  // executed layer whose backward completes it
+  // The executed layer whose backward completes it (numbered from the
+  // first layer of a stage's range, as the backward's hooks number them).
+  std::size_t ready_after = 0;
   constexpr std::size_t size() const { return end - begin; }
 };
 

@@ -331,7 +331,11 @@ std::unique_ptr<PipelineStage> make_stage_of(const Model<Net, float>& initial,
                                              std::size_t bucket_bytes,
                                              LayerRange range = Model<StageNet>::all_layers) {
   using offsets = list_info<typename StageNet::executed>;
-  // Where StageNet's first executed layer (and so the range's) lies in Net.
+  LOOM_CHECK(initial.range().first == 0 && initial.range().last == Model<Net>::layer_count,
+             "make_stage_of: the initial weights come from the whole network's Model, not a "
+             "range's");
+  // Where StageNet's first layer lies in Net (the range's lies further by
+  // its first layer's offset in StageNet).
   constexpr std::size_t stage_at =
       list_info<typename Net::layers>::param_offsets[type_at_t<0, typename StageNet::layers>::index -
                                                      type_at_t<0, typename Net::layers>::index];
