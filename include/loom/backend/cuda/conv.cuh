@@ -310,9 +310,10 @@ class Convolution {
     return static_cast<int>(value);
   }
 
-  // An algorithm's workspace, or none when the descriptors cannot use it
-  // (cuDNN answers BAD_PARAM or NOT_SUPPORTED, in any of their sub-codes):
-  // the choice then skips it. Any other failure is an error.
+  // An algorithm's workspace (`bytes`, which the query returning `status`
+  // wrote), or none when the descriptors cannot use it (cuDNN answers
+  // BAD_PARAM or NOT_SUPPORTED, in any of their sub-codes): the choice then
+  // skips it. Any other failure is an error.
   std::optional<std::size_t> workspace_if_supported(cudnnStatus_t status, std::size_t bytes,
                                                     const char* call) const {
     const auto category = CUDNN_STATUS_CATEGORY(status);
@@ -404,10 +405,9 @@ class Convolution {
                             cudnnMathType_t math) -> std::optional<std::size_t> {
       check(cudnnSetConvolutionMathType(conv_fwd_.get(), math), "cudnnSetConvolutionMathType");
       std::size_t bytes = 0;
-      return workspace_if_supported(
-          cudnnGetConvolutionForwardWorkspaceSize(handle_, x_desc_.get(), w_desc_.get(),
-                                                  conv_fwd_.get(), y_desc_.get(), algo, &bytes),
-          bytes, "cudnnGetConvolutionForwardWorkspaceSize");
+      const cudnnStatus_t status = cudnnGetConvolutionForwardWorkspaceSize(
+          handle_, x_desc_.get(), w_desc_.get(), conv_fwd_.get(), y_desc_.get(), algo, &bytes);
+      return workspace_if_supported(status, bytes, "cudnnGetConvolutionForwardWorkspaceSize");
     };
     std::optional<cudnnConvolutionFwdAlgo_t> preferred;
     if (options.prefer_fused_epilogue) preferred = CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
@@ -431,11 +431,9 @@ class Convolution {
                             cudnnMathType_t math) -> std::optional<std::size_t> {
       check(cudnnSetConvolutionMathType(conv_bwd_data_.get(), math), "cudnnSetConvolutionMathType");
       std::size_t bytes = 0;
-      return workspace_if_supported(
-          cudnnGetConvolutionBackwardDataWorkspaceSize(handle_, w_desc_.get(), y_desc_.get(),
-                                                       conv_bwd_data_.get(), x_desc_.get(), algo,
-                                                       &bytes),
-          bytes, "cudnnGetConvolutionBackwardDataWorkspaceSize");
+      const cudnnStatus_t status = cudnnGetConvolutionBackwardDataWorkspaceSize(
+          handle_, w_desc_.get(), y_desc_.get(), conv_bwd_data_.get(), x_desc_.get(), algo, &bytes);
+      return workspace_if_supported(status, bytes, "cudnnGetConvolutionBackwardDataWorkspaceSize");
     };
     backward_data_ = pick(perf, options, workspace_of, {}, "backward-data");
     check(cudnnSetConvolutionMathType(conv_bwd_data_.get(), backward_data_.math),
@@ -458,11 +456,11 @@ class Convolution {
       check(cudnnSetConvolutionMathType(conv_bwd_filter_.get(), math),
             "cudnnSetConvolutionMathType");
       std::size_t bytes = 0;
-      return workspace_if_supported(
-          cudnnGetConvolutionBackwardFilterWorkspaceSize(handle_, x_desc_.get(), y_desc_.get(),
-                                                         conv_bwd_filter_.get(), w_desc_.get(),
-                                                         algo, &bytes),
-          bytes, "cudnnGetConvolutionBackwardFilterWorkspaceSize");
+      const cudnnStatus_t status = cudnnGetConvolutionBackwardFilterWorkspaceSize(
+          handle_, x_desc_.get(), y_desc_.get(), conv_bwd_filter_.get(), w_desc_.get(), algo,
+          &bytes);
+      return workspace_if_supported(status, bytes,
+                                    "cudnnGetConvolutionBackwardFilterWorkspaceSize");
     };
     backward_filter_ = pick(perf, options, workspace_of, {}, "backward-filter");
     check(cudnnSetConvolutionMathType(conv_bwd_filter_.get(), backward_filter_.math),
