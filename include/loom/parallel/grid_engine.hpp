@@ -334,16 +334,13 @@ std::unique_ptr<PipelineStage> make_stage_of(const Model<Net, float>& initial,
   LOOM_CHECK(initial.range().first == 0 && initial.range().last == Model<Net>::layer_count,
              "make_stage_of: the initial weights come from the whole network's Model, not a "
              "range's");
-  // Where StageNet's first layer lies in Net (the range's lies further by
-  // its first layer's offset in StageNet).
-  constexpr std::size_t stage_at =
-      list_info<typename Net::layers>::param_offsets[type_at_t<0, typename StageNet::layers>::index -
-                                                     type_at_t<0, typename Net::layers>::index];
-  constexpr std::size_t stage_state_at =
-      list_info<typename Net::layers>::state_offsets[type_at_t<0, typename StageNet::layers>::index -
-                                                     type_at_t<0, typename Net::layers>::index];
-  const std::size_t offset = stage_at + offsets::param_offsets[range.first];
-  const std::size_t state_at = stage_state_at + offsets::state_offsets[range.first];
+  // StageNet's first layer in Net (its layers keep their numbers there);
+  // the range's lies further by its first layer's offset in StageNet.
+  using whole = list_info<typename Net::layers>;
+  constexpr std::size_t first = type_at_t<0, typename StageNet::layers>::index -
+                                type_at_t<0, typename Net::layers>::index;
+  const std::size_t offset = whole::param_offsets[first] + offsets::param_offsets[range.first];
+  const std::size_t state_at = whole::state_offsets[first] + offsets::state_offsets[range.first];
   const std::size_t size = offsets::param_offsets[range.last] - offsets::param_offsets[range.first];
   const std::size_t state_size =
       offsets::state_offsets[range.last] - offsets::state_offsets[range.first];

@@ -125,12 +125,18 @@ constexpr std::size_t executed_from(std::size_t position) {
   return static_cast<std::size_t>(-1);
 }
 
+// Whether a stage may begin (or end) before user layer position `position`:
+// no fused layer spans it.
+template <class Net>
+constexpr bool between_executed(std::size_t position) {
+  return executed_from<Net>(position) != static_cast<std::size_t>(-1);
+}
+
 // Whether every stage of a cut begins and ends between executed layers:
 // its stages are then ranges of the whole network's executed list.
 template <class Net, std::size_t N>
 constexpr bool cuts_between_executed(const std::array<std::size_t, N>& bounds) {
-  return std::ranges::none_of(
-      bounds, [](std::size_t b) { return executed_from<Net>(b) == static_cast<std::size_t>(-1); });
+  return std::ranges::all_of(bounds, between_executed<Net>);
 }
 
 // Stage bounds as 0-based layer positions: stage k holds [bounds[k], bounds[k+1]).
@@ -178,19 +184,18 @@ struct partition_bounds<Net, Balanced<S>> {
     std::array<std::array<std::size_t, L + 1>, S + 1> from{};
     for (auto& row : best) row.fill(infinity);
     best[0][0] = 0.0;
-    constexpr auto between = [](std::size_t i) {
-      return executed_from<Net>(i) != static_cast<std::size_t>(-1);
-    };
     for (std::size_t k = 1; k <= S; ++k)
-      for (std::size_t j = k; j <= L; ++j)
+      for (std::size_t j = k; j <= L; ++j) {
+        if (!between_executed<Net>(j)) continue;
         for (std::size_t i = k - 1; i < j; ++i) {
-          if (!between(i) || !between(j)) continue;
+          if (!between_executed<Net>(i)) continue;
           const double worst = std::max(best[k - 1][i], Cost::stage(i, j));
           if (worst < best[k][j]) {
             best[k][j] = worst;
             from[k][j] = i;
           }
         }
+      }
     std::array<std::size_t, S + 1> b{};
     b[S] = L;
     for (std::size_t k = S; k > 0; --k) b[k - 1] = from[k][b[k]];
