@@ -35,6 +35,27 @@ static_assert(Deep42::layer_count == 42);
 static_assert(std::is_same_v<loom::type_at_t<39, Deep42::layers>::output_shape,
                              loom::Shape<4, 8, 8>>);
 
+// What each layer of a GPU range does besides its own work
+// (gpu::detail::runner_role): a ReLU mask is handed from a Linear+ReLU to
+// the next Linear only within a range, so a pipeline cut between them hands
+// over a plain gradient; a later stage's first layer passes its input's
+// gradient back.
+using Mlp = loom::Sequential<loom::Input<1, 28, 28>, loom::Flatten, loom::Linear<64>, loom::ReLU,
+                             loom::Linear<32>, loom::ReLU, loom::Linear<10>>;
+using MlpLayers = Mlp::executed;  // Flatten, Linear+ReLU, Linear+ReLU, Linear
+static_assert(MlpLayers::size == 4);
+namespace gd = loom::gpu::detail;
+constexpr loom::LayerRange mlp_all{0, 4}, mlp_front{0, 2}, mlp_back{2, 4};
+static_assert(gd::runner_role<MlpLayers, 1>(mlp_all, false).writes_mask);
+static_assert(gd::runner_role<MlpLayers, 2>(mlp_all, false).applies_previous_drelu);
+// Before the first Linear only Flatten, with nothing to train.
+static_assert(!gd::runner_role<MlpLayers, 1>(mlp_all, false).input_gradient);
+static_assert(gd::runner_role<MlpLayers, 2>(mlp_all, false).input_gradient);
+static_assert(!gd::runner_role<MlpLayers, 1>(mlp_front, false).writes_mask);
+static_assert(!gd::runner_role<MlpLayers, 2>(mlp_back, true).applies_previous_drelu);
+static_assert(gd::runner_role<MlpLayers, 2>(mlp_back, true).writes_mask);
+static_assert(gd::runner_role<MlpLayers, 2>(mlp_back, true).input_gradient);
+
 int main() {
   loom::Trainer<LeNet, loom::SingleDevice, loom::SGD> trainer(loom::devices::all(),
                                                               {.lr = 0.01f, .momentum = 0.9f});

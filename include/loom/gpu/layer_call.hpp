@@ -1,8 +1,9 @@
 // What every CUDA layer runner is given: the GPU's library handles
 // (DeviceContext) and, per forward or backward call, the pointers into the
-// owning model's arena (LayerCall). DeviceModel and the pipeline stages fill
-// a LayerCall for each executed layer; runners never allocate in a step
-// (cuDNN's RNN runner allocates its own buffers once, when it is made).
+// owner's arena (LayerCall). DeviceLayers (DeviceModel's and the pipeline
+// stages') fills a LayerCall for each executed layer; runners never
+// allocate in a step (cuDNN's RNN runner allocates its own buffers once,
+// when it is made).
 #pragma once
 
 #include <cuda_runtime.h>

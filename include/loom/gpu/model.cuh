@@ -1,9 +1,11 @@
 // DeviceModel<Net>: a network's executed layer list training on one GPU.
 // Weights come from a CPU Model of the same network (the same seed gives the
-// same starting point on both backends). Parameters, gradients, optimizer
-// state, activations, ReLU masks, two input slots and every workspace live in
-// one device arena sized up front; each layer's cuBLASLt/cuDNN plan is made
-// once per batch size.
+// same starting point on both backends). Its layers run on DeviceLayers,
+// which a pipeline stage (pipeline.cuh) runs over a range of them: the
+// parameters, gradients, optimizer state, activations, ReLU masks and
+// workspace live in the layers' device arena, the step's scalars, flags and
+// two input slots in the model's, both sized up front; each layer's
+// cuBLASLt/cuDNN plan is made once per batch size.
 //
 // Layer by layer: Linear is one GEMM with a bias(+ReLU) epilogue forward and
 // two GEMMs backward. Where a Linear+ReLU feeds another Linear, the forward
@@ -47,6 +49,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <tuple>
@@ -265,19 +268,7 @@ void copy_layer_parameters(float* device, float* host, std::size_t device_at, st
   }
 }
 
-// Enqueues copying a layer list's parameters between the host's flat buffer
-// (the CPU Model's order) and the device's padded layout (device_layout).
-template <class List>
-void copy_parameters(float* device, float* host, cudaMemcpyKind kind, cudaStream_t stream) {
-  using layout = device_layout<List>;
-  constexpr auto& host_offsets = ::loom::detail::list_info<List>::param_offsets;
-  static_for<List::size>([&](auto i) {
-    copy_layer_parameters<type_at_t<i, List>>(device, host, layout::offsets.weight[i],
-                                              host_offsets[i], kind, stream);
-  });
-}
-
-// Layer I (a Linear+ReLU) keeps its ReLU mask for layer I+1 (a Linear).
+// Layer I (a Linear+ReLU) may keep its ReLU mask for layer I+1 (a Linear).
 template <class List, std::size_t I>
 constexpr bool writes_relu_mask() {
   if constexpr (I + 1 >= List::size) {
@@ -301,13 +292,24 @@ constexpr bool needs_input_gradient() {
   return any;
 }
 
-// Layer I's input-gradient GEMM applies layer I-1's ReLU derivative.
+// What layer I of a range of List does besides its own work: keep its
+// ReLU mask for the next layer's input-gradient GEMM, which applies the
+// derivative and sums this layer's bias gradient (only when both are in the
+// range: a cut between them hands over a plain gradient), and pass a
+// gradient to its input (`sends`: a pipeline stage after the first sends
+// its input's to the stage before).
+struct RunnerRole {
+  bool writes_mask = false;
+  bool applies_previous_drelu = false;
+  bool input_gradient = true;
+};
 template <class List, std::size_t I>
-constexpr bool applies_previous_drelu() {
-  if constexpr (I == 0)
-    return false;
-  else
-    return writes_relu_mask<List, I - 1>();
+constexpr RunnerRole runner_role(LayerRange range, bool sends) {
+  bool applies = false;
+  if constexpr (I > 0) applies = writes_relu_mask<List, I - 1>() && I > range.first;
+  return {.writes_mask = writes_relu_mask<List, I>() && I + 1 < range.last,
+          .applies_previous_drelu = applies,
+          .input_gradient = needs_input_gradient<List, I>() || sends};
 }
 
 template <class L>
@@ -352,17 +354,17 @@ constexpr auto kernel_runner_of() {
 template <class L, bool InBlock>
 using kernel_runner_t = typename decltype(kernel_runner_of<L, InBlock>())::type;
 
-// How one executed layer runs on the GPU for one batch size. `library_limit`
-// caps the workspace its cuBLASLt and cuDNN algorithms may ask for.
-template <class L, bool WritesMask, bool AppliesPreviousDrelu, bool NeedsInputGradient,
-          bool InBlock = false>
+// How one executed layer runs on the GPU for one batch size, in its `role`.
+// `library_limit` caps the workspace its cuBLASLt and cuDNN algorithms may
+// ask for.
+template <class L, bool InBlock = false>
 class LayerRunner {
   using Kernel = kernel_runner_t<L, InBlock>;
 
  public:
   LayerRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
-              TensorMath math)
-      : batch_(batch) {
+              TensorMath math, RunnerRole role)
+      : batch_(batch), role_(role) {
     const bool tensor_cores = math != TensorMath::fp32;
     if constexpr (L::kind == "residual") {
       kernel_ = std::make_unique<Kernel>(context, batch, library_limit, math);
@@ -381,7 +383,7 @@ class LayerRunner {
       options.allow_bf16 = math == TensorMath::bf16;
       options.allow_fp16 = math == TensorMath::fp16;
       const Epilogue forward = L::activation != Act::relu ? Epilogue::bias
-                               : WritesMask              ? Epilogue::relu_aux_bias
+                               : role.writes_mask        ? Epilogue::relu_aux_bias
                                                          : Epilogue::relu_bias;
       forward_ = std::make_unique<GemmPlan>(
           context.blas, GemmShape{false, true, batch, out_channels, in, in, in, out_channels},
@@ -389,11 +391,11 @@ class LayerRunner {
       // With the mask kept, the next layer's GEMM has already summed the bias gradient.
       weight_grad_ = std::make_unique<GemmPlan>(
           context.blas, GemmShape{true, false, out_channels, in, batch, out_channels, in, in},
-          WritesMask ? Epilogue::none : Epilogue::bgrad_a, options);
-      if constexpr (NeedsInputGradient)
+          role.writes_mask ? Epilogue::none : Epilogue::bgrad_a, options);
+      if (role.input_gradient)
         input_grad_ = std::make_unique<GemmPlan>(
             context.blas, GemmShape{false, false, batch, in, out_channels, out_channels, in, in},
-            AppliesPreviousDrelu ? Epilogue::drelu_bgrad : Epilogue::none, options);
+            role.applies_previous_drelu ? Epilogue::drelu_bgrad : Epilogue::none, options);
     }
   }
 
@@ -436,7 +438,7 @@ class LayerRunner {
     } else if constexpr (L::kind == "linear") {
       GemmArgs args = gemm_args(c.x, c.weights, c.y, c);
       args.bias = c.bias;
-      if constexpr (WritesMask) args.relu_mask_out = c.mask;
+      if (role_.writes_mask) args.relu_mask_out = c.mask;
       forward_->run(args);
     } else if constexpr (L::kind == "maxpool" || L::kind == "avgpool") {
       pool_forward<L::kind == "maxpool">(L::geometry(batch_), c.x, c.y, c.stream);
@@ -463,16 +465,16 @@ class LayerRunner {
     } else if constexpr (L::kind == "linear") {
       // With the mask kept, dy is already dZ (the next layer's epilogue made it).
       const float* grad = c.dy;
-      if constexpr (L::activation == Act::relu && !WritesMask) {
+      if (L::activation == Act::relu && !role_.writes_mask) {
         activation_backward<Act::relu>(c.dy, c.y, dz, batch_ * out_channels, c.stream);
         grad = dz;
       }
       GemmArgs weights = gemm_args(grad, c.x, c.dweights, c);
-      if constexpr (!WritesMask) weights.bias_grad = c.dbias;
+      if (!role_.writes_mask) weights.bias_grad = c.dbias;
       weight_grad_->run(weights);
       if (c.dx != nullptr) {
         GemmArgs input = gemm_args(grad, c.weights, c.dx, c);
-        if constexpr (AppliesPreviousDrelu) {
+        if (role_.applies_previous_drelu) {
           input.relu_mask_in = c.previous_mask;
           input.bias_grad = c.previous_dbias;
         }
@@ -514,6 +516,7 @@ class LayerRunner {
   }
 
   std::size_t batch_;
+  RunnerRole role_;
   struct NoKernel {};
   [[no_unique_address]] std::conditional_t<std::is_void_v<Kernel>, NoKernel,
                                            std::unique_ptr<Kernel>> kernel_;
@@ -528,7 +531,7 @@ template <class Body, class Indices>
 struct body_runners;
 template <class Body, std::size_t... I>
 struct body_runners<Body, std::index_sequence<I...>> {
-  using type = std::tuple<LayerRunner<type_at_t<I, Body>, false, false, true, true>...>;
+  using type = std::tuple<LayerRunner<type_at_t<I, Body>, true>...>;
 };
 
 
@@ -572,7 +575,7 @@ class ResidualRunner {
     static std::size_t fixed_bytes(std::size_t) { return 0; }
   };
   using Shortcut = std::conditional_t<L::identity, NoShortcut,
-                                      LayerRunner<typename L::shortcut, false, false, true, true>>;
+                                      LayerRunner<typename L::shortcut, true>>;
 
  public:
   ResidualRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
@@ -581,7 +584,8 @@ class ResidualRunner {
         body_(make_body(context, batch, library_limit, math, std::make_index_sequence<count>{})) {
     if constexpr (!L::identity)
       shortcut_ = std::make_unique<Shortcut>(
-          context, batch, limit_for(Shortcut::fixed_bytes(batch), batch, library_limit), math);
+          context, batch, limit_for(Shortcut::fixed_bytes(batch), batch, library_limit), math,
+          RunnerRole{});
   }
 
   // Two gradient buffers, then the largest of the body's and projection's needs.
@@ -672,7 +676,8 @@ class ResidualRunner {
                            TensorMath math, std::index_sequence<I...>) {
     return Runners{std::tuple_element_t<I, Runners>(
         context, n,
-        limit_for(std::tuple_element_t<I, Runners>::fixed_bytes(n), n, library_limit), math)...};
+        limit_for(std::tuple_element_t<I, Runners>::fixed_bytes(n), n, library_limit), math,
+        RunnerRole{})...};
   }
 
   template <std::size_t I>
@@ -730,31 +735,30 @@ class ResidualRunner {
   std::unique_ptr<Shortcut> shortcut_;
 };
 
-// InputGradient: every layer passes a gradient to its input, the first
-// included (a pipeline stage after the first sends it to the stage before).
-template <class List, class Indices, bool InputGradient>
+template <class List, class Indices>
 struct runners;
-template <class List, std::size_t... I, bool InputGradient>
-struct runners<List, std::index_sequence<I...>, InputGradient> {
-  using type = std::tuple<LayerRunner<type_at_t<I, List>, writes_relu_mask<List, I>(),
-                                      applies_previous_drelu<List, I>(),
-                                      InputGradient || needs_input_gradient<List, I>()>...>;
+template <class List, std::size_t... I>
+struct runners<List, std::index_sequence<I...>> {
+  using type = std::tuple<std::optional<LayerRunner<type_at_t<I, List>>>...>;
 };
 
-// Every layer's runner for each batch size seen, made on first use. The
-// largest batch's plans size the scratch all layers share; smaller batches'
-// algorithms are held to the room that leaves (dZ of a smaller batch is smaller).
-template <class List, bool InputGradient = false>
+// The runner of every layer of a range of List for each batch size seen,
+// made on first use (the layers outside the range have none). The largest
+// batch's plans size the scratch all layers share; smaller batches'
+// algorithms are held to the room that leaves (dZ of a smaller batch is
+// smaller).
+template <class List>
 class PlanCache {
  public:
-  using Runners =
-      typename runners<List, std::make_index_sequence<List::size>, InputGradient>::type;
+  using Runners = typename runners<List, std::make_index_sequence<List::size>>::type;
 
-  PlanCache(DeviceContext& context, std::size_t max_batch, TensorMath math)
-      : context_(context), max_batch_(max_batch), math_(math) {
-    auto first = make(max_batch, false, std::make_index_sequence<List::size>{});
-    static_for<List::size>(
-        [&](auto i) { scratch_bytes_ = std::max(scratch_bytes_, std::get<i>(*first).scratch_bytes()); });
+  PlanCache(DeviceContext& context, LayerRange range, bool sends, std::size_t max_batch,
+            TensorMath math)
+      : context_(context), range_(range), sends_(sends), max_batch_(max_batch), math_(math) {
+    auto first = make(max_batch, false);
+    for_each(*first, [&](auto, auto& runner) {
+      scratch_bytes_ = std::max(scratch_bytes_, runner.scratch_bytes());
+    });
     plans_.emplace(max_batch, std::move(first));
   }
 
@@ -763,40 +767,56 @@ class PlanCache {
   // allocates; smaller batches need no more).
   template <std::size_t I>
   std::size_t saved_floats() const {
-    return std::get<I>(*plans_.at(max_batch_)).saved_floats();
+    return std::get<I>(*plans_.at(max_batch_))->saved_floats();
   }
 
   Runners& get(std::size_t n) {
     auto found = plans_.find(n);
     if (found != plans_.end()) return *found->second;
-    auto made = make(n, true, std::make_index_sequence<List::size>{});
-    static_for<List::size>([&](auto i) {
-      LOOM_CHECK(std::get<i>(*made).scratch_bytes() <= scratch_bytes_, "layer ", i + 1,
-                 "'s algorithms for a batch of ", n, " need ", std::get<i>(*made).scratch_bytes(),
+    auto made = make(n, true);
+    for_each(*made, [&](auto i, auto& runner) {
+      LOOM_CHECK(runner.scratch_bytes() <= scratch_bytes_, "layer ", i + 1,
+                 "'s algorithms for a batch of ", n, " need ", runner.scratch_bytes(),
                  " bytes of scratch but ", scratch_bytes_, " were planned for ", max_batch_);
-      LOOM_CHECK(std::get<i>(*made).saved_floats() <= saved_floats<i>(), "layer ", i + 1,
-                 " keeps ", std::get<i>(*made).saved_floats(), " floats for a batch of ", n,
-                 " but ", saved_floats<i>(), " were planned for ", max_batch_);
+      LOOM_CHECK(runner.saved_floats() <= saved_floats<i>(), "layer ", i + 1, " keeps ",
+                 runner.saved_floats(), " floats for a batch of ", n, " but ", saved_floats<i>(),
+                 " were planned for ", max_batch_);
     });
     return *plans_.emplace(n, std::move(made)).first->second;
   }
 
  private:
+  template <std::size_t I>
+  using runner_t = typename std::tuple_element_t<I, Runners>::value_type;
+
+  // f(index, runner) for the range's layers.
+  template <class F>
+  void for_each(Runners& runners, F&& f) const {
+    static_for<List::size>([&](auto i) {
+      if (i >= range_.first && i < range_.last) f(i, *std::get<i>(runners));
+    });
+  }
   // Within the scratch planned for the largest batch, each layer's
   // algorithms get the room its own buffers for n samples leave.
   template <std::size_t I>
   std::size_t library_limit(std::size_t n, bool planned) const {
     if (!planned) return std::numeric_limits<std::size_t>::max();
-    const std::size_t fixed = std::tuple_element_t<I, Runners>::fixed_bytes(n);
+    const std::size_t fixed = runner_t<I>::fixed_bytes(n);
     return fixed < scratch_bytes_ ? scratch_bytes_ - fixed : 0;
   }
-  template <std::size_t... I>
-  std::unique_ptr<Runners> make(std::size_t n, bool planned, std::index_sequence<I...>) {
-    return std::unique_ptr<Runners>(new Runners{std::tuple_element_t<I, Runners>(
-        context_, n, library_limit<I>(n, planned), math_)...});
+  std::unique_ptr<Runners> make(std::size_t n, bool planned) {
+    auto made = std::make_unique<Runners>();
+    static_for<List::size>([&](auto i) {
+      if (i >= range_.first && i < range_.last)
+        std::get<i>(*made).emplace(context_, n, library_limit<i>(n, planned), math_,
+                                   runner_role<List, i>(range_, sends_));
+    });
+    return made;
   }
 
   DeviceContext& context_;
+  LayerRange range_;
+  bool sends_;
   std::size_t max_batch_;
   TensorMath math_;
   std::size_t scratch_bytes_ = 0;
@@ -804,6 +824,332 @@ class PlanCache {
 };
 
 }  // namespace detail
+
+// The layers `range` of Net's executed list on the current GPU: their plans
+// for each batch size, weights (and in bf16 and fp16 the rounded copy the
+// layers compute with), gradients, optimizer buffers, running statistics
+// (and their copy at a step's start), and the activations of `slots`
+// batches of up to max_batch samples in flight. DeviceModel runs the whole
+// network on it (one slot), a pipeline stage its share (pipeline.cuh): one
+// type for both, and for every stage of every cut between executed layers.
+// The device layout is the whole network's (device_layout) from the range's
+// first block on, and host buffers are the range's slice of the CPU Model's.
+// A range after the network's first layer (or `sends`, a later stage's own
+// network) passes back its input's gradient.
+//
+// bf16 and fp16 round what the CPU backend's emulation rounds
+// (precision.cuh): the network's input, each layer's
+// output, weight gradients and passed-back gradient (the owner rounds the
+// weights, round_weights, and the loss gradient).
+template <class Net>
+class DeviceLayers {
+ public:
+  using executed = typename Net::executed;
+  using layout = detail::device_layout<executed>;
+  using info = ::loom::detail::list_info<executed>;
+  static constexpr std::size_t layer_count = executed::size;
+  static constexpr LayerRange all_layers{0, layer_count};
+
+  DeviceLayers(DeviceContext& context, LayerRange range, std::size_t max_batch,
+               std::size_t slots, std::size_t optimizer_buffers, Precision precision,
+               TensorMath math, const std::string& owner, bool sends = false)
+      : context_(context),
+        range_(checked(range)),
+        sends_(sends || range.first > 0),
+        base_(layout::starts[range.first]),
+        total_(layout::starts[range.last] - base_),
+        host_base_(info::param_offsets[range.first]),
+        state_base_(info::state_offsets[range.first]),
+        state_count_(info::state_offsets[range.last] - state_base_),
+        max_batch_(max_batch),
+        buffers_(optimizer_buffers),
+        precision_(precision),
+        plans_(context, range, sends_, max_batch, math),
+        slots_(slots) {
+    each([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if (i == range_.first) {
+        in_size_ = L::input_shape::size;
+        first_in_place_ = L::in_place;
+      }
+      out_size_ = L::output_shape::size;
+      largest_ = std::max({largest_, L::input_shape::size, L::output_shape::size});
+      contextual_ = contextual_ || L::contextual;
+    });
+    std::size_t bytes = 0;
+    lay_out([&]<class T>(T*&, std::size_t count) { bytes += DeviceArena::padded_bytes<T>(count); });
+    arena_ = std::make_unique<DeviceArena>(bytes, owner);
+    lay_out([&]<class T>(T*& p, std::size_t count) { p = arena_->take<T>(count); });
+    // The gaps between blocks stay zero in every buffer the update reads.
+    for (float* buffer : {params_, compute_params_, grads_, moments_[0], moments_[1]})
+      if (buffer != nullptr)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, total_ * sizeof(float), stream()));
+  }
+  DeviceLayers(const DeviceLayers&) = delete;
+  DeviceLayers& operator=(const DeviceLayers&) = delete;
+
+  const LayerRange& range() const { return range_; }
+  cudaStream_t stream() const { return context_.stream.get(); }
+  std::size_t max_batch() const { return max_batch_; }
+  std::size_t input_size() const { return in_size_; }
+  std::size_t output_size() const { return out_size_; }
+  // Floats of each parameter-sized device buffer (the gaps included).
+  std::size_t parameters() const { return total_; }
+  std::size_t state_count() const { return state_count_; }
+  float* params() const { return params_; }
+  float* grads() const { return grads_; }
+  float* moment(std::size_t b) const { return moments_[b]; }
+  float* state() const { return state_; }
+  float* kept_state() const { return kept_state_; }
+  // Where backward starts: the loss gradient (or the next stage's), n x output_size().
+  float* output_gradient() const { return grad_buffers_[0]; }
+  // Where a range that sends leaves its input's gradient (else null).
+  float* input_gradient() const { return input_gradient_; }
+  // What slot's Dropout draws from (device memory the owner writes).
+  DevicePass* pass(std::size_t slot) const { return slots_[slot].pass; }
+  // Slot's output: the range's last layer's (its input when every layer
+  // of the range works in place).
+  float* output(std::size_t slot) const {
+    const int owner = info::output_owner[range_.last - 1];
+    const Slot& s = slots_[slot];
+    return owner < static_cast<int>(range_.first) ? s.input
+                                                  : s.outputs[static_cast<std::size_t>(owner)];
+  }
+  // Whether the range's output is its input (every layer of it in place).
+  bool output_is_input() const {
+    return info::output_owner[range_.last - 1] < static_cast<int>(range_.first);
+  }
+  // Whether a layer of the range reads the pass (Dropout, BatchNorm).
+  bool contextual() const { return contextual_; }
+  // SyncBatchNorm sums its statistics over these ranks (null: one device).
+  void set_replicas(comm::NcclComm* replicas) { replicas_ = replicas; }
+
+  // Before a step's or an evaluation's first forward, in a reduced
+  // precision: the weights the layers compute with, rounded again from the
+  // master weights (an update or the host changed them).
+  void round_weights() {
+    if (reduced()) round_copy(precision_, params_, compute_params_, total_, stream());
+  }
+  // The running statistics at a step's start, kept; or put back when the
+  // step is skipped (enqueued).
+  void keep_state() { copy_state(kept_state_, state_); }
+  void restore_state() { copy_state(state_, kept_state_); }
+
+  // Makes the plans for batches of n now (planning may run kernels: a
+  // captured step plans before its capture).
+  void prepare(std::size_t n) {
+    check_batch(n);
+    plans_.get(n);
+  }
+
+  // Runs the range on n samples at `input` (n x input_size(), in device
+  // memory that stays until backward) in `slot`.
+  void forward(std::size_t slot, float* input, std::size_t n, bool training) {
+    check_batch(n);
+    auto& plan = plans_.get(n);
+    Slot& s = slots_[slot];
+    s.input = input;
+    s.training = training;
+    // The network's input (a later stage's, the stage before rounded).
+    // Rounding it again (a slot stepped on twice) changes nothing.
+    if (!sends_) round_values(precision_, input, n * in_size_, stream());
+    each([&](auto i) {
+      using L = type_at_t<i, executed>;
+      std::get<i>(plan)->forward(call<i>(s));
+      if constexpr (!L::in_place)
+        round_values(precision_, output_of<i>(s), n * L::output_shape::size, stream());
+    });
+  }
+
+  // Back-propagates slot's last forward from output_gradient(), overwriting
+  // the gradients; done(i) as layer `first + i`'s gradients are final.
+  // Where layer I applies layer I-1's ReLU derivative, its GEMM summed layer
+  // I-1's bias gradient before the rounding: in a reduced precision it is
+  // summed again from the rounded gradient, as the CPU sums it, and rounded
+  // with layer I-1's block.
+  template <class OnLayerDone>
+  void backward(std::size_t slot, std::size_t n, OnLayerDone&& done) {
+    check_batch(n);
+    auto& plan = plans_.get(n);
+    const Slot& s = slots_[slot];
+    int current = 0;
+    each_reverse([&](auto i) {
+      using L = type_at_t<i, executed>;
+      const detail::RunnerRole role = detail::runner_role<executed, i>(range_, sends_);
+      detail::LayerCall c = call<i>(s);
+      c.dy = grad_buffers_[current];
+      if (i == range_.first)
+        c.dx = input_gradient_;  // null unless the range sends
+      else if (role.input_gradient)
+        c.dx = grad_buffers_[1 - current];
+      std::get<i>(plan)->backward(c);
+      if (reduced()) {
+        if constexpr (L::param_count > 0)
+          round_values(precision_, c.dweights, layout::sizes[i], stream());
+        if constexpr (!L::in_place)
+          if (c.dx != nullptr) round_values(precision_, c.dx, n * L::input_shape::size, stream());
+        if (role.applies_previous_drelu)
+          bias_act_backward_nchw<Act::identity>(c.dx, c.dx, c.dx, c.previous_dbias, n,
+                                                L::input_shape::size, 1, false, stream());
+      }
+      if (!L::in_place) current = 1 - current;
+      done(std::size_t{i} - range_.first);
+    });
+    // An in-place first layer (Flatten) passes the gradient through.
+    if (input_gradient_ != nullptr && first_in_place_)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(input_gradient_, grad_buffers_[current],
+                                      n * in_size_ * sizeof(float), cudaMemcpyDeviceToDevice,
+                                      stream()));
+  }
+  void backward(std::size_t slot, std::size_t n) {
+    backward(slot, n, [](std::size_t) {});
+  }
+
+  // A parameter-sized device buffer (params(), grads(), moment(b)) to or
+  // from the range's slice of a host buffer in the CPU Model's order
+  // (enqueued; a copy from pageable memory has read it on return).
+  void copy_parameters(float* device, float* host, cudaMemcpyKind kind) {
+    each([&](auto i) {
+      detail::copy_layer_parameters<type_at_t<i, executed>>(
+          device, host, layout::offsets.weight[i] - base_, info::param_offsets[i] - host_base_,
+          kind, stream());
+    });
+  }
+  // The range's running statistics to or from its slice of the host's.
+  void copy_running_state(float* host, cudaMemcpyKind kind) {
+    detail::copy_floats(state_, host, state_count_, kind, stream());
+  }
+
+ private:
+  struct Slot {
+    float* input = nullptr;
+    std::array<float*, layer_count> outputs{};
+    std::array<unsigned char*, layer_count> masks{};
+    std::array<float*, layer_count> saved{};
+    DevicePass* pass = nullptr;
+    bool training = false;  // of its last forward, which its backward follows
+  };
+
+  static LayerRange checked(LayerRange range) {
+    LOOM_CHECK(range.first < range.last && range.last <= layer_count, "DeviceLayers: layers [",
+               range.first, ", ", range.last, ") of a network of ", layer_count,
+               " executed layers");
+    return range;
+  }
+  bool reduced() const { return precision_ != Precision::fp32; }
+  void check_batch(std::size_t n) const {
+    LOOM_CHECK(n >= 1 && n <= max_batch_, "a batch of ", n, " samples on cuda:",
+               gpu::detail::current_device(), "; its layers were planned for 1 to ", max_batch_);
+  }
+  void copy_state(float* to, const float* from) {
+    if (state_count_ > 0)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, state_count_ * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream()));
+  }
+
+  // take(pointer, count) for every buffer, in the arena's order: once to
+  // size the arena, once to hand the buffers out.
+  template <class Take>
+  void lay_out(Take&& take) {
+    take(params_, total_);
+    if (reduced()) take(compute_params_, total_);
+    take(grads_, total_);
+    for (std::size_t b = 0; b < buffers_; ++b) take(moments_[b], total_);
+    if (state_count_ > 0) {
+      take(state_, state_count_);
+      take(kept_state_, state_count_);
+    }
+    for (auto& buffer : grad_buffers_) take(buffer, max_batch_ * largest_);
+    if (sends_) take(input_gradient_, max_batch_ * in_size_);
+    for (auto& s : slots_) {
+      take(s.pass, 1);
+      each([&](auto i) {
+        using L = type_at_t<i, executed>;
+        if constexpr (!L::in_place) take(s.outputs[i], max_batch_ * L::output_shape::size);
+        if (detail::runner_role<executed, i>(range_, sends_).writes_mask)
+          take(s.masks[i], relu_mask_bytes(max_batch_, L::output_shape::size));
+        if constexpr (L::saved > 0) take(s.saved[i], plans_.template saved_floats<i>());
+      });
+    }
+    take(scratch_, plans_.scratch_bytes());
+  }
+
+  // f(i) for the range's layers, first to last, or last to first.
+  template <class F>
+  void each(F&& f) const {
+    static_for<layer_count>([&](auto i) {
+      if (i >= range_.first && i < range_.last) f(i);
+    });
+  }
+  template <class F>
+  void each_reverse(F&& f) const {
+    static_for_reverse<layer_count>([&](auto i) {
+      if (i >= range_.first && i < range_.last) f(i);
+    });
+  }
+
+  template <std::size_t I>
+  float* input_of(const Slot& s) const {
+    return ::loom::detail::range_input<executed, I>(s.outputs, s.input, range_);
+  }
+  template <std::size_t I>
+  float* output_of(const Slot& s) const {
+    return ::loom::detail::range_output<executed, I>(s.outputs, s.input, range_);
+  }
+
+  template <std::size_t I>
+  detail::LayerCall call(const Slot& s) const {
+    using L = type_at_t<I, executed>;
+    detail::LayerCall c;
+    c.training = s.training;
+    c.pass = s.pass;
+    if constexpr (L::state_count > 0) c.state = state_ + (info::state_offsets[I] - state_base_);
+    c.saved = s.saved[I];
+    if constexpr (L::syncs) c.replicas = replicas_;
+    const float* weights = reduced() ? compute_params_ : params_;
+    c.weights = weights + (layout::offsets.weight[I] - base_);
+    c.bias = weights + (layout::offsets.bias[I] - base_);
+    c.dweights = grads_ + (layout::offsets.weight[I] - base_);
+    c.dbias = grads_ + (layout::offsets.bias[I] - base_);
+    c.x = input_of<I>(s);
+    c.y = output_of<I>(s);
+    c.mask = s.masks[I];
+    if constexpr (I > 0) {
+      if (I > range_.first) {
+        c.previous_mask = s.masks[I - 1];
+        c.previous_dbias = grads_ + (layout::offsets.bias[I - 1] - base_);
+      }
+    }
+    c.scratch = scratch_;
+    c.scratch_bytes = plans_.scratch_bytes();
+    c.stream = stream();
+    c.precision = precision_;
+    return c;
+  }
+
+  DeviceContext& context_;
+  LayerRange range_;
+  bool sends_;
+  std::size_t base_, total_;  // the range's device blocks: where they begin, their floats
+  std::size_t host_base_, state_base_, state_count_;  // its slices of the CPU Model's buffers
+  std::size_t in_size_ = 0, out_size_ = 0, largest_ = 0;  // per sample
+  bool first_in_place_ = false, contextual_ = false;
+  std::size_t max_batch_, buffers_;
+  Precision precision_;
+  detail::PlanCache<executed> plans_;
+  std::vector<Slot> slots_;
+  comm::NcclComm* replicas_ = nullptr;
+  std::unique_ptr<DeviceArena> arena_;
+  float* params_ = nullptr;
+  float* compute_params_ = nullptr;  // params_ rounded to a reduced precision (else null)
+  float* grads_ = nullptr;
+  std::array<float*, 2> moments_{};  // SGD's velocity; Adam's exp_avg and exp_avg_sq
+  float* state_ = nullptr;  // running statistics
+  float* kept_state_ = nullptr;  // state_ at the step's start
+  std::array<float*, 2> grad_buffers_{};
+  float* input_gradient_ = nullptr;
+  unsigned char* scratch_ = nullptr;
+};
 
 template <class Net_>
 class DeviceModel {
@@ -826,60 +1172,28 @@ class DeviceModel {
         optimizer_(optimizer),
         options_(options),
         graphs_(options.graphs),
-        plans_(context_, checked_batch(max_batch),
-               options.precision == Precision::bf16   ? TensorMath::bf16
-               : options.precision == Precision::fp16 ? TensorMath::fp16
-               : options.allow_tf32                   ? TensorMath::tf32
-                                                      : TensorMath::fp32),
-        scratch_bytes_(plans_.scratch_bytes()),
+        layers_(context_, DeviceLayers<Net>::all_layers, checked_batch(max_batch), 1,
+                optimizer.buffers(), options.precision,
+                options.precision == Precision::bf16   ? TensorMath::bf16
+                : options.precision == Precision::fp16 ? TensorMath::fp16
+                : options.allow_tf32                   ? TensorMath::tf32
+                                                       : TensorMath::fp32,
+                owner()),
         loss_(max_batch),
         scaler_(options.loss_scaling),
         snapshots_(2),
         scale_snapshots_(2) {
-    const std::string owner = "DeviceModel on cuda:" + std::to_string(current_device());
-
-    arena_ = std::make_unique<DeviceArena>(plan_bytes(), owner);
-    params_ = arena_->take<float>(layout::total);
-    if (reduced()) compute_params_ = arena_->take<float>(layout::total);
-    grads_ = arena_->take<float>(layout::total);
-    moments_[0] = arena_->take<float>(layout::total);
-    if (optimizer.buffers() > 1) moments_[1] = arena_->take<float>(layout::total);
-    update_ = arena_->take<UpdateScalars>(1);
-    norm_ = arena_->take<double>(1);
-    norm_scratch_ = arena_->take<unsigned char>(norm_scratch_bytes_);
-    totals_ = arena_->take<LossTotals>(1);
-    stats_ = arena_->take<double>(3);
-    pass_ = arena_->take<DevicePass>(1);
-    if (fp16()) scale_state_ = arena_->take<LossScaleState>(1);
-    int* flags = arena_->take<int>(3);
-    skip_ = flags;
-    bad_gradients_ = flags + 1;
-    skip_nonfinite_ = flags + 2;
-    LOOM_CUDA_CHECK(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream()));
-    if constexpr (state_count > 0) {
-      state_ = arena_->take<float>(state_count);
-      kept_state_ = arena_->take<float>(state_count);
-    }
-    if (options.gradient_accumulation) {
-      accum_ = arena_->take<float>(layout::total);
+    std::size_t bytes = 0;
+    lay_out([&]<class T>(T*&, std::size_t count) { bytes += DeviceArena::padded_bytes<T>(count); });
+    arena_ = std::make_unique<DeviceArena>(bytes, owner());
+    lay_out([&]<class T>(T*& p, std::size_t count) { p = arena_->take<T>(count); });
+    skip_ = flags_;
+    bad_gradients_ = flags_ + 1;
+    skip_nonfinite_ = flags_ + 2;
+    LOOM_CUDA_CHECK(cudaMemsetAsync(flags_, 0, 3 * sizeof(int), stream()));
+    if (accum_ != nullptr)
       LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layout::total * sizeof(float), stream()));
-    }
-    static_for<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      if constexpr (!L::in_place) outputs_[i] = arena_->take<float>(max_batch * L::output_shape::size);
-      if constexpr (detail::writes_relu_mask<executed, i>())
-        masks_[i] = arena_->take<unsigned char>(relu_mask_bytes(max_batch, L::output_shape::size));
-      if constexpr (L::saved > 0)
-        saved_[i] = arena_->take<float>(plans_.template saved_floats<i>());
-    });
-    for (auto& buffer : grad_buffers_) buffer = arena_->take<float>(max_batch * largest_activation());
-    for (auto& slot : inputs_)
-      slot = {arena_->take<float>(max_batch * sample_size), arena_->take<std::int32_t>(max_batch)};
-    scratch_ = arena_->take<unsigned char>(scratch_bytes_);
-
-    for (float* buffer : {params_, grads_, moments_[0], moments_[1]})
-      if (buffer != nullptr)
-        LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
+    if constexpr (Net::syncs) layers_.set_replicas(options.data_parallel);
     copy_parameters(initial.parameters().data(), cudaMemcpyHostToDevice);
     copy_running_state(initial.state().data(), cudaMemcpyHostToDevice);
     set_pass({});
@@ -891,7 +1205,7 @@ class DeviceModel {
       bucket_ready_.resize(buckets_.size());
       // Every rank starts from rank 0's weights.
       LOOM_CUDA_CHECK(cudaStreamSynchronize(stream()));
-      comm->broadcast(std::span<float>(params_, layout::total), 0);
+      comm->broadcast(std::span<float>(layers_.params(), layout::total), 0);
     }
   }
 
@@ -1030,7 +1344,7 @@ class DeviceModel {
   // batch (as loom::Pass). Enqueued: applies to the steps enqueued after.
   void set_pass(const DevicePass& pass) {
     pass_value_ = pass;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(pass_, &pass_value_, sizeof(DevicePass),
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.pass(0), &pass_value_, sizeof(DevicePass),
                                     cudaMemcpyHostToDevice, stream()));
   }
 
@@ -1052,13 +1366,13 @@ class DeviceModel {
   // on return, as pageable copies are). For checkpoints.
   void copy_optimizer_to(std::size_t b, std::span<float> host) {
     check_optimizer_buffer(b, host.size());
-    detail::copy_parameters<executed>(moments_[b], host.data(), cudaMemcpyDeviceToHost, stream());
+    layers_.copy_parameters(layers_.moment(b), host.data(), cudaMemcpyDeviceToHost);
     context_.stream.synchronize();
   }
   void copy_optimizer_from(std::size_t b, std::span<const float> host) {
     check_optimizer_buffer(b, host.size());
-    detail::copy_parameters<executed>(moments_[b], const_cast<float*>(host.data()),
-                                      cudaMemcpyHostToDevice, stream());
+    layers_.copy_parameters(layers_.moment(b), const_cast<float*>(host.data()),
+                            cudaMemcpyHostToDevice);
   }
 
   // Takes the weights, optimizer state and running statistics of another
@@ -1068,9 +1382,9 @@ class DeviceModel {
     LOOM_CHECK(other.optimizer_.rule == optimizer_.rule, "DeviceModel::copy_state_from: ",
                other.optimizer_.name(), "'s state into a ", optimizer_.name(), " model");
     other.context_.stream.synchronize();
-    for (auto [to, from] : {std::pair{params_, other.params_},
-                            std::pair{moments_[0], other.moments_[0]},
-                            std::pair{moments_[1], other.moments_[1]}})
+    for (auto [to, from] : {std::pair{layers_.params(), other.layers_.params()},
+                            std::pair{layers_.moment(0), other.layers_.moment(0)},
+                            std::pair{layers_.moment(1), other.layers_.moment(1)}})
       if (to != nullptr)
         LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, layout::total * sizeof(float),
                                         cudaMemcpyDeviceToDevice, stream()));
@@ -1079,7 +1393,8 @@ class DeviceModel {
     max_norm_ = other.max_norm_;
     set_skip_nonfinite(other.skip_nonfinite_value_ != 0);
     if constexpr (state_count > 0)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, other.state_, state_count * sizeof(float),
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.state(), other.layers_.state(),
+                                      state_count * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream()));
     if (fp16() && other.fp16())
       LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_state_, other.scale_state_, sizeof(LossScaleState),
@@ -1092,60 +1407,43 @@ class DeviceModel {
   std::size_t graphs() const { return graphs_.graphs(); }
 
  private:
-  using Plan = typename detail::PlanCache<executed>::Runners;
-
-  static int current_device() { return gpu::detail::current_device(); }
-  static constexpr std::size_t largest_activation() {
-    return ::loom::detail::list_info<executed>::largest_activation;
+  static std::string owner() {
+    return "DeviceModel on cuda:" + std::to_string(current_device());
   }
+  static int current_device() { return gpu::detail::current_device(); }
   static std::size_t checked_batch(std::size_t max_batch) {
     LOOM_CHECK(max_batch >= 1, "DeviceModel: the largest batch must be at least 1 sample");
     return max_batch;
   }
-  bool reduced() const { return options_.precision != Precision::fp32; }
   bool fp16() const { return options_.precision == Precision::fp16; }
-  // The weights the layers compute with: the master weights, or their
-  // rounded copy.
-  const float* compute_weights() const { return reduced() ? compute_params_ : params_; }
-  Plan& plan(std::size_t n) { return plans_.get(n); }
 
-  std::size_t plan_bytes() const {
-    std::size_t bytes = (2 + optimizer_.buffers() + (reduced() ? 1 : 0)) *
-                        DeviceArena::padded_bytes<float>(layout::total);
-    bytes += DeviceArena::padded_bytes<UpdateScalars>(1) + DeviceArena::padded_bytes<double>(1) +
-             DeviceArena::padded_bytes<unsigned char>(norm_scratch_bytes_);
-    bytes += DeviceArena::padded_bytes<LossTotals>(1) +
-             DeviceArena::padded_bytes<double>(3) + DeviceArena::padded_bytes<DevicePass>(1);
-    if (fp16()) bytes += DeviceArena::padded_bytes<LossScaleState>(1);
-    bytes += DeviceArena::padded_bytes<int>(3);
-    if constexpr (state_count > 0) bytes += 2 * DeviceArena::padded_bytes<float>(state_count);
-    if (options_.gradient_accumulation) bytes += DeviceArena::padded_bytes<float>(layout::total);
-    static_for<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      if constexpr (!L::in_place)
-        bytes += DeviceArena::padded_bytes<float>(max_batch_ * L::output_shape::size);
-      if constexpr (detail::writes_relu_mask<executed, i>())
-        bytes += DeviceArena::padded_bytes<unsigned char>(
-            relu_mask_bytes(max_batch_, L::output_shape::size));
-      if constexpr (L::saved > 0)
-        bytes += DeviceArena::padded_bytes<float>(plans_.template saved_floats<i>());
-    });
-    bytes += 2 * DeviceArena::padded_bytes<float>(max_batch_ * largest_activation());
-    bytes += 2 * (DeviceArena::padded_bytes<float>(max_batch_ * sample_size) +
-                  DeviceArena::padded_bytes<std::int32_t>(max_batch_));
-    bytes += DeviceArena::padded_bytes<unsigned char>(scratch_bytes_);
-    return bytes;
+  // take(pointer, count) for every buffer besides the layers', in the
+  // arena's order: once to size the arena, once to hand the buffers out.
+  template <class Take>
+  void lay_out(Take&& take) {
+    take(update_, 1);
+    take(norm_, 1);
+    take(norm_scratch_, norm_scratch_bytes_);
+    take(totals_, 1);
+    take(stats_, 3);
+    if (fp16()) take(scale_state_, 1);
+    take(flags_, 3);
+    if (options_.gradient_accumulation) take(accum_, layout::total);
+    for (auto& slot : inputs_) {
+      take(slot.images, max_batch_ * sample_size);
+      take(slot.labels, max_batch_);
+    }
   }
 
   // The running statistics (BatchNorm's) in the CPU Model's order, to or
   // from the host (enqueued).
   void copy_running_state(const float* host_src_or_dst, cudaMemcpyKind kind) {
-    detail::copy_floats(state_, const_cast<float*>(host_src_or_dst), state_count, kind, stream());
+    layers_.copy_running_state(const_cast<float*>(host_src_or_dst), kind);
   }
 
   // Host flat buffer (the CPU Model's order) to or from the padded device one.
   void copy_parameters(const float* host_src_or_dst, cudaMemcpyKind kind) {
-    detail::copy_parameters<executed>(params_, const_cast<float*>(host_src_or_dst), kind, stream());
+    layers_.copy_parameters(layers_.params(), const_cast<float*>(host_src_or_dst), kind);
     // A host-to-device copy from pageable memory has read its source on return.
   }
 
@@ -1202,19 +1500,19 @@ class DeviceModel {
                    s.global, " sample(s) over ", comm->size(), " ranks leaves a rank without one, "
                    "and SyncBatchNorm needs every rank's statistics; use batches of at least ",
                    comm->size(), " (the last batch of an epoch included)");
-    Plan* p = s.n > 0 ? &plan(s.n) : nullptr;
+    if (s.n > 0) layers_.prepare(s.n);
     StepShape shape = s;
     const bool updates = s.train && s.last;
     if (updates) {
       shape.clip = max_norm_ > 0.0f;
       stage_update(updates_ + 1);
     }
-    graphs_.run(shape.key(), stream(), [&](cudaStream_t) { enqueue_step(p, shape); });
+    graphs_.run(shape.key(), stream(), [&](cudaStream_t) { enqueue_step(shape); });
     if (updates) updates_ += 1;  // counted once enqueued (a failed capture takes none)
     done_[s.slot].record(stream());
   }
 
-  void enqueue_step(Plan* p, const StepShape& s) {
+  void enqueue_step(const StepShape& s) {
     const bool train = s.train;
     const int slot = s.slot;
     const std::size_t n = s.n, global_n = s.global;
@@ -1223,23 +1521,17 @@ class DeviceModel {
     // running statistics its forward passes moved: those of its start.
     if (train && !s.accumulate) {
       LOOM_CUDA_CHECK(cudaMemsetAsync(&totals_->skipped, 0, sizeof(int), stream()));
-      if constexpr (state_count > 0)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(kept_state_, state_, state_count * sizeof(float),
-                                        cudaMemcpyDeviceToDevice, stream()));
+      layers_.keep_state();
     }
     if (n > 0) {
       // Rounded at every step: the master weights change with each update,
-      // and the host may replace them between steps. Rounding the input
-      // again (a slot stepped on twice) changes nothing.
-      if (reduced()) {
-        round_copy(options_.precision, params_, compute_params_, layout::total, stream());
-        round_values(options_.precision, inputs_[slot].images, n * sample_size, stream());
-      }
-      forward(*p, inputs_[slot].images, n, train);
-      softmax_xent_async(output<layer_count - 1>(), labels, n, classes, s.group,
-                         train ? grad_buffers_[0] : nullptr, loss_, stream(),
+      // and the host may replace them between steps.
+      layers_.round_weights();
+      layers_.forward(0, inputs_[slot].images, n, train);
+      softmax_xent_async(layers_.output(0), labels, n, classes, s.group,
+                         train ? layers_.output_gradient() : nullptr, loss_, stream(),
                          fp16() ? &scale_state_->scale : nullptr);
-      if (train) round_values(options_.precision, grad_buffers_[0], n * classes, stream());
+      if (train) round_values(options_.precision, layers_.output_gradient(), n * classes, stream());
     }
     if (auto* comm = options_.data_parallel) {
       kernels::local_loss_stats<<<1, 1, 0, stream()>>>(loss_.loss_sum(), loss_.correct(),
@@ -1261,17 +1553,18 @@ class DeviceModel {
           reduce_bucket(next, s.accumulate);
       };
       if (n > 0) {
-        backward(*p, n, reduce_ready);
+        layers_.backward(0, n, reduce_ready);
       } else {
         // No samples here: a zero gradient, so the sum is the others'.
-        LOOM_CUDA_CHECK(cudaMemsetAsync(grads_, 0, layout::total * sizeof(float), stream()));
+        LOOM_CUDA_CHECK(cudaMemsetAsync(layers_.grads(), 0, layout::total * sizeof(float),
+                                        stream()));
       }
       if (!s.last) {
         // Kept for the step's last batch (the first copies, the others add).
         if (s.accumulate)
-          add_into(accum_, grads_, layout::total, stream());
+          add_into(accum_, layers_.grads(), layout::total, stream());
         else
-          LOOM_CUDA_CHECK(cudaMemcpyAsync(accum_, grads_, layout::total * sizeof(float),
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(accum_, layers_.grads(), layout::total * sizeof(float),
                                           cudaMemcpyDeviceToDevice, stream()));
       } else {
         if (parallel && !buckets_.empty()) {
@@ -1280,7 +1573,7 @@ class DeviceModel {
           reduced_.record(comm_stream_.get());
           reduced_.wait_on(stream());
         } else if (s.accumulate) {
-          add_into(grads_, accum_, layout::total, stream());
+          add_into(layers_.grads(), accum_, layout::total, stream());
         }
         // The step protocol, every policy's (parallel/step_protocol.hpp),
         // enqueued: under data parallelism over the summed gradients, so
@@ -1316,30 +1609,32 @@ class DeviceModel {
     // parallelism) set the flags.
     bool loss_finite() { return true; }
     bool gradients_finite() {
-      check_gradients(m.grads_, layout::total, m.bad_gradients_, m.skip_nonfinite_, m.totals_,
-                      m.skip_, m.stream());
+      check_gradients(m.layers_.grads(), layout::total, m.bad_gradients_, m.skip_nonfinite_,
+                      m.totals_, m.skip_, m.stream());
       return true;
     }
     // The scale is the device's, and moves there (LossScaler's rule).
     bool unscale(float) {
-      unscale_and_update(m.grads_, layout::total, m.scale_state_, m.options_.loss_scaling,
-                         m.skip_nonfinite_, m.totals_, m.skip_, m.stream());
+      unscale_and_update(m.layers_.grads(), layout::total, m.scale_state_,
+                         m.options_.loss_scaling, m.skip_nonfinite_, m.totals_, m.skip_,
+                         m.stream());
       return true;
     }
     void skip_nonfinite(bool) {}
     void skip_overflow(bool) {}
     // The norm, read by the update (which scales by it, as clip_gradients does).
     void clip(float) {
-      squared_norm(m.grads_, layout::total, m.norm_, m.norm_scratch_, m.norm_scratch_bytes_,
-                   m.stream());
+      squared_norm(m.layers_.grads(), layout::total, m.norm_, m.norm_scratch_,
+                   m.norm_scratch_bytes_, m.stream());
     }
     // At the learning rate staged in the update's scalars (stage_update).
     void update(float) {
-      optimizer_update(m.optimizer_, m.params_, m.grads_, m.moments_[0], m.moments_[1],
+      DeviceLayers<Net>& l = m.layers_;
+      optimizer_update(m.optimizer_, l.params(), l.grads(), l.moment(0), l.moment(1),
                        layout::total, m.update_, clipping ? m.norm_ : nullptr, m.skip_,
                        m.stream());
       if constexpr (state_count > 0)
-        copy_if_set(m.skip_, m.kept_state_, m.state_, state_count, m.stream());
+        copy_if_set(m.skip_, l.kept_state(), l.state(), state_count, m.stream());
     }
   };
 
@@ -1348,10 +1643,11 @@ class DeviceModel {
   // With accumulate, the step's earlier batches' gradients are added first.
   void reduce_bucket(std::size_t b, bool accumulate) {
     const auto& bucket = buckets_[b];
-    if (accumulate) add_into(grads_ + bucket.begin, accum_ + bucket.begin, bucket.size(), stream());
+    float* grads = layers_.grads();
+    if (accumulate) add_into(grads + bucket.begin, accum_ + bucket.begin, bucket.size(), stream());
     bucket_ready_[b].record(stream());
     bucket_ready_[b].wait_on(comm_stream_.get());
-    options_.data_parallel->all_reduce_async(grads_ + bucket.begin, bucket.size(),
+    options_.data_parallel->all_reduce_async(grads + bucket.begin, bucket.size(),
                                              comm::ReduceOp::sum, comm_stream_.get());
   }
 
@@ -1371,90 +1667,6 @@ class DeviceModel {
     loom::plan_buckets(layout::starts, std::max<std::size_t>(bucket_bytes / sizeof(float), 1),
                        [&](const GradientBucket& b) { out.push_back(b); });
     return out;
-  }
-
-  template <std::size_t I>
-  const float* input_of() const {
-    if constexpr (I == 0)
-      return input_;
-    else
-      return output<I - 1>();
-  }
-  template <std::size_t I>
-  float* output() const {
-    constexpr int owner = ::loom::detail::list_info<executed>::output_owner[I];
-    if constexpr (owner < 0)
-      return const_cast<float*>(input_);
-    else
-      return outputs_[owner];
-  }
-
-  template <std::size_t I>
-  detail::LayerCall call(bool training) const {
-    using L = type_at_t<I, executed>;
-    detail::LayerCall c;
-    c.training = training;
-    c.pass = pass_;
-    if constexpr (L::state_count > 0)
-      c.state = state_ + ::loom::detail::list_info<executed>::state_offsets[I];
-    c.saved = saved_[I];
-    if constexpr (L::syncs) c.replicas = options_.data_parallel;
-    c.weights = compute_weights() + layout::offsets.weight[I];
-    c.bias = compute_weights() + layout::offsets.bias[I];
-    c.dweights = grads_ + layout::offsets.weight[I];
-    c.dbias = grads_ + layout::offsets.bias[I];
-    c.x = input_of<I>();
-    c.y = output<I>();
-    c.mask = masks_[I];
-    if constexpr (I > 0) {
-      c.previous_mask = masks_[I - 1];
-      c.previous_dbias = grads_ + layout::offsets.bias[I - 1];
-    }
-    c.scratch = scratch_;
-    c.scratch_bytes = scratch_bytes_;
-    c.stream = stream();
-    c.precision = options_.precision;
-    return c;
-  }
-
-  void forward(Plan& p, const float* images, std::size_t n, bool training) {
-    input_ = images;
-    static_for<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      std::get<i>(p).forward(call<i>(training));
-      if constexpr (!L::in_place)
-        round_values(options_.precision, output<i>(), n * L::output_shape::size, stream());
-    });
-  }
-
-  // A layer's weight gradients (its whole device block: the gaps are zero)
-  // and passed-back gradient are rounded before done(i) hands them on.
-  // Where layer I applies layer I-1's ReLU derivative, its GEMM summed layer
-  // I-1's bias gradient before the rounding: it is summed again from the
-  // rounded gradient, as the CPU sums it, and rounded with layer I-1's block.
-  template <class OnLayerDone>
-  void backward(Plan& p, std::size_t n, OnLayerDone&& done) {
-    int current = 0;
-    static_for_reverse<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      detail::LayerCall c = call<i>(true);
-      c.dy = grad_buffers_[current];
-      if constexpr (detail::needs_input_gradient<executed, i>()) c.dx = grad_buffers_[1 - current];
-      std::get<i>(p).backward(c);
-      if (reduced()) {
-        if constexpr (L::param_count > 0)
-          round_values(options_.precision, grads_ + layout::offsets.weight[i], layout::sizes[i],
-                       stream());
-        if constexpr (!L::in_place)
-          if (c.dx != nullptr)
-            round_values(options_.precision, c.dx, n * L::input_shape::size, stream());
-        if constexpr (detail::applies_previous_drelu<executed, i>())
-          bias_act_backward_nchw<Act::identity>(c.dx, c.dx, c.dx, c.previous_dbias, n,
-                                                L::input_shape::size, 1, false, stream());
-      }
-      if (!L::in_place) current = 1 - current;
-      done(std::size_t{i});
-    });
   }
 
   void fill_slot(int slot, const float* images, const std::int32_t* labels, std::size_t n) {
@@ -1505,8 +1717,7 @@ class DeviceModel {
   DeviceOptimizer optimizer_;
   DeviceModelOptions options_;
   StepGraphs<typename StepShape::Key> graphs_;
-  detail::PlanCache<executed> plans_;
-  std::size_t scratch_bytes_ = 0;
+  DeviceLayers<Net> layers_;
   std::unique_ptr<DeviceArena> arena_;
   SoftmaxXentWorkspace loss_;
   LossScaler scaler_;  // checks LossScaling's options, and bounds set_loss_scale's
@@ -1519,10 +1730,6 @@ class DeviceModel {
   Event reduced_;
   double* stats_ = nullptr;  // loss, correct, bad-label flag: summed over the ranks
   float* accum_ = nullptr;   // gradients of an optimizer step's earlier batches
-  float* params_ = nullptr;
-  float* compute_params_ = nullptr;  // params_ rounded to a reduced precision (else null)
-  float* grads_ = nullptr;
-  std::array<float*, 2> moments_{};  // SGD's velocity; Adam's exp_avg and exp_avg_sq
   UpdateScalars* update_ = nullptr;
   UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
   float lr_ = 0.0f;
@@ -1531,24 +1738,16 @@ class DeviceModel {
   double* norm_ = nullptr;  // the gradients' squared global norm, when clipping
   std::size_t norm_scratch_bytes_ = squared_norm_bytes(layout::total);
   unsigned char* norm_scratch_ = nullptr;
-  DevicePass* pass_ = nullptr;
   DevicePass pass_value_;  // the source of the last set_pass copy (pageable: read on return)
-  float* state_ = nullptr;  // running statistics, the CPU Model's order
-  float* kept_state_ = nullptr;  // state_ at the training step's start
   LossScaleState* scale_state_ = nullptr;  // fp16's
   LossScaleState scale_value_;  // the source of the last set_loss_scale copy (pageable)
+  int* flags_ = nullptr;  // skip_, bad_gradients_, skip_nonfinite_
   int* skip_ = nullptr;  // the step's update is skipped (halted, non-finite or overflowed)
   int* bad_gradients_ = nullptr;  // fp32, bf16: the step's gradients are not all finite
   int* skip_nonfinite_ = nullptr;  // set_skip_nonfinite's flag, on the device
   int skip_nonfinite_value_ = 0;   // its source (pageable: read on return)
-  std::array<float*, layer_count> saved_{};
   LossTotals* totals_ = nullptr;
-  std::array<float*, layer_count> outputs_{};
-  std::array<void*, layer_count> masks_{};
-  std::array<float*, 2> grad_buffers_{};
   std::array<StagingSlot, 2> inputs_{};
-  unsigned char* scratch_ = nullptr;
-  const float* input_ = nullptr;
 };
 
 }  // namespace loom::gpu

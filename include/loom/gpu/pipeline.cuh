@@ -1,6 +1,9 @@
-// ModelSplit and Hybrid on GPUs: each stage a DeviceStage on its GPU (several stages may
-// share one GPU, each on streams of its own), driven by a host thread that
-// enqueues its schedule's passes (schedule.hpp) without waiting for the GPU.
+// ModelSplit and Hybrid on GPUs: each stage a DeviceStage on its GPU (a
+// range of the whole network's executed layers on DeviceLayers, as
+// DeviceModel runs them all, when the cuts fall between executed layers;
+// several stages may share one GPU, each on streams of its own), driven by
+// a host thread that enqueues its schedule's passes (schedule.hpp) without
+// waiting for the GPU.
 //
 // Between stages, DeviceLinks carry activations forward and gradients back
 // as device-to-device copies (peer copies between GPUs) on the receiving
@@ -260,94 +263,49 @@ class DeviceStageBase {
   virtual std::size_t device_parameters() const = 0;
 };
 
-// Stage `StageNet` (stage_net_t) on one GPU: `slots` micro-batches of up to
-// `max_batch` samples alive at once. Not the first stage: it also computes
-// the gradient for its input. bf16 and fp16 round what DeviceModel rounds
-// (model.cuh), as the CPU's pipeline stages do: the weights the layers
-// compute with, the first stage's input, each layer's output, weight
-// gradients (before they join the step's sum, which stays fp32) and
-// passed-back gradient, and the loss gradient, which fp16 scales first.
-template <class StageNet, bool First>
+// A pipeline stage on one GPU: the layers `range` of Net's executed list
+// (DeviceLayers, as DeviceModel runs the whole network; Net is the stage's
+// own network, stage_net_t, where a cut splits a fused pair), with `slots`
+// micro-batches of up to `max_batch` samples alive at once, the step's
+// gradients summed over its micro-batches (which the update reads), and,
+// as the last stage, the loss. The loss gradient is rounded as DeviceModel
+// rounds it (fp16 scales it first); the summed gradients stay fp32.
+template <class Net>
 class DeviceStage final : public DeviceStageBase {
  public:
-  using executed = typename StageNet::executed;
-  using layout = detail::device_layout<executed>;
-  static constexpr std::size_t layer_count = executed::size;
-  static constexpr std::size_t in_size = StageNet::input_shape::size;
-  static constexpr std::size_t out_size = StageNet::output_shape::size;
-
-  // Made with `device` current.
-  DeviceStage(int device, std::span<const float> weights, std::span<const float> state,
-              const DeviceOptimizer& optimizer, std::size_t max_batch, std::size_t slots,
-              Precision precision, bool allow_tf32)
+  // Made with `device` current; `weights` and `state` are the range's
+  // slices of the CPU Model's. Not the first stage: it passes its input's
+  // gradient back.
+  DeviceStage(int device, LayerRange range, bool first, std::span<const float> weights,
+              std::span<const float> state, const DeviceOptimizer& optimizer,
+              std::size_t max_batch, std::size_t slots, Precision precision, bool allow_tf32)
       : device_(device),
-        max_batch_(max_batch),
+        first_(first),
         optimizer_(optimizer),
         precision_(precision),
-        plans_(context_, max_batch,
-               precision == Precision::bf16   ? TensorMath::bf16
-               : precision == Precision::fp16 ? TensorMath::fp16
-               : allow_tf32                   ? TensorMath::tf32
-                                              : TensorMath::fp32),
+        layers_(context_, range, max_batch, slots, optimizer.buffers(), precision,
+                precision == Precision::bf16   ? TensorMath::bf16
+                : precision == Precision::fp16 ? TensorMath::fp16
+                : allow_tf32                   ? TensorMath::tf32
+                                               : TensorMath::fp32,
+                "ModelSplit stage on cuda:" + std::to_string(device), !first),
         loss_(max_batch),
         totals_host_(1),
         norm_host_(1),
-        pinned_inputs_(First ? slots * max_batch * in_size : 0),
+        pinned_inputs_(first ? slots * max_batch * layers_.input_size() : 0),
         pinned_labels_(slots * max_batch),
+        inputs_(slots),
+        labels_(slots),
         slot_done_(slots),
         staged_(slots) {
-    const std::size_t copies = 3 + optimizer.buffers() + (reduced() ? 1 : 0);
-    std::size_t bytes = copies * DeviceArena::padded_bytes<float>(layout::total) +
-                        DeviceArena::padded_bytes<LossScaleState>(1) +
-                        DeviceArena::padded_bytes<UpdateScalars>(1) +
-                        DeviceArena::padded_bytes<double>(1) +
-                        DeviceArena::padded_bytes<unsigned char>(norm_scratch_bytes_) +
-                        DeviceArena::padded_bytes<LossTotals>(1) +
-                        DeviceArena::padded_bytes<int>(1) +
-                        2 * DeviceArena::padded_bytes<float>(max_batch * largest_activation()) +
-                        DeviceArena::padded_bytes<float>(max_batch * in_size) +
-                        DeviceArena::padded_bytes<unsigned char>(plans_.scratch_bytes()) +
-                        2 * DeviceArena::padded_bytes<float>(state_count);
-    const std::size_t per_slot = slot_bytes(max_batch);
-    bytes += slots * per_slot;
-    arena_ = std::make_unique<DeviceArena>(
-        bytes, "ModelSplit stage on cuda:" + std::to_string(device));
-    params_ = arena_->take<float>(layout::total);
-    grads_ = arena_->take<float>(layout::total);
-    accum_ = arena_->take<float>(layout::total);
-    for (std::size_t b = 0; b < optimizer.buffers(); ++b)
-      moments_[b] = arena_->take<float>(layout::total);
-    if (reduced()) compute_params_ = arena_->take<float>(layout::total);
-    scale_ = arena_->take<LossScaleState>(1);
-    update_ = arena_->take<UpdateScalars>(1);
-    norm_ = arena_->take<double>(1);
-    norm_scratch_ = arena_->take<unsigned char>(norm_scratch_bytes_);
-    totals_ = arena_->take<LossTotals>(1);
-    skip_nonfinite_ = arena_->take<int>(1);
-    for (auto& buffer : grad_buffers_) buffer = arena_->take<float>(max_batch * largest_activation());
-    input_gradient_ = arena_->take<float>(max_batch * in_size);
-    scratch_ = arena_->take<unsigned char>(plans_.scratch_bytes());
-    if constexpr (state_count > 0) {
-      state_ = arena_->take<float>(state_count);
-      kept_state_ = arena_->take<float>(state_count);
-    }
-    slots_.resize(slots);
-    for (auto& s : slots_) {
-      s.input = arena_->take<float>(max_batch * in_size);
-      s.labels = arena_->take<std::int32_t>(max_batch);
-      s.pass = arena_->take<DevicePass>(1);
-      static_for<layer_count>([&](auto i) {
-        using L = type_at_t<i, executed>;
-        if constexpr (!L::in_place) s.outputs[i] = arena_->take<float>(max_batch * L::output_shape::size);
-        if constexpr (detail::writes_relu_mask<executed, i>())
-          s.masks[i] = arena_->take<unsigned char>(relu_mask_bytes(max_batch, L::output_shape::size));
-        if constexpr (L::saved > 0)
-          s.saved[i] = arena_->take<float>(plans_.template saved_floats<i>());
-      });
-    }
-    for (float* buffer : {params_, grads_, accum_, moments_[0], moments_[1], compute_params_})
-      if (buffer != nullptr)
-        LOOM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout::total * sizeof(float), stream()));
+    const std::size_t total = layers_.parameters();
+    norm_scratch_bytes_ = ::loom::gpu::squared_norm_bytes(total);
+    std::size_t bytes = 0;
+    lay_out([&]<class T>(T*&, std::size_t count) { bytes += DeviceArena::padded_bytes<T>(count); });
+    arena_ = std::make_unique<DeviceArena>(bytes,
+                                           "ModelSplit stage on cuda:" + std::to_string(device));
+    lay_out([&]<class T>(T*& p, std::size_t count) { p = arena_->take<T>(count); });
+    LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, total * sizeof(float), stream()));
     LOOM_CUDA_CHECK(cudaMemsetAsync(totals_, 0, sizeof(LossTotals), stream()));
     // The host decides whether a step with a non-finite loss halts or is
     // skipped: the totals only mark it (LossTotals::skipped) and go on
@@ -357,8 +315,6 @@ class DeviceStage final : public DeviceStageBase {
                                     cudaMemcpyHostToDevice, stream()));
     copy_parameters(const_cast<float*>(weights.data()), cudaMemcpyHostToDevice);
     copy_running_state(const_cast<float*>(state.data()), cudaMemcpyHostToDevice);
-    // The host slice may go when this returns.
-    context_.stream.synchronize();
   }
   ~DeviceStage() override { synchronize(); }
 
@@ -369,30 +325,31 @@ class DeviceStage final : public DeviceStageBase {
   }
 
   int device() const override { return device_; }
-  std::size_t max_batch() const override { return max_batch_; }
-  std::size_t input_size() const override { return in_size; }
-  std::size_t output_size() const override { return out_size; }
+  std::size_t max_batch() const override { return layers_.max_batch(); }
+  std::size_t input_size() const override { return layers_.input_size(); }
+  std::size_t output_size() const override { return layers_.output_size(); }
   cudaStream_t stream() const override { return context_.stream.get(); }
   cudaStream_t copy_stream() const override { return copy_stream_.get(); }
-  float* input(std::size_t slot) override { return slots_[slot].input; }
-  const float* output(std::size_t slot) const override { return output_of<layer_count - 1>(slots_[slot]); }
-  std::int32_t* labels(std::size_t slot) override { return slots_[slot].labels; }
-  float* output_gradient() override { return grad_buffers_[0]; }
-  float* input_gradient() override { return input_gradient_; }
+  float* input(std::size_t slot) override { return inputs_[slot]; }
+  // Before the slot's first forward too (an in-place stage's is its input).
+  const float* output(std::size_t slot) const override {
+    return layers_.output_is_input() ? inputs_[slot] : layers_.output(slot);
+  }
+  std::int32_t* labels(std::size_t slot) override { return labels_[slot]; }
+  float* output_gradient() override { return layers_.output_gradient(); }
+  float* input_gradient() override { return layers_.input_gradient(); }
   Event& slot_done(std::size_t slot) override { return slot_done_[slot]; }
   float* pinned_input(std::size_t slot) override {
-    LOOM_CHECK(First, "ModelSplit: only the first stage takes images from the host");
-    return pinned_inputs_.data() + slot * max_batch_ * in_size;
+    LOOM_CHECK(first_, "ModelSplit: only the first stage takes images from the host");
+    return pinned_inputs_.data() + slot * max_batch() * input_size();
   }
   std::int32_t* pinned_labels(std::size_t slot) override {
-    return pinned_labels_.data() + slot * max_batch_;
+    return pinned_labels_.data() + slot * max_batch();
   }
   Event& staged(std::size_t slot) override { return staged_[slot]; }
   Event& backward_done() override { return backward_done_; }
 
-  void round_weights() override {
-    if (reduced()) round_copy(precision_, params_, compute_params_, layout::total, stream());
-  }
+  void round_weights() override { layers_.round_weights(); }
   void set_loss_scale(float loss_scale) override {
     if (precision_ == Precision::fp16 && loss_scale != scale_value_.scale) {
       scale_value_.scale = loss_scale;
@@ -401,87 +358,36 @@ class DeviceStage final : public DeviceStageBase {
                                       cudaMemcpyHostToDevice, stream()));
     }
   }
-
-  void keep_state() override {
-    if constexpr (state_count > 0)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(kept_state_, state_, state_count * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream()));
-  }
-  void restore_state() override {
-    if constexpr (state_count > 0)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, kept_state_, state_count * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream()));
-  }
+  void keep_state() override { layers_.keep_state(); }
+  void restore_state() override { layers_.restore_state(); }
 
   void forward(std::size_t slot, std::size_t n, bool training, const DevicePass& pass) override {
-    check_batch(n);
-    auto& plan = plans_.get(n);
-    Slot& s = slots_[slot];
     // From pageable memory: the copy has read `pass` when it returns.
-    if (training && contextual)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(s.pass, &pass, sizeof(DevicePass), cudaMemcpyHostToDevice,
-                                      stream()));
-    s.training = training;
-    // Rounding a slot's input again (evaluation reloads slot 0) changes nothing.
-    if constexpr (First) round_values(precision_, s.input, n * in_size, stream());
-    static_for<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      std::get<i>(plan).forward(call<i>(s));
-      if constexpr (!L::in_place)
-        round_values(precision_, output_of<i>(s), n * L::output_shape::size, stream());
-    });
+    if (training && layers_.contextual())
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.pass(slot), &pass, sizeof(DevicePass),
+                                      cudaMemcpyHostToDevice, stream()));
+    layers_.forward(slot, inputs_[slot], n, training);
   }
 
   void loss(std::size_t slot, std::size_t n, std::size_t group, bool train) override {
-    check_batch(n);
-    softmax_xent_async(output(slot), slots_[slot].labels, n, out_size, group,
-                       train ? grad_buffers_[0] : nullptr, loss_, stream(),
+    LOOM_CHECK(n >= 1 && n <= max_batch(), "ModelSplit stage on cuda:", device_,
+               ": the loss of a micro-batch of ", n, " samples; it was planned for 1 to ",
+               max_batch());
+    softmax_xent_async(output(slot), labels_[slot], n, output_size(), group,
+                       train ? output_gradient() : nullptr, loss_, stream(),
                        precision_ == Precision::fp16 ? &scale_->scale : nullptr);
-    if (train) round_values(precision_, grad_buffers_[0], n * out_size, stream());
-    accumulate_loss(loss_, slots_[slot].labels, n, train, totals_, stream(), skip_nonfinite_);
+    if (train) round_values(precision_, output_gradient(), n * output_size(), stream());
+    accumulate_loss(loss_, labels_[slot], n, train, totals_, stream(), skip_nonfinite_);
   }
 
   void backward(std::size_t slot, std::size_t n, bool first_of_step) override {
-    check_batch(n);
-    auto& plan = plans_.get(n);
-    const Slot& s = slots_[slot];
-    int current = 0;
-    static_for_reverse<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      detail::LayerCall c = call<i>(s);
-      c.dy = grad_buffers_[current];
-      // Layers with nothing before them to train pass no gradient back
-      // (their runners plan none), except to the stage before.
-      if constexpr (i > 0 && (!First || detail::needs_input_gradient<executed, i>()))
-        c.dx = grad_buffers_[1 - current];
-      else if constexpr (i == 0 && !First)
-        c.dx = input_gradient_;
-      std::get<i>(plan).backward(c);
-      // As DeviceModel::backward rounds them (a GEMM that applied layer
-      // I-1's ReLU derivative summed its bias gradient before the rounding:
-      // it is summed again from the rounded gradient).
-      if (reduced()) {
-        if constexpr (L::param_count > 0)
-          round_values(precision_, grads_ + layout::offsets.weight[i], layout::sizes[i], stream());
-        if constexpr (!L::in_place)
-          if (c.dx != nullptr)
-            round_values(precision_, c.dx, n * L::input_shape::size, stream());
-        if constexpr (detail::applies_previous_drelu<executed, i>())
-          bias_act_backward_nchw<Act::identity>(c.dx, c.dx, c.dx, c.previous_dbias, n,
-                                                L::input_shape::size, 1, false, stream());
-      }
-      if (!L::in_place) current = 1 - current;
-    });
-    // An in-place first layer (Flatten) passes the gradient through.
-    if constexpr (!First && type_at_t<0, executed>::in_place)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(input_gradient_, grad_buffers_[current],
-                                      n * in_size * sizeof(float), cudaMemcpyDeviceToDevice,
-                                      stream()));
+    layers_.backward(slot, n);
+    const std::size_t total = layers_.parameters();
     if (first_of_step)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(accum_, grads_, layout::total * sizeof(float),
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(accum_, layers_.grads(), total * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream()));
     else
-      add_into(accum_, grads_, layout::total, stream());
+      add_into(accum_, layers_.grads(), total, stream());
   }
 
   void update(const UpdateScalars& scalars, double clip_squares) override {
@@ -497,20 +403,20 @@ class DeviceStage final : public DeviceStageBase {
       LOOM_CUDA_CHECK(
           cudaMemcpyAsync(norm_, &norm_value_, sizeof(double), cudaMemcpyHostToDevice, stream()));
     }
-    optimizer_update(optimizer_, params_, accum_, moments_[0], moments_[1], layout::total, update_,
-                     clip ? norm_ : nullptr, nullptr, stream());
+    optimizer_update(optimizer_, layers_.params(), accum_, layers_.moment(0), layers_.moment(1),
+                     layers_.parameters(), update_, clip ? norm_ : nullptr, nullptr, stream());
   }
 
   double squared_norm(bool unscale) override {
-    if (unscale && layout::total > 0) {
+    const std::size_t total = layers_.parameters();
+    if (unscale && total > 0) {
       // Its overflow flag is not read: the norm says it.
       LOOM_CUDA_CHECK(cudaMemsetAsync(&scale_->overflowed, 0, sizeof(int), stream()));
-      kernels::scan_gradients<true><<<grid_blocks(layout::total), block_threads, 0, stream()>>>(
-          accum_, layout::total, scale_, &scale_->overflowed);
+      kernels::scan_gradients<true><<<grid_blocks(total), block_threads, 0, stream()>>>(
+          accum_, total, scale_, &scale_->overflowed);
       LOOM_CUDA_LAUNCH_CHECK("scan_gradients<true>");
     }
-    ::loom::gpu::squared_norm(accum_, layout::total, norm_, norm_scratch_, norm_scratch_bytes_,
-                              stream());
+    ::loom::gpu::squared_norm(accum_, total, norm_, norm_scratch_, norm_scratch_bytes_, stream());
     LOOM_CUDA_CHECK(cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(double),
                                     cudaMemcpyDeviceToHost, stream()));
     context_.stream.synchronize();
@@ -520,17 +426,17 @@ class DeviceStage final : public DeviceStageBase {
   void copy_optimizer(std::size_t b, float* host, cudaMemcpyKind kind) override {
     LOOM_CHECK(b < optimizer_.buffers(), "ModelSplit stage: ", optimizer_.name(), " has ",
                optimizer_.buffers(), " buffer(s), not ", b + 1);
-    detail::copy_parameters<executed>(moments_[b], host, kind, stream());
+    layers_.copy_parameters(layers_.moment(b), host, kind);
     context_.stream.synchronize();
   }
 
   float* accumulator() override { return accum_; }
   void copy_accumulator(float* host) override {
-    detail::copy_parameters<executed>(accum_, host, cudaMemcpyDeviceToHost, stream());
+    layers_.copy_parameters(accum_, host, cudaMemcpyDeviceToHost);
     context_.stream.synchronize();
   }
   void zero_accumulator() override {
-    LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layout::total * sizeof(float), stream()));
+    LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layers_.parameters() * sizeof(float), stream()));
   }
 
   LossTotals take_totals() override {
@@ -541,159 +447,82 @@ class DeviceStage final : public DeviceStageBase {
     return totals_host_.data()[0];
   }
 
-  // Host flat slice (the CPU Model's order) to or from the padded device
-  // layout; waits for the stream.
+  // The range's slice of a host buffer in the CPU Model's order to or from
+  // the padded device layout; waits for the stream (the host slice may go).
   void copy_parameters(float* host, cudaMemcpyKind kind) override {
-    detail::copy_parameters<executed>(params_, host, kind, stream());
+    layers_.copy_parameters(layers_.params(), host, kind);
     context_.stream.synchronize();
   }
-
   void copy_running_state(float* host, cudaMemcpyKind kind) override {
-    detail::copy_floats(state_, host, state_count, kind, stream());
+    layers_.copy_running_state(host, kind);
     context_.stream.synchronize();
   }
 
   void copy_state_from(DeviceStageBase& other) override {
-    LOOM_CHECK(other.device_parameters() == layout::total,
+    const std::size_t total = layers_.parameters();
+    LOOM_CHECK(other.device_parameters() == total,
                "ModelSplit: a stage takes the state of the same stage only");
     LOOM_CUDA_CHECK(cudaStreamSynchronize(other.stream()));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(params_, other.parameters_on_device(),
-                                    layout::total * sizeof(float), cudaMemcpyDefault, stream()));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.params(), other.parameters_on_device(),
+                                    total * sizeof(float), cudaMemcpyDefault, stream()));
     for (std::size_t b = 0; b < optimizer_.buffers(); ++b)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(moments_[b], other.optimizer_on_device(b),
-                                      layout::total * sizeof(float), cudaMemcpyDefault, stream()));
-    if constexpr (state_count > 0)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(state_, other.running_state_on_device(),
-                                      state_count * sizeof(float), cudaMemcpyDefault, stream()));
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.moment(b), other.optimizer_on_device(b),
+                                      total * sizeof(float), cudaMemcpyDefault, stream()));
+    if (layers_.state_count() > 0)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.state(), other.running_state_on_device(),
+                                      layers_.state_count() * sizeof(float), cudaMemcpyDefault,
+                                      stream()));
     context_.stream.synchronize();  // `other` may go when this returns
   }
-  float* parameters_on_device() override { return params_; }
-  float* optimizer_on_device(std::size_t b) override { return moments_[b]; }
-  float* running_state_on_device() override { return state_; }
-  std::size_t device_parameters() const override { return layout::total; }
+  float* parameters_on_device() override { return layers_.params(); }
+  float* optimizer_on_device(std::size_t b) override { return layers_.moment(b); }
+  float* running_state_on_device() override { return layers_.state(); }
+  std::size_t device_parameters() const override { return layers_.parameters(); }
 
  private:
-  struct Slot {
-    float* input = nullptr;
-    std::int32_t* labels = nullptr;
-    std::array<float*, layer_count> outputs{};
-    std::array<void*, layer_count> masks{};
-    std::array<float*, layer_count> saved{};
-    DevicePass* pass = nullptr;
-    bool training = false;  // of its last forward, which its backward follows
-  };
-  static constexpr std::size_t state_count = ::loom::detail::list_info<executed>::state_count;
-  static constexpr bool contextual = [] {
-    bool any = false;
-    static_for<layer_count>([&](auto i) { any = any || type_at_t<i, executed>::contextual; });
-    return any;
-  }();
-
-  static constexpr std::size_t largest_activation() {
-    return ::loom::detail::list_info<executed>::largest_activation;
-  }
-
-  std::size_t slot_bytes(std::size_t max_batch) const {
-    std::size_t bytes = DeviceArena::padded_bytes<float>(max_batch * in_size) +
-                        DeviceArena::padded_bytes<std::int32_t>(max_batch);
-    static_for<layer_count>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      if constexpr (!L::in_place)
-        bytes += DeviceArena::padded_bytes<float>(max_batch * L::output_shape::size);
-      if constexpr (detail::writes_relu_mask<executed, i>())
-        bytes += DeviceArena::padded_bytes<unsigned char>(
-            relu_mask_bytes(max_batch, L::output_shape::size));
-      if constexpr (L::saved > 0)
-        bytes += DeviceArena::padded_bytes<float>(plans_.template saved_floats<i>());
-    });
-    return bytes + DeviceArena::padded_bytes<DevicePass>(1);
-  }
-
-  void check_batch(std::size_t n) const {
-    LOOM_CHECK(n >= 1 && n <= max_batch_, "ModelSplit stage on cuda:", device_, ": a micro-batch of ",
-               n, " samples; it was planned for 1 to ", max_batch_);
-  }
-
-  template <std::size_t I>
-  static const float* input_of(const Slot& s) {
-    if constexpr (I == 0)
-      return s.input;
-    else
-      return output_of<I - 1>(s);
-  }
-  template <std::size_t I>
-  static float* output_of(const Slot& s) {
-    constexpr int owner = ::loom::detail::list_info<executed>::output_owner[I];
-    if constexpr (owner < 0)
-      return s.input;
-    else
-      return s.outputs[owner];
-  }
-
-  template <std::size_t I>
-  detail::LayerCall call(const Slot& s) const {
-    using L = type_at_t<I, executed>;
-    detail::LayerCall c;
-    c.training = s.training;
-    c.pass = s.pass;
-    if constexpr (L::state_count > 0)
-      c.state = state_ + ::loom::detail::list_info<executed>::state_offsets[I];
-    c.saved = s.saved[I];
-    const float* weights = reduced() ? compute_params_ : params_;
-    c.weights = weights + layout::offsets.weight[I];
-    c.bias = weights + layout::offsets.bias[I];
-    c.dweights = grads_ + layout::offsets.weight[I];
-    c.dbias = grads_ + layout::offsets.bias[I];
-    c.x = input_of<I>(s);
-    c.y = output_of<I>(s);
-    c.mask = s.masks[I];
-    if constexpr (I > 0) {
-      c.previous_mask = s.masks[I - 1];
-      c.previous_dbias = grads_ + layout::offsets.bias[I - 1];
+  // take(pointer, count) for every buffer besides the layers', in the
+  // arena's order: once to size the arena, once to hand the buffers out.
+  template <class Take>
+  void lay_out(Take&& take) {
+    take(accum_, layers_.parameters());
+    take(scale_, 1);
+    take(update_, 1);
+    take(norm_, 1);
+    take(norm_scratch_, norm_scratch_bytes_);
+    take(totals_, 1);
+    take(skip_nonfinite_, 1);
+    for (std::size_t slot = 0; slot < inputs_.size(); ++slot) {
+      take(inputs_[slot], max_batch() * input_size());
+      take(labels_[slot], max_batch());
     }
-    c.scratch = scratch_;
-    c.scratch_bytes = plans_.scratch_bytes();
-    c.stream = stream();
-    c.precision = precision_;
-    return c;
   }
-
-  bool reduced() const { return precision_ != Precision::fp32; }
 
   int device_;
-  std::size_t max_batch_;
+  bool first_;
   DeviceOptimizer optimizer_;
   Precision precision_;
   DeviceContext context_;
   Stream copy_stream_;
-  detail::PlanCache<executed, !First> plans_;
+  DeviceLayers<Net> layers_;
   SoftmaxXentWorkspace loss_;
   PinnedBuffer<LossTotals> totals_host_;
   PinnedBuffer<double> norm_host_;  // squared_norm()'s
   PinnedBuffer<float> pinned_inputs_;         // per slot (the first stage)
   PinnedBuffer<std::int32_t> pinned_labels_;  // per slot (the last stage's are read)
+  std::vector<float*> inputs_;                // per slot
+  std::vector<std::int32_t*> labels_;         // per slot (the last stage's are read)
   std::unique_ptr<DeviceArena> arena_;
-  float* params_ = nullptr;
-  float* compute_params_ = nullptr;  // params_ rounded to a reduced precision (else null)
-  float* grads_ = nullptr;
   float* accum_ = nullptr;  // the step's micro-batches' gradients, summed
-  std::array<float*, 2> moments_{};  // SGD's velocity; Adam's exp_avg and exp_avg_sq
   LossScaleState* scale_ = nullptr;  // fp16: the scale (from the host) and scratch for a flag
   LossScaleState scale_value_{.scale = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
   UpdateScalars* update_ = nullptr;
   UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
   double* norm_ = nullptr;  // squared norms: the stage's, then the whole network's for the update
   double norm_value_ = 0.0;  // the source of the last copy into norm_ (pageable)
-  std::size_t norm_scratch_bytes_ = ::loom::gpu::squared_norm_bytes(layout::total);
+  std::size_t norm_scratch_bytes_ = 0;
   unsigned char* norm_scratch_ = nullptr;
-  float* state_ = nullptr;  // running statistics, the stage's slice of the Model's order
-  float* kept_state_ = nullptr;  // state_ at the step's start
   int* skip_nonfinite_ = nullptr;  // 1: a non-finite loss marks the totals, never halts them
   LossTotals* totals_ = nullptr;
-  std::array<float*, 2> grad_buffers_{};
-  float* input_gradient_ = nullptr;
-  unsigned char* scratch_ = nullptr;
-  std::vector<Slot> slots_;
   std::vector<Event> slot_done_;  // the last pass that used each slot
   std::vector<Event> staged_;     // each slot's last copy from pinned memory
   Event backward_done_;           // the last backward (it read output_gradient())
@@ -940,6 +769,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
     state_offsets_.resize(stage_count_);
     stage_squares_.assign(stage_count_, 0.0);
     with_cut<Partition>(stage_count_, [&]<class Cut>() {
+      using bounds = partition_bounds<Net, Cut>;
       static_for<Cut::stages>([&](auto k) {
         constexpr std::size_t K = decltype(k)::value;
         using StageNet = stage_net_t<Net, Cut, K>;
@@ -947,15 +777,27 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
         constexpr std::size_t state_at = stage_state_offset<Net, Cut, K>;
         offsets_[K] = offset;
         state_offsets_[K] = state_at;
+        const auto weights = initial.parameters().subspan(offset, StageNet::parameter_count);
+        const auto state = initial.state().subspan(state_at, StageNet::state_count);
         for (std::size_t r = 0; r < replicas_; ++r) {
           const std::size_t w = r * stage_count_ + K;
           const int device = devices[w].index;
+          const std::size_t slots = pipeline_in_flight(schedule_.kind, stage_count_, K, micro);
           LOOM_CUDA_CHECK(cudaSetDevice(device));
-          stages_[w] = std::make_unique<DeviceStage<StageNet, K == 0>>(
-              device, initial.parameters().subspan(offset, StageNet::parameter_count),
-              initial.state().subspan(state_at, StageNet::state_count), optimizer_, most,
-              pipeline_in_flight(schedule_.kind, stage_count_, K, micro), precision_,
-              allow_tf32);
+          if constexpr (cuts_between_executed<Net>(bounds::bounds))
+            // A range of the whole network's executed layers: every stage
+            // of every cut is one type.
+            stages_[w] = std::make_unique<DeviceStage<Net>>(
+                device,
+                LayerRange{executed_from<Net>(bounds::bounds[K]),
+                           executed_from<Net>(bounds::bounds[K + 1])},
+                K == 0, weights, state, optimizer_, most, slots, precision_, allow_tf32);
+          else
+            // A cut splits a fused pair (Conv2d or Linear or BatchNorm2d, and
+            // ReLU): each stage fuses its own layers.
+            stages_[w] = std::make_unique<DeviceStage<StageNet>>(
+                device, LayerRange{0, StageNet::executed::size}, K == 0, weights, state,
+                optimizer_, most, slots, precision_, allow_tf32);
           if (previous != nullptr) stages_[w]->copy_state_from(*previous->stages_[w]);
         }
       });

@@ -632,18 +632,11 @@ class Model {
 
   template <std::size_t I>
   const T* layer_input(const Slot& s) const {
-    if constexpr (I > 0)
-      if (I > range_.first) return layer_output<I - 1>(s);
-    return s.input;
+    return detail::range_input<executed, I>(s.outputs, const_cast<T*>(s.input), range_);
   }
-  // In-place layers write nothing: their "output" is an earlier buffer (the
-  // input, when none of the range's layers wrote it).
   template <std::size_t I>
   T* layer_output(const Slot& s) const {
-    constexpr int owner = offsets::output_owner[I];
-    if constexpr (owner >= 0)
-      if (static_cast<std::size_t>(owner) >= range_.first) return s.outputs[owner];
-    return const_cast<T*>(s.input);
+    return detail::range_output<executed, I>(s.outputs, const_cast<T*>(s.input), range_);
   }
 
   LayerRange range_;

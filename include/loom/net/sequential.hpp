@@ -108,6 +108,29 @@ struct LayerRange {
   std::size_t last = 0;
 };
 
+namespace detail {
+
+// In one batch's buffers for a range of List's layers (`outputs`: those of
+// the layers that write one; `input`: the range's), the buffer that holds
+// layer I's output. In-place layers write nothing: theirs is an earlier
+// buffer, the input when no layer of the range wrote one. Both backends'.
+template <class List, std::size_t I, class T, std::size_t N>
+T* range_output(const std::array<T*, N>& outputs, T* input, const LayerRange& range) {
+  constexpr int owner = list_info<List>::output_owner[I];
+  if constexpr (owner >= 0)
+    if (static_cast<std::size_t>(owner) >= range.first) return outputs[owner];
+  return input;
+}
+// Layer I's input: the layer before's output, or the range's input.
+template <class List, std::size_t I, class T, std::size_t N>
+T* range_input(const std::array<T*, N>& outputs, T* input, const LayerRange& range) {
+  if constexpr (I > 0)
+    if (I > range.first) return range_output<List, I - 1>(outputs, input, range);
+  return input;
+}
+
+}  // namespace detail
+
 // The activation memory plan of a layer list, in elements. Training holds
 // every layer output (backward needs them), two ping-pong buffers for
 // activation gradients, and one workspace shared by all layers; layers that

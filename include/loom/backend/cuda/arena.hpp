@@ -1,6 +1,7 @@
-// One device allocation per device, carved into the buffers a network needs
-// (parameters, gradients, optimizer state, activations, workspaces), sized
-// from the compile-time memory plan: no cudaMalloc inside a step.
+// One device allocation, carved into the buffers its owner needs (the
+// layers': parameters, gradients, optimizer state, activations, workspaces;
+// a step's: its scalars, flags and input slots), sized from the
+// compile-time memory plan: no cudaMalloc inside a step.
 #pragma once
 
 #include <cstddef>
