@@ -43,6 +43,12 @@ enum class TensorMath {
   bf16,  // a bf16 network (precision.cuh): GEMMs on bf16 tensor cores, convolutions on TF32 ones
   fp16,  // an fp16 network: GEMMs on fp16 tensor cores, convolutions on TF32 ones
 };
+inline TensorMath tensor_math(Precision precision, bool allow_tf32) {
+  return precision == Precision::bf16   ? TensorMath::bf16
+         : precision == Precision::fp16 ? TensorMath::fp16
+         : allow_tf32                   ? TensorMath::tf32
+                                        : TensorMath::fp32;
+}
 
 namespace detail {
 

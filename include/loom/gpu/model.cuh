@@ -876,10 +876,7 @@ class DeviceLayers {
       largest_ = std::max({largest_, L::input_shape::size, L::output_shape::size});
       contextual_ = contextual_ || L::contextual;
     });
-    std::size_t bytes = 0;
-    lay_out([&]<class T>(T*&, std::size_t count) { bytes += DeviceArena::padded_bytes<T>(count); });
-    arena_ = std::make_unique<DeviceArena>(bytes, owner);
-    lay_out([&]<class T>(T*& p, std::size_t count) { p = arena_->take<T>(count); });
+    arena_ = make_arena([&](auto&& take) { lay_out(take); }, owner);
     // The gaps between blocks stay zero in every buffer the update reads.
     for (float* buffer : {params_, compute_params_, grads_, moments_[0], moments_[1]})
       if (buffer != nullptr)
@@ -910,10 +907,10 @@ class DeviceLayers {
   // Slot's output: the range's last layer's (its input when every layer
   // of the range works in place).
   float* output(std::size_t slot) const {
-    const int owner = info::output_owner[range_.last - 1];
     const Slot& s = slots_[slot];
-    return owner < static_cast<int>(range_.first) ? s.input
-                                                  : s.outputs[static_cast<std::size_t>(owner)];
+    return output_is_input()
+               ? s.input
+               : s.outputs[static_cast<std::size_t>(info::output_owner[range_.last - 1])];
   }
   // Whether the range's output is its input (every layer of it in place).
   bool output_is_input() const {
@@ -1047,8 +1044,7 @@ class DeviceLayers {
                                       cudaMemcpyDeviceToDevice, stream()));
   }
 
-  // take(pointer, count) for every buffer, in the arena's order: once to
-  // size the arena, once to hand the buffers out.
+  // take(pointer, count) for every buffer, in the arena's order (make_arena).
   template <class Take>
   void lay_out(Take&& take) {
     take(params_, total_);
@@ -1174,19 +1170,12 @@ class DeviceModel {
         graphs_(options.graphs),
         layers_(context_, DeviceLayers<Net>::all_layers, checked_batch(max_batch), 1,
                 optimizer.buffers(), options.precision,
-                options.precision == Precision::bf16   ? TensorMath::bf16
-                : options.precision == Precision::fp16 ? TensorMath::fp16
-                : options.allow_tf32                   ? TensorMath::tf32
-                                                       : TensorMath::fp32,
-                owner()),
+                tensor_math(options.precision, options.allow_tf32), owner()),
         loss_(max_batch),
         scaler_(options.loss_scaling),
         snapshots_(2),
         scale_snapshots_(2) {
-    std::size_t bytes = 0;
-    lay_out([&]<class T>(T*&, std::size_t count) { bytes += DeviceArena::padded_bytes<T>(count); });
-    arena_ = std::make_unique<DeviceArena>(bytes, owner());
-    lay_out([&]<class T>(T*& p, std::size_t count) { p = arena_->take<T>(count); });
+    arena_ = make_arena([&](auto&& take) { lay_out(take); }, owner());
     skip_ = flags_;
     bad_gradients_ = flags_ + 1;
     skip_nonfinite_ = flags_ + 2;
@@ -1418,7 +1407,7 @@ class DeviceModel {
   bool fp16() const { return options_.precision == Precision::fp16; }
 
   // take(pointer, count) for every buffer besides the layers', in the
-  // arena's order: once to size the arena, once to hand the buffers out.
+  // arena's order (make_arena).
   template <class Take>
   void lay_out(Take&& take) {
     take(update_, 1);

@@ -284,10 +284,7 @@ class DeviceStage final : public DeviceStageBase {
         optimizer_(optimizer),
         precision_(precision),
         layers_(context_, range, max_batch, slots, optimizer.buffers(), precision,
-                precision == Precision::bf16   ? TensorMath::bf16
-                : precision == Precision::fp16 ? TensorMath::fp16
-                : allow_tf32                   ? TensorMath::tf32
-                                               : TensorMath::fp32,
+                tensor_math(precision, allow_tf32),
                 "ModelSplit stage on cuda:" + std::to_string(device), !first),
         loss_(max_batch),
         totals_host_(1),
@@ -300,11 +297,8 @@ class DeviceStage final : public DeviceStageBase {
         staged_(slots) {
     const std::size_t total = layers_.parameters();
     norm_scratch_bytes_ = ::loom::gpu::squared_norm_bytes(total);
-    std::size_t bytes = 0;
-    lay_out([&]<class T>(T*&, std::size_t count) { bytes += DeviceArena::padded_bytes<T>(count); });
-    arena_ = std::make_unique<DeviceArena>(bytes,
-                                           "ModelSplit stage on cuda:" + std::to_string(device));
-    lay_out([&]<class T>(T*& p, std::size_t count) { p = arena_->take<T>(count); });
+    arena_ = make_arena([&](auto&& take) { lay_out(take); },
+                        "ModelSplit stage on cuda:" + std::to_string(device));
     LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, total * sizeof(float), stream()));
     LOOM_CUDA_CHECK(cudaMemsetAsync(totals_, 0, sizeof(LossTotals), stream()));
     // The host decides whether a step with a non-finite loss halts or is
@@ -481,7 +475,7 @@ class DeviceStage final : public DeviceStageBase {
 
  private:
   // take(pointer, count) for every buffer besides the layers', in the
-  // arena's order: once to size the arena, once to hand the buffers out.
+  // arena's order (make_arena).
   template <class Take>
   void lay_out(Take&& take) {
     take(accum_, layers_.parameters());

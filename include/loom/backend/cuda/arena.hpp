@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 
 #include "memory.hpp"
@@ -45,5 +46,17 @@ class DeviceArena {
   std::size_t capacity_ = 0;
   std::size_t used_ = 0;
 };
+
+// The arena for the buffers `lay_out(take)` names, each as take(pointer,
+// count): run once to size the arena, once to hand the buffers out, so the
+// plan and the buffers cannot disagree.
+template <class LayOut>
+std::unique_ptr<DeviceArena> make_arena(LayOut&& lay_out, std::string owner) {
+  std::size_t bytes = 0;
+  lay_out([&]<class T>(T*&, std::size_t count) { bytes += DeviceArena::padded_bytes<T>(count); });
+  auto arena = std::make_unique<DeviceArena>(bytes, std::move(owner));
+  lay_out([&]<class T>(T*& p, std::size_t count) { p = arena->template take<T>(count); });
+  return arena;
+}
 
 }  // namespace loom::gpu
