@@ -19,10 +19,10 @@ TF32 off, each step timed with CUDA events, median of --steps after
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lenet import MEAN, STD, emit, fp32_without_tf32, load_training_set  # noqa: E402
+from lenet import (MEAN, STD, cpu_step_ms, emit, fp32_without_tf32,  # noqa: E402
+                   load_training_set)
 
 STEPS, FEATURES, HIDDEN = 28, 28, 128
 PARAMETERS = 69_578  # loom's RowGru::parameter_count (benchmarks/deep_layers_bench.cpp)
@@ -77,19 +77,13 @@ def cpu_lines(torch, images, labels, args):
         if sum(p.numel() for p in model.parameters()) != PARAMETERS:
             raise SystemExit(f"gru.py: the network is not loom's RowGru ({PARAMETERS} parameters)")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        batches = images.shape[0] // batch
-        times = []
-        for s in range(args.warmup + args.steps):
-            first = (s % batches) * batch
-            x, y = images[first:first + batch], labels[first:first + batch]
-            start = time.perf_counter()
+
+        def step(x, y):
             optimizer.zero_grad(set_to_none=False)
             loss_fn(model(x), y).backward()
             optimizer.step()
-            if s >= args.warmup:
-                times.append((time.perf_counter() - start) * 1000.0)
-        # The upper middle, as loom's median_step_ms (benchmarks/lenet_bench.hpp).
-        ms = sorted(times)[len(times) // 2]
+
+        ms = cpu_step_ms(step, images, labels, batch, args.warmup, args.steps)
         emit({"benchmark": "deep_train_step", "network": "row_gru", "library": "pytorch",
               "version": torch.__version__, "backend": "cpu", "threads": args.threads,
               "batch": batch, "steps": args.steps, "parameters": PARAMETERS,

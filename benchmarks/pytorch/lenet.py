@@ -127,6 +127,23 @@ def emit(line):
     print(json.dumps(line, sort_keys=True, separators=(",", ":")), flush=True)
 
 
+def cpu_step_ms(step, images, labels, batch, warmup, steps):
+    """Median time of step(x, y) on the CPU, in ms, as loom's median_step_ms
+    (benchmarks/lenet_bench.hpp) takes it: consecutive real batches, never the
+    same memory twice in a row, each step on the host's clock, the upper middle
+    of the timed ones after `warmup` untimed."""
+    batches = images.shape[0] // batch
+    times = []
+    for s in range(warmup + steps):
+        first = (s % batches) * batch
+        x, y = images[first:first + batch], labels[first:first + batch]
+        start = time.perf_counter()
+        step(x, y)
+        if s >= warmup:
+            times.append((time.perf_counter() - start) * 1000.0)
+    return sorted(times)[len(times) // 2]
+
+
 def fp32_without_tf32(torch):
     """Turns TF32 off for cuBLAS and cuDNN. PyTorch 2.9+ has per-backend
     fp32_precision settings and raises when they disagree with the legacy
