@@ -165,3 +165,168 @@ TEST_CASE("trainer: misuse is a clear loom::Error") {
                                           "no clipping), got "));
   }
 }
+
+namespace {
+
+// A CPU trainer whose fit loop runs ahead, as the GPU's SingleDevice and
+// DataParallel steps do: each step's sums are read (finish_step) only once
+// the next step's first batch has run. `calls` records the order.
+class AheadTrainer : public Trainer<Mlp> {
+ public:
+  using Trainer<Mlp>::Trainer;
+  std::vector<std::string> calls;        // "run <batch>", "finish <step>"
+  std::size_t fail_finish_at_step = 0;   // finish_step of this step raises
+  std::size_t fail_run_at_batch = 0;     // run_batch of this batch (1-based) raises
+
+ protected:
+  bool runs_ahead(const FitOptions&) const override { return true; }
+  std::optional<cpu::LossSums> run_batch(const data::Batch& batch, std::size_t group_samples,
+                                         bool accumulate, bool last, int epoch, std::size_t step,
+                                         const FitOptions& options) override {
+    ++batches_run_;
+    if (batches_run_ == fail_run_at_batch) throw Error("test: run_batch fails");
+    calls.push_back("run " + std::to_string(batches_run_));
+    const auto sums =
+        Trainer<Mlp>::run_batch(batch, group_samples, accumulate, last, epoch, step, options);
+    if (sums) done_.push_back({*sums, nonfinite_});
+    return std::nullopt;
+  }
+  cpu::LossSums finish_step(int, std::size_t step, const FitOptions&) override {
+    if (step == fail_finish_at_step) throw Error("test: finish_step fails");
+    calls.push_back("finish " + std::to_string(step));
+    const auto [sums, nonfinite] = done_.front();
+    done_.erase(done_.begin());
+    nonfinite_ = nonfinite;  // as a GPU's finish_step says it
+    return sums;
+  }
+
+ private:
+  std::size_t batches_run_ = 0;
+  std::vector<std::pair<cpu::LossSums, std::string>> done_;
+};
+
+// What a fit told its callbacks, but the clock: what step_begin said, and
+// the steps and epochs (a trainer that runs ahead begins the next step
+// before it reports the last).
+struct Recorder {
+  std::vector<std::string> begins, lines;
+  void on_step_begin(const StepBegin& b) {
+    begins.push_back("begin " + std::to_string(b.epoch) + "." + std::to_string(b.step) + " " +
+                    std::to_string(b.fit_step));
+  }
+  void on_step(const StepInfo& s) {
+    std::ostringstream line;
+    line.precision(17);
+    line << "step " << s.epoch << "." << s.step << "/" << s.steps << " loss " << s.loss << " acc "
+         << s.accuracy << " samples " << s.samples << " own " << s.step_loss << " "
+         << s.step_accuracy << " " << s.step_samples << " skipped " << s.skipped << " '"
+         << s.nonfinite << "'";
+    lines.push_back(line.str());
+  }
+  void on_epoch_end(const EpochInfo& e) {
+    std::ostringstream line;
+    line.precision(17);
+    line << "epoch " << e.epoch << " " << e.loss << " " << e.accuracy << " " << e.samples;
+    lines.push_back(line.str());
+  }
+};
+
+// Step 3's callbacks read the trainer's state; step 5's stop the fit.
+struct SavesAtThree {
+  std::vector<std::string>* calls;
+  std::vector<std::size_t> runs_seen;  // batches run when each step was reported
+  bool needs_state_at_step(std::uint64_t steps) const { return steps == 3; }
+  template <class T>
+  void on_step(const StepInfo&, T& trainer) {
+    runs_seen.push_back(static_cast<std::size_t>(std::count_if(
+        calls->begin(), calls->end(), [](const std::string& c) { return c.starts_with("run"); })));
+    if (trainer.steps() == 5) trainer.stop();
+  }
+};
+
+// Fashion-MNIST's first 1000 samples, one image's pixel NaN: the batch that
+// holds it has a non-finite loss.
+data::Dataset with_nan_image() {
+  auto data = head(fashion().train, 1000);
+  data.images[417 * data.sample_size() + 300] = std::numeric_limits<float>::quiet_NaN();
+  return data;
+}
+
+}  // namespace
+
+TEST_CASE("fit loop: a trainer that runs ahead reports what one that runs at once does") {
+  const auto data = with_nan_image();
+  // Uneven batches (1000 = 15 x 64 + 40), two per step, a skipped step.
+  const FitOptions fit{.epochs = 2,
+                       .batch_size = 64,
+                       .accumulation_steps = 2,
+                       .on_nonfinite = NonFinite::skip};
+  Trainer<Mlp> at_once(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  AheadTrainer ahead(devices::cpu(1), {.lr = 0.01f, .momentum = 0.9f});
+  Recorder expected, got;
+  at_once.fit(data, fit, expected);
+  ahead.fit(data, fit, got);
+  REQUIRE(expected.lines.size() == 2 * (8 + 1));
+  REQUIRE(got.lines == expected.lines);
+  REQUIRE(expected.begins.size() == 2 * 8);
+  REQUIRE(got.begins == expected.begins);
+  REQUIRE(at_once.nonfinite_steps() == 2);  // once an epoch
+  REQUIRE(ahead.nonfinite_steps() == 2);
+  REQUIRE(ahead.position().steps == 8);
+  REQUIRE(ahead.position().batches == 16);
+  const auto a = at_once.model().parameters(), b = ahead.model().parameters();
+  REQUIRE(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+  // Step j is read once step j + 1's first batch has run; the epoch's last
+  // step at its end.
+  REQUIRE(std::vector<std::string>(ahead.calls.begin(), ahead.calls.begin() + 8) ==
+          std::vector<std::string>{"run 1", "run 2", "run 3", "finish 1", "run 4", "run 5",
+                                   "finish 2", "run 6"});
+  REQUIRE(ahead.calls[23] == "finish 8");
+  REQUIRE(ahead.calls[24] == "run 17");
+}
+
+TEST_CASE("fit loop: running ahead, a step whose callbacks need the state is read first, and "
+          "stop() ends after the step already run") {
+  const auto data = head(fashion().train, 640);
+  AheadTrainer ahead(devices::cpu(1), {.lr = 0.01f});
+  SavesAtThree saves{&ahead.calls, {}};
+  ahead.fit(data, {.epochs = 1, .batch_size = 64}, saves);
+  // Step 3 is read before step 4 runs; the others once the next has run.
+  // stop() at step 5 takes effect at step 7's first batch: step 6, already
+  // run, completes.
+  REQUIRE(saves.runs_seen == std::vector<std::size_t>{2, 3, 3, 5, 6, 6});
+  REQUIRE(ahead.position().steps == 6);
+  REQUIRE(ahead.position().batches == 6);
+  REQUIRE_FALSE(ahead.position().ended);
+}
+
+TEST_CASE("fit loop: running ahead, a step that fails leaves the trainer at the steps read") {
+  const auto data = head(fashion().train, 640);
+  const auto dir = std::filesystem::temp_directory_path() / "loom_fit_loop_ahead";
+  std::filesystem::create_directories(dir);
+  {
+    // Reading step 4 raises (as a GPU's halted step does): steps 1-3 count;
+    // nothing is left unread, so the state can be saved.
+    AheadTrainer ahead(devices::cpu(1), {.lr = 0.01f});
+    ahead.fail_finish_at_step = 4;
+    REQUIRE_THROWS_WITH(ahead.fit(data, {.epochs = 1, .batch_size = 64}),
+                        "test: finish_step fails");
+    REQUIRE(ahead.position().steps == 3);
+    REQUIRE(ahead.position().batches == 3);
+    REQUIRE(ahead.steps() == 3);
+    REQUIRE_NOTHROW(ahead.save(dir / "after_finish.loom"));
+  }
+  {
+    // Enqueueing batch 5 raises while step 4 is unread: save() refuses,
+    // the devices being past the position.
+    AheadTrainer ahead(devices::cpu(1), {.lr = 0.01f});
+    ahead.fail_run_at_batch = 5;
+    REQUIRE_THROWS_WITH(ahead.fit(data, {.epochs = 1, .batch_size = 64}),
+                        "test: run_batch fails");
+    REQUIRE(ahead.position().steps == 3);
+    REQUIRE_THROWS_WITH(ahead.save(dir / "after_run.loom"),
+                        Catch::Contains("called while the GPU runs a step that fit() has not "
+                                        "reported"));
+  }
+  std::filesystem::remove_all(dir);
+}

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -209,198 +210,133 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
     return first;
   }
 
-  // The loss of an optimizer step is read on the host late: its totals are
-  // waited for once the next batch is enqueued, so the GPU never waits for
-  // the host. A step whose callbacks need the trainer's state after it
-  // (needs_state_at_step: callbacks::Checkpoint's saves) is reported before
-  // the next one is enqueued instead. The position follows the reported
-  // steps, and a loaded checkpoint's fit goes on from its position.
-  // SingleDevice and DataParallel (a pipeline's steps run through its
-  // split(), as on CPUs): the replicas' fit and evaluation, compiled only
-  // for those policies.
-  void fit(Trainer& t, data::Loader& loader, const ::loom::detail::FitPlan& plan,
-           ::loom::detail::FitEvents& events) override {
-    if constexpr (!is_pipelined<Policy>) fit_replicas(t, loader, plan, events);
+  // SingleDevice and DataParallel: their steps in the trainer's fit loop
+  // (TrainerCore::run_fit), and their evaluation; compiled only for those
+  // policies (a pipeline's steps run through its split(), as on CPUs).
+  void start_fit(Trainer& t, const ::loom::detail::FitPlan& plan) override {
+    if constexpr (!is_pipelined<Policy>) {
+      const FitOptions& options = plan.options;
+      auto& replicas = gpu_replicas(t, std::min(options.batch_size, plan.info.samples_per_epoch),
+                                    options.accumulation_steps > 1);
+      for (auto& replica : replicas) {
+        replica.use();
+        replica.model->set_max_grad_norm(options.max_grad_norm);
+        replica.model->set_skip_nonfinite(options.on_nonfinite == NonFinite::skip);
+      }
+      pending_slots_.clear();
+      reported_updates_ = replicas.front().model->optimizer_steps();
+    }
   }
+
+  // Adam's update depends on its step number, which a step skipped for an
+  // fp16 overflow or a non-finite value does not take, and only the device
+  // knows whether it did: then each step is read before the next is
+  // enqueued.
+  bool runs_ahead(const Trainer& t, const FitOptions& options) const override {
+    const bool may_skip =
+        t.options_.precision == Precision::fp16 || options.on_nonfinite == NonFinite::skip;
+    return !may_skip ||
+           std::string_view(::loom::detail::optimizer_name<Optimizer>(t.optimizer_)) == SGD::name;
+  }
+
+  // The device's totals count from each epoch's start; a step's sums are
+  // what it added to them.
+  void epoch_begin(Trainer&) override {
+    if constexpr (!is_pipelined<Policy>) {
+      for (auto& replica : gpus_) {
+        replica.use();
+        replica.model->reset_totals();
+      }
+      read_totals_ = {};
+    }
+  }
+
+  void run_batch(Trainer& t, const data::Batch& batch, std::size_t group_samples, bool accumulate,
+                 bool last) override {
+    if constexpr (!is_pipelined<Policy>) {
+      // A callback changed the weights through model(): the GPUs take them now.
+      if (!accumulate) push_host_edits(t);
+      for (auto& replica : gpus_) {
+        replica.use();
+        replica.model->set_lr(t.optimizer_.options().lr);
+      }
+      const int slot = enqueue_gpu_step(t, batch.images, batch.labels, batch.size, true,
+                                        group_samples, accumulate, last);
+      // Read before a later batch could reuse the slot: run_fit reads a
+      // step once the next step's first batch is enqueued, on the other slot.
+      if (last) pending_slots_.push_back(slot);
+    }
+  }
+
+  cpu::LossSums finish_step(Trainer& t, int epoch, std::size_t step,
+                            const FitOptions& options) override {
+    if constexpr (is_pipelined<Policy>) {
+      return {};
+    } else {
+      LOOM_CHECK(!pending_slots_.empty(), "finish_step: no GPU step is waiting to be read");
+      const int slot = pending_slots_.front();
+      pending_slots_.pop_front();
+      const auto totals = wait_gpu_totals(slot);
+      const bool fp16 = t.options_.precision == Precision::fp16;
+      // fp16: the scale as the device left it after this step.
+      loom::gpu::LossScaleState scaling{.scale = t.scaler_.scale()};
+      if (fp16) scaling = gpus_.front().model->loss_scale(slot);
+      t.nonfinite_.clear();
+      try {
+        check_totals(t, totals, epoch, step, scaling.scale);
+        if (totals.skipped != loom::gpu::skipped_none) {
+          const bool loss_bad = totals.skipped == loom::gpu::skipped_loss;
+          t.handle_nonfinite(loss_bad ? totals.nonfinite_loss : 0.0, {}, epoch, step,
+                             options.on_nonfinite,
+                             fp16 && !loss_bad ? t.min_scale_note(scaling.scale) : std::string(),
+                             true);
+        }
+      } catch (...) {
+        // A step the device halted (a non-finite loss, a bad label) skipped
+        // its update and every later one: Adam's step count goes back to
+        // the finished steps', as the CPU leaves it at the step's start.
+        pending_slots_.clear();
+        for (auto& replica : gpus_) replica.model->set_optimizer_steps(reported_updates_);
+        throw;
+      }
+      if (fp16) {
+        t.scaler_.restore(scaling.scale, scaling.good_steps);
+        t.skipped_steps_ = scaling.skipped_steps;
+      }
+      // The update was counted when enqueued; the device skipped it (the
+      // CPU's optimizer never takes a skipped step).
+      const bool skipped = scaling.overflowed != 0 || !t.nonfinite_.empty();
+      if (skipped)
+        for (auto& replica : gpus_)
+          replica.model->set_optimizer_steps(replica.model->optimizer_steps() - 1);
+      reported_updates_ += skipped ? 0 : 1;
+      // A non-finite batch loss is not in the totals' loss: the step's loss
+      // is then the non-finite sum, as on the CPU.
+      const cpu::LossSums sums{
+          .loss = totals.skipped == loom::gpu::skipped_loss ? totals.nonfinite_loss
+                                                            : totals.loss - read_totals_.loss,
+          .correct = static_cast<std::size_t>(totals.correct - read_totals_.correct),
+          .overflowed = scaling.overflowed != 0};
+      read_totals_ = totals;
+      return sums;
+    }
+  }
+
+  // Before the callbacks: Evaluate and a user's on_epoch_end see this epoch's weights.
+  void epoch_done(Trainer& t) override {
+    if constexpr (!is_pipelined<Policy>) {
+      push_host_edits(t);
+      gpus_.front().use();
+      gpus_.front().model->copy_parameters_to(t.model_);
+    }
+  }
+
   cpu::LossSums evaluate(Trainer& t, const data::Dataset& dataset,
                          std::size_t batch_size) override {
     if constexpr (is_pipelined<Policy>)
       return {};
     else
       return evaluate_replicas(t, dataset, batch_size);
-  }
-
-  void fit_replicas(Trainer& t, data::Loader& loader, const ::loom::detail::FitPlan& plan,
-                    ::loom::detail::FitEvents& events) {
-    const FitOptions& options = plan.options;
-    const FitInfo& info = plan.info;
-    const std::size_t k = options.accumulation_steps;
-    auto& replicas = gpu_replicas(t, std::min(options.batch_size, info.samples_per_epoch), k > 1);
-    const bool fp16 = t.options_.precision == Precision::fp16;
-    const bool skip_nonfinite = options.on_nonfinite == NonFinite::skip;
-    // Adam's update depends on its step number, which a step skipped for
-    // an fp16 overflow or a non-finite value does not take, and only the
-    // device knows whether it did: then each step is reported before the
-    // next is enqueued.
-    const bool report_each_step =
-        (fp16 || skip_nonfinite) &&
-        std::string_view(::loom::detail::optimizer_name<Optimizer>(t.optimizer_)) != SGD::name;
-    for (auto& replica : replicas) {
-      replica.use();
-      replica.model->set_max_grad_norm(options.max_grad_norm);
-      replica.model->set_skip_nonfinite(skip_nonfinite);
-    }
-    const auto resumed = t.resume_position(plan.identity, loader.batches_per_epoch());
-    // A fit that failed may have left steps unreported; this one goes on
-    // from the device's state.
-    t.gpu_unreported_ = 0;
-    // What the reported steps leave. A step the device halted (a non-finite
-    // loss, a bad label) skipped its update and every later one: the
-    // counters go back to them (Dropout's, Adam's step count), as the CPU
-    // leaves them at the step's start, and the device is at the position.
-    std::uint64_t reported_batches = t.batches_;
-    std::uint64_t reported_updates = replicas.front().model->optimizer_steps();
-    const auto rewind = [&] {
-      t.gpu_unreported_ = 0;
-      t.batches_ = reported_batches;
-      for (auto& replica : replicas) replica.model->set_optimizer_steps(reported_updates);
-    };
-    events.fit_begin(info);
-    const int first_epoch = resumed ? resumed->epoch + (resumed->ended ? 1 : 0) : 1;
-    for (int epoch = first_epoch; epoch <= options.epochs && !t.stop_.get(); ++epoch) {
-      const bool part = resumed && epoch == resumed->epoch;
-      t.position_ = part ? *resumed : TrainingPosition{.epoch = epoch};
-      // The device's totals count from here (a resumed epoch's sums come first).
-      const TrainingPosition base = t.position_;
-      loader.start_epoch(static_cast<std::size_t>(epoch - 1), t.position_.batches);
-      const auto start = std::chrono::steady_clock::now() -
-                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                             std::chrono::duration<double>(t.position_.seconds));
-      StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
-      step.step = t.position_.steps;
-      step.samples = t.position_.samples;
-      for (auto& replica : replicas) {
-        replica.use();
-        replica.model->reset_totals();
-      }
-      // Steps skipped as non-finite: their sums (the device's totals hold
-      // their finite batches') leave the epoch's loss and accuracy, as on
-      // the CPU; their samples stay in the count.
-      double dropped_loss = 0.0;
-      std::size_t dropped_correct = 0, dropped_samples = 0;
-      // While its callbacks run, the batches enqueued after it are
-      // unreported: save() refuses then (the device is past the position).
-      const auto report = [&](int slot, std::size_t batches) {
-        const auto totals = wait_gpu_totals(slot);
-        // fp16: the scale as the device left it after this step.
-        loom::gpu::LossScaleState scaling{.scale = t.scaler_.scale()};
-        if (fp16) scaling = replicas.front().model->loss_scale(slot);
-        t.nonfinite_.clear();
-        try {
-          check_totals(t, totals, epoch, step.step + 1, scaling.scale);
-          if (totals.skipped != loom::gpu::skipped_none) {
-            const bool loss_bad = totals.skipped == loom::gpu::skipped_loss;
-            t.handle_nonfinite(loss_bad ? totals.nonfinite_loss : 0.0, {}, epoch, step.step + 1,
-                             options.on_nonfinite,
-                             fp16 && !loss_bad ? t.min_scale_note(scaling.scale) : std::string(),
-                             true);
-          }
-        } catch (...) {
-          rewind();
-          throw;
-        }
-        if (fp16) {
-          t.scaler_.restore(scaling.scale, scaling.good_steps);
-          t.skipped_steps_ = scaling.skipped_steps;
-        }
-        const bool nonfinite = !t.nonfinite_.empty();
-        step.skipped = scaling.overflowed != 0 || nonfinite;
-        step.nonfinite = t.nonfinite_;
-        // The update was counted when enqueued; the device skipped it
-        // (the CPU's optimizer never takes a skipped step).
-        if (step.skipped)
-          for (auto& replica : replicas)
-            replica.model->set_optimizer_steps(replica.model->optimizer_steps() - 1);
-        t.gpu_unreported_ -= batches;
-        reported_batches += batches;
-        reported_updates += step.skipped ? 0 : 1;
-        t.steps_ += 1;
-        step.step += 1;
-        const std::size_t samples = base.samples + static_cast<std::size_t>(totals.samples);
-        double loss_sum = base.loss_sum + totals.loss - dropped_loss;
-        std::size_t correct =
-            base.correct + static_cast<std::size_t>(totals.correct) - dropped_correct;
-        step.step_samples = samples - step.samples;
-        const auto step_n = static_cast<double>(std::max<std::size_t>(1, step.step_samples));
-        step.step_loss = totals.skipped == loom::gpu::skipped_loss
-                             ? totals.nonfinite_loss / step_n
-                             : (loss_sum - t.position_.loss_sum) / step_n;
-        step.step_accuracy = static_cast<double>(correct - t.position_.correct) / step_n;
-        if (nonfinite) {
-          dropped_loss += loss_sum - t.position_.loss_sum;
-          dropped_correct += correct - t.position_.correct;
-          dropped_samples += step.step_samples;
-          loss_sum = t.position_.loss_sum;
-          correct = t.position_.correct;
-        }
-        step.samples = samples;
-        const auto counted =
-            static_cast<double>(std::max<std::size_t>(1, samples - dropped_samples));
-        step.loss = loss_sum / counted;
-        step.accuracy = static_cast<double>(correct) / counted;
-        step.seconds = t.seconds_since(start);
-        t.position_.batches += batches;
-        t.position_.steps = step.step;
-        t.position_.samples = samples;
-        t.position_.loss_sum = loss_sum;
-        t.position_.correct = correct;
-        t.position_.seconds = step.seconds;
-        events.step(step);
-      };
-      // The optimizer step whose totals are still to be read, by its slot:
-      // read once the next batch is enqueued (on the other slot), before a
-      // later one could reuse this slot.
-      int pending = -1;
-      std::size_t pending_batches = 0, step_batches = 0;
-      ::loom::detail::StepGroups groups(k, options.batch_size, plan.epoch_samples, t.position_.samples);
-      data::Batch batch{};
-      // stop() takes effect at a step's first batch: the step before it,
-      // still being reported, completes.
-      while (loader.next(batch)) {
-        if (pending >= 0 && groups.at_step_start() &&
-            (report_each_step || events.needs_state_at_step(t.steps_ + 1)))
-          report(std::exchange(pending, -1), pending_batches);
-        if (t.stop_.get() && groups.at_step_start()) break;
-        // A callback changed the weights through model(): the GPUs take them now.
-        if (groups.at_step_start()) push_host_edits(t);
-        const auto place = groups.next(batch.size);
-        if (!place.accumulate)
-          events.step_begin(t.step_begin(epoch, step.step + (pending >= 0 ? 1 : 0), info, options));
-        for (auto& replica : replicas) {
-          replica.use();
-          replica.model->set_lr(t.optimizer_.options().lr);
-        }
-        const int slot = enqueue_gpu_step(t, batch.images, batch.labels, batch.size, true,
-                                          place.group_samples, place.accumulate, place.last);
-        step_batches += 1;
-        t.gpu_unreported_ += 1;
-        if (pending >= 0) report(std::exchange(pending, -1), pending_batches);
-        if (place.last) {
-          pending = slot;
-          pending_batches = std::exchange(step_batches, 0);
-        }
-      }
-      if (pending >= 0) report(pending, pending_batches);
-      if (t.stop_.get() && t.position_.batches < loader.batches_per_epoch()) break;
-      // Before the callbacks: Evaluate and a user's on_epoch_end see this epoch's weights.
-      push_host_edits(t);
-      replicas.front().use();
-      replicas.front().model->copy_parameters_to(t.model_);
-      t.position_.ended = true;
-      [[maybe_unused]] const EpochInfo done{epoch,         options.epochs, step.loss,
-                                            step.accuracy, step.samples,   t.seconds_since(start)};
-      events.epoch_end(done);
-    }
   }
 
   static constexpr std::size_t bucket_bytes() {
@@ -541,6 +477,12 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
   std::vector<comm::NcclComm> nccl_;  // DataParallel on GPUs: one rank per replica
   std::vector<GpuReplica> gpus_;      // after nccl_: destroyed first
   std::unique_ptr<Pipeline> pipeline_;  // ModelSplit or Hybrid on GPUs
+  // The input slots of the steps enqueued and not yet read (finish_step),
+  // oldest first; the totals as the last step read left them (this
+  // epoch's); optimizer steps the read steps took.
+  std::deque<int> pending_slots_;
+  loom::gpu::LossTotals read_totals_{};
+  std::uint64_t reported_updates_ = 0;
 };
 
 }  // namespace gpu

@@ -397,27 +397,78 @@ class Trainer : public detail::TrainerCore {
     }
   }
 
-  // On GPUs SingleDevice and DataParallel run the whole fit.
-  bool start_fit(data::Loader& loader, const detail::FitPlan& plan, detail::FitEvents& events,
-                 std::size_t planned_batch) override {
+ protected:
+  // The fit loop's calls (TrainerCore::run_fit), protected so that a
+  // subclass may wrap them (tests run the CPU's steps ahead, as a GPU's).
+  void start_fit(const detail::FitPlan& plan, std::size_t planned_batch) override {
     if (gpu_) {
       if constexpr (!is_pipelined<Policy>) {
-        gpu_->fit(*this, loader, plan, events);
-        return true;
+        gpu_->start_fit(*this, plan);
+        return;
       }
       gpu_->plan_split(*this, planned_batch);
     }
     cpu::set_threads(devices_.front().threads);
     if constexpr (!is_pipelined<Policy>) engine_->reserve(planned_batch);
     scatter_if_changed();
-    return false;
   }
   void before_step() override { scatter_if_changed(); }
+  // SingleDevice and DataParallel on GPUs run ahead of the host (the GPU
+  // executor's steps).
+  bool gpu_steps() const { return !is_pipelined<Policy> && gpu_; }
+  bool runs_ahead(const FitOptions& options) const override {
+    return gpu_steps() && gpu_->runs_ahead(*this, options);
+  }
+  cpu::LossSums finish_step(int epoch, std::size_t step, const FitOptions& options) override {
+    LOOM_CHECK(gpu_steps(), "finish_step: only the GPU's steps run ahead");
+    return gpu_->finish_step(*this, epoch, step, options);
+  }
+  void epoch_begin() override {
+    if (gpu_steps()) gpu_->epoch_begin(*this);
+  }
   // Before the callbacks, like the GPU's copy; across processes model()
   // cannot gather (it is not collective) and returns these.
   void epoch_done() override {
     if constexpr (is_pipelined<Policy>) split_engine()->gather(model_);
+    if (gpu_steps()) gpu_->epoch_done(*this);
   }
+  // One batch of an optimizer step on the CPU (the engine runs the step
+  // protocol), or of a pipeline on GPUs; or enqueued on the GPUs'
+  // replicas, whose results finish_step() reads.
+  std::optional<cpu::LossSums> run_batch(const data::Batch& batch, std::size_t group_samples,
+                                         bool accumulate, bool last, int epoch, std::size_t step,
+                                         const FitOptions& fit) override {
+    if (gpu_steps()) {
+      gpu_->run_batch(*this, batch, group_samples, accumulate, last);
+      return std::nullopt;
+    }
+    const float max_grad_norm = fit.max_grad_norm;
+    nonfinite_.clear();
+    const Pass pass{.training = true, .seed = options_.seed, .step = batches_++};
+    const StepSettings settings{
+        .lr = optimizer().options().lr,
+        .max_grad_norm = max_grad_norm,
+        .precision = options_.precision,
+        .loss_scale = options_.precision == Precision::fp16 ? scaler_.scale() : 1.0f,
+        .at_min_scale = options_.precision == Precision::fp16 && scaler_.at_min_scale()};
+    auto& engine = engine_for_step();
+    const auto sums = engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
+                                        accumulate, last, settings, pass);
+    if (!last) return std::nullopt;
+    const NonFiniteSpot spot = engine.fault();
+    // GPU stages say so when their gradients were not finite and the host
+    // found no spot to name.
+    bool gradients_bad = false;
+    if constexpr (is_pipelined<Policy>) gradients_bad = engine.gradients_nonfinite();
+    // The ranks skipped their update. An fp16 overflow's spot (at the
+    // minimum scale) is the scale's to report.
+    if (sums.overflowed ||
+        !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite, {}, gradients_bad))
+      note_overflow(sums, spot, epoch, step, fit.on_nonfinite);
+    return sums;
+  }
+
+ private:
   std::string spot_text(const NonFiniteSpot& spot) const override {
     return detail::spot_text<Net>(spot);
   }
@@ -450,36 +501,6 @@ class Trainer : public detail::TrainerCore {
     check_samples(dataset, what, Net::input_shape::size, classes);
   }
   bool on_gpu() const { return devices_.front().kind == Device::Kind::cuda; }
-
-  // One batch of an optimizer step on the CPU (the engine runs the step
-  // protocol), or of a pipeline on GPUs.
-  cpu::LossSums run_batch(const data::Batch& batch, std::size_t group_samples, bool accumulate,
-                          bool last, int epoch, std::size_t step, const FitOptions& fit) override {
-    const float max_grad_norm = fit.max_grad_norm;
-    nonfinite_.clear();
-    const Pass pass{.training = true, .seed = options_.seed, .step = batches_++};
-    const StepSettings settings{
-        .lr = optimizer().options().lr,
-        .max_grad_norm = max_grad_norm,
-        .precision = options_.precision,
-        .loss_scale = options_.precision == Precision::fp16 ? scaler_.scale() : 1.0f,
-        .at_min_scale = options_.precision == Precision::fp16 && scaler_.at_min_scale()};
-    auto& engine = engine_for_step();
-    const auto sums = engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
-                                        accumulate, last, settings, pass);
-    if (!last) return {};
-    const NonFiniteSpot spot = engine.fault();
-    // GPU stages say so when their gradients were not finite and the host
-    // found no spot to name.
-    bool gradients_bad = false;
-    if constexpr (is_pipelined<Policy>) gradients_bad = engine.gradients_nonfinite();
-    // The ranks skipped their update. An fp16 overflow's spot (at the
-    // minimum scale) is the scale's to report.
-    if (sums.overflowed ||
-        !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite, {}, gradients_bad))
-      note_overflow(sums, spot, epoch, step, fit.on_nonfinite);
-    return sums;
-  }
 
   // model() handed out the weights: the stages take them back, or the
   // other replicas take replica 0's. (Across processes model() is

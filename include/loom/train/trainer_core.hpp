@@ -210,16 +210,23 @@ struct FitPlan {
 
 // What a backend other than the host's does for a Trainer: the CUDA one
 // (gpu/trainer_executor.cuh), which loom.hpp brings when nvcc compiles. It runs
-// SingleDevice and DataParallel steps on the GPUs' streams, a step ahead
-// of the host, and makes the GPU stages of ModelSplit and Hybrid, whose
-// steps the trainer runs as it runs the CPU's.
+// SingleDevice and DataParallel steps on the GPUs' streams, a step ahead of
+// the host, in the trainer's fit loop (TrainerCore::run_fit, whose executor
+// calls of the same names it answers), and makes the GPU stages of
+// ModelSplit and Hybrid, whose steps the trainer runs as it runs the CPU's.
 template <class Trainer>
 class GpuExecutor {
  public:
   virtual ~GpuExecutor() = default;
-  // SingleDevice and DataParallel: fit() and evaluate() on the GPUs.
-  virtual void fit(Trainer& trainer, data::Loader& loader, const FitPlan& plan,
-                   FitEvents& events) = 0;
+  // SingleDevice and DataParallel: the fit loop's steps, and evaluate().
+  virtual void start_fit(Trainer& trainer, const FitPlan& plan) = 0;
+  virtual bool runs_ahead(const Trainer& trainer, const FitOptions& options) const = 0;
+  virtual void epoch_begin(Trainer& trainer) = 0;
+  virtual void run_batch(Trainer& trainer, const data::Batch& batch, std::size_t group_samples,
+                         bool accumulate, bool last) = 0;
+  virtual cpu::LossSums finish_step(Trainer& trainer, int epoch, std::size_t step,
+                                    const FitOptions& options) = 0;
+  virtual void epoch_done(Trainer& trainer) = 0;
   virtual cpu::LossSums evaluate(Trainer& trainer, const data::Dataset& dataset,
                                  std::size_t batch_size) = 0;
   // The devices' weights into the trainer's model() (a fit's GPUs take
@@ -291,19 +298,30 @@ class TrainerCore {
   void fit_with(const data::Dataset& train, const FitOptions& options, FitEvents& events);
   // fit()'s checks of its arguments, made before the processes compare them.
   virtual void check_fit(const data::Dataset& train, const FitOptions& options) = 0;
-  // Before the first step (memory planned for `planned_batch` samples);
-  // true when the executor ran the whole fit itself.
-  virtual bool start_fit(data::Loader& loader, const FitPlan& plan, FitEvents& events,
-                         std::size_t planned_batch) = 0;
+  // Before the first step (memory planned for `planned_batch` samples).
+  virtual void start_fit(const FitPlan& plan, std::size_t planned_batch) = 0;
   // What the executor does for the fit loop (see run_fit).
   // Before an optimizer step's first batch: weights changed through
   // model() reach the devices.
   virtual void before_step() = 0;
-  // One batch of an optimizer step over `group_samples` samples: the step's
-  // sums once `last`.
-  virtual cpu::LossSums run_batch(const data::Batch& batch, std::size_t group_samples,
-                                  bool accumulate, bool last, int epoch, std::size_t step,
-                                  const FitOptions& options) = 0;
+  // One batch of an optimizer step over `group_samples` samples. An
+  // executor that runs each step at once (the CPU's) returns the step's
+  // sums once `last`; one that runs ahead of the host (the GPU's) only
+  // enqueues it and returns none: finish_step() reads them later.
+  virtual std::optional<cpu::LossSums> run_batch(const data::Batch& batch,
+                                                 std::size_t group_samples, bool accumulate,
+                                                 bool last, int epoch, std::size_t step,
+                                                 const FitOptions& options) = 0;
+  // Whether the fit may read a step's results only once the next step's
+  // first batch is enqueued, so that the devices never wait for the host.
+  virtual bool runs_ahead(const FitOptions& options) const = 0;
+  // The sums of the oldest step that run_batch enqueued and no finish_step
+  // has read (waiting for it), its non-finite values and fp16 overflow
+  // handled as run_batch handles them on the CPU; one that raises leaves
+  // the executor at the steps finished before it.
+  virtual cpu::LossSums finish_step(int epoch, std::size_t step, const FitOptions& options) = 0;
+  // Before an epoch's first batch.
+  virtual void epoch_begin() = 0;
   // After an epoch's last step, before its callbacks.
   virtual void epoch_done() = 0;
   // The processes' fingerprint: the trainer's type, devices and optimizer,
@@ -329,9 +347,9 @@ class TrainerCore {
   virtual double sum_over_processes(double value) = 0;
   virtual std::vector<double> gather_over_processes(std::span<const double> row) = 0;
 
-  // The fit loop on executors that run each step at once (the CPU's): the
-  // epochs from a loaded checkpoint's position, each step's callbacks and
-  // position, stop().
+  // The fit loop, over executors that run each step at once (the CPU's)
+  // and ones that run ahead (the GPU's): the epochs from a loaded
+  // checkpoint's position, each step's callbacks and position, stop().
   void run_fit(data::Loader& loader, const FitPlan& plan, FitEvents& events);
 
   // What every process of a fit must share (the callbacks add theirs).
@@ -459,9 +477,9 @@ class TrainerCore {
   // A loaded checkpoint's position, which the next fit() goes on from.
   std::optional<TrainingPosition> resume_;
   std::optional<FitIdentity> resume_fit_;
-  // Training batches on an executor that runs ahead of the host (the GPU's)
-  // whose optimizer step is not reported yet: it is past position_ while
-  // there are any.
+  // Training batches run (by an executor that runs ahead: enqueued) whose
+  // optimizer step is not reported yet: the devices are past position_
+  // while there are any.
   std::size_t gpu_unreported_ = 0;
 };
 
@@ -590,17 +608,27 @@ LOOM_DECL void TrainerCore::fit_with(const data::Dataset& train, const FitOption
   // for what a step takes, not for what was asked.
   const std::size_t planned_batch = std::min(options.batch_size, train.count);
   stop_.set(false);
-  if (!start_fit(loader, plan, events, planned_batch)) run_fit(loader, plan, events);
+  start_fit(plan, planned_batch);
+  run_fit(loader, plan, events);
   events.fit_end();
 }
 
 LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, FitEvents& events) {
   const FitOptions& options = plan.options;
   const FitInfo& info = plan.info;
-  const std::size_t k = options.accumulation_steps;
-  const std::size_t epoch_samples = plan.epoch_samples;
   // A loaded checkpoint's position: this fit goes on from there.
   const auto resumed = resume_position(plan.identity, loader.batches_per_epoch());
+  // A fit that failed may have left steps unreported; this one goes on
+  // from the devices' state.
+  gpu_unreported_ = 0;
+  // An executor that runs ahead has a step's results read once the next
+  // step's first batch is enqueued; a step whose callbacks need the
+  // trainer's state after it (needs_state_at_step: callbacks::Checkpoint's
+  // saves) is reported before the next one is enqueued instead.
+  const bool ahead = runs_ahead(options);
+  // Dropout's counter as the reported steps leave it: a step that fails
+  // leaves it there, as it leaves the position.
+  std::uint64_t reported_batches = batches_;
   events.fit_begin(info);
 
   const int first_epoch = resumed ? resumed->epoch + (resumed->ended ? 1 : 0) : 1;
@@ -609,6 +637,7 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
     const bool part = resumed && epoch == resumed->epoch;
     position_ = part ? *resumed : TrainingPosition{.epoch = epoch};
     loader.start_epoch(static_cast<std::size_t>(epoch - 1), position_.batches);
+    epoch_begin();
     const auto start = std::chrono::steady_clock::now() -
                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                            std::chrono::duration<double>(position_.seconds));
@@ -619,48 +648,37 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
     // accuracy. (Counted from this fit's start: a resumed epoch's earlier
     // skips are not known.)
     std::size_t skipped_samples = 0;
-    detail::StepGroups groups(k, options.batch_size, epoch_samples, position_.samples);
-    data::Batch batch{};
-    // A step counts once all its batches are in: the position and
-    // Dropout's counter never stand in the middle of one (an error in a
-    // step leaves them at its start).
-    std::size_t step_batches = 0;
-    std::uint64_t step_first_batch = batches_;
-    while (loader.next(batch)) {
-      const auto place = groups.next(batch.size);
-      if (!place.accumulate) {
-        step_first_batch = batches_;
-        // A callback changed the weights through model(): the stages or
-        // replicas take them now.
-        before_step();
+    // A step counts once it is reported: the position and Dropout's
+    // counter never stand in the middle of one.
+    struct Ran {
+      std::size_t batches = 0, samples = 0;
+    };
+    const auto report = [&](const Ran& ran, std::optional<cpu::LossSums> sums) {
+      if (!sums) {
+        try {
+          sums = finish_step(epoch, step.step + 1, options);
+        } catch (...) {
+          gpu_unreported_ = 0;  // the executor is back at the finished steps
+          batches_ = reported_batches;
+          throw;
+        }
       }
-      if (!place.accumulate)
-        events.step_begin(step_begin(epoch, step.step, info, options));
-      cpu::LossSums sums;
-      try {
-        sums = run_batch(batch, place.group_samples, place.accumulate, place.last, epoch,
-                          step.step + 1, options);
-      } catch (...) {
-        batches_ = step_first_batch;
-        throw;
-      }
-      step.samples += batch.size;
-      step_batches += 1;
-      if (!place.last) continue;
-      position_.batches += std::exchange(step_batches, 0);
+      gpu_unreported_ -= ran.batches;
+      reported_batches += ran.batches;
+      position_.batches += ran.batches;
       steps_ += 1;
-      step.skipped = sums.overflowed || !nonfinite_.empty();
+      step.skipped = sums->overflowed || !nonfinite_.empty();
       step.nonfinite = nonfinite_;
-      step.step_samples = step.samples - position_.samples;
+      step.step_samples = ran.samples;
+      step.samples += ran.samples;
       if (nonfinite_.empty()) {
-        position_.loss_sum += sums.loss;
-        position_.correct += sums.correct;
+        position_.loss_sum += sums->loss;
+        position_.correct += sums->correct;
       } else {
-        skipped_samples += step.step_samples;
+        skipped_samples += ran.samples;
       }
-      step.step_loss = sums.loss / static_cast<double>(step.step_samples);
-      step.step_accuracy =
-          static_cast<double>(sums.correct) / static_cast<double>(step.step_samples);
+      step.step_loss = sums->loss / static_cast<double>(ran.samples);
+      step.step_accuracy = static_cast<double>(sums->correct) / static_cast<double>(ran.samples);
       step.step += 1;
       const auto counted =
           static_cast<double>(std::max<std::size_t>(1, step.samples - skipped_samples));
@@ -671,8 +689,48 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
       position_.samples = step.samples;
       position_.seconds = step.seconds;
       events.step(step);
-      if (stop_.get()) break;
+    };
+    detail::StepGroups groups(options.accumulation_steps, options.batch_size, plan.epoch_samples,
+                              position_.samples);
+    Ran gathering;                // the step whose batches are being run
+    std::optional<Ran> pending;  // ahead: the step before, run and not reported
+    data::Batch batch{};
+    while (loader.next(batch)) {
+      if (groups.at_step_start()) {
+        if (pending && events.needs_state_at_step(steps_ + 1))
+          report(*std::exchange(pending, std::nullopt), std::nullopt);
+        // stop() takes effect at a step's first batch: a step still being
+        // reported completes.
+        if (stop_.get()) break;
+        // A callback changed the weights through model(): the stages or
+        // replicas take them now.
+        before_step();
+      }
+      const auto place = groups.next(batch.size);
+      const std::size_t number = step.step + 1 + (pending ? 1 : 0);
+      if (!place.accumulate) events.step_begin(step_begin(epoch, number - 1, info, options));
+      std::optional<cpu::LossSums> sums;
+      try {
+        sums = run_batch(batch, place.group_samples, place.accumulate, place.last, epoch, number,
+                         options);
+      } catch (...) {
+        // The failed step's batches updated nothing; a step run ahead of
+        // it stays unreported.
+        gpu_unreported_ -= gathering.batches;
+        batches_ = reported_batches;
+        throw;
+      }
+      gpu_unreported_ += 1;
+      gathering.batches += 1;
+      gathering.samples += batch.size;
+      if (pending) report(*std::exchange(pending, std::nullopt), std::nullopt);
+      if (!place.last) continue;
+      if (sums || !ahead)
+        report(std::exchange(gathering, {}), sums);
+      else
+        pending = std::exchange(gathering, {});
     }
+    if (pending) report(*pending, std::nullopt);
     if (stop_.get() && position_.batches < loader.batches_per_epoch()) break;
     // Before the callbacks, like the GPU's copy; across processes model()
     // cannot gather (it is not collective) and returns these.
