@@ -177,15 +177,20 @@ class AheadTrainer : public Trainer<Mlp> {
   std::vector<std::string> calls;        // "run <batch>", "finish <step>"
   std::size_t fail_finish_at_step = 0;   // finish_step of this step raises
   std::size_t fail_run_at_batch = 0;     // run_batch of this batch (1-based) raises
+  std::uint64_t dropout_step() const { return batches_; }  // Dropout's batch counter
 
  protected:
+  void start_fit(const detail::FitPlan& plan, std::size_t planned_batch) override {
+    done_.clear();  // a failed fit's unread steps, as a GPU's executor drops them
+    Trainer<Mlp>::start_fit(plan, planned_batch);
+  }
   bool runs_ahead(const FitOptions&) const override { return true; }
   std::optional<cpu::LossSums> run_batch(const data::Batch& batch, std::size_t group_samples,
                                          bool accumulate, bool last, int epoch, std::size_t step,
                                          const FitOptions& options) override {
-    ++batches_run_;
-    if (batches_run_ == fail_run_at_batch) throw Error("test: run_batch fails");
-    calls.push_back("run " + std::to_string(batches_run_));
+    ++runs_;
+    if (runs_ == fail_run_at_batch) throw Error("test: run_batch fails");
+    calls.push_back("run " + std::to_string(runs_));
     const auto sums =
         Trainer<Mlp>::run_batch(batch, group_samples, accumulate, last, epoch, step, options);
     if (sums) done_.push_back({*sums, nonfinite_});
@@ -201,7 +206,7 @@ class AheadTrainer : public Trainer<Mlp> {
   }
 
  private:
-  std::size_t batches_run_ = 0;
+  std::size_t runs_ = 0;
   std::vector<std::pair<cpu::LossSums, std::string>> done_;
 };
 
@@ -302,11 +307,10 @@ TEST_CASE("fit loop: running ahead, a step whose callbacks need the state is rea
 
 TEST_CASE("fit loop: running ahead, a step that fails leaves the trainer at the steps read") {
   const auto data = head(fashion().train, 640);
-  const auto dir = std::filesystem::temp_directory_path() / "loom_fit_loop_ahead";
-  std::filesystem::create_directories(dir);
+  const auto path = std::filesystem::temp_directory_path() / "loom_fit_loop_ahead.loom";
   {
-    // Reading step 4 raises (as a GPU's halted step does): steps 1-3 count;
-    // nothing is left unread, so the state can be saved.
+    // Reading step 4 fails (as a lost device's wait does) once batch 5 has
+    // run: steps 1-3 count, and save() refuses, the devices being past them.
     AheadTrainer ahead(devices::cpu(1), {.lr = 0.01f});
     ahead.fail_finish_at_step = 4;
     REQUIRE_THROWS_WITH(ahead.fit(data, {.epochs = 1, .batch_size = 64}),
@@ -314,19 +318,25 @@ TEST_CASE("fit loop: running ahead, a step that fails leaves the trainer at the 
     REQUIRE(ahead.position().steps == 3);
     REQUIRE(ahead.position().batches == 3);
     REQUIRE(ahead.steps() == 3);
-    REQUIRE_NOTHROW(ahead.save(dir / "after_finish.loom"));
+    REQUIRE(ahead.dropout_step() == 5);
+    REQUIRE_THROWS_WITH(ahead.save(path), Catch::Contains("called while the GPU runs a step "
+                                                          "that fit() has not reported"));
   }
   {
-    // Enqueueing batch 5 raises while step 4 is unread: save() refuses,
-    // the devices being past the position.
+    // Enqueueing batch 5 fails while step 4 is unread: Dropout's counter
+    // stays past step 4, which ran, and save() refuses.
     AheadTrainer ahead(devices::cpu(1), {.lr = 0.01f});
     ahead.fail_run_at_batch = 5;
     REQUIRE_THROWS_WITH(ahead.fit(data, {.epochs = 1, .batch_size = 64}),
                         "test: run_batch fails");
     REQUIRE(ahead.position().steps == 3);
-    REQUIRE_THROWS_WITH(ahead.save(dir / "after_run.loom"),
-                        Catch::Contains("called while the GPU runs a step that fit() has not "
-                                        "reported"));
+    REQUIRE(ahead.dropout_step() == 4);
+    REQUIRE_THROWS_WITH(ahead.save(path), Catch::Contains("called while the GPU runs a step "
+                                                          "that fit() has not reported"));
+    // A fit that ended leaves nothing unread.
+    ahead.fail_run_at_batch = 0;
+    ahead.fit(data, {.epochs = 1, .batch_size = 64});
+    REQUIRE_NOTHROW(ahead.save(path));
   }
-  std::filesystem::remove_all(dir);
+  std::filesystem::remove(path);
 }

@@ -45,8 +45,9 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
   }
   using Pipeline = std::remove_pointer_t<decltype(pipeline_type())>;
 
+  // Not while the host holds edits the GPUs have not taken: they are newer.
   void weights_to_host(Trainer& t) override {
-    if (gpus_.empty()) return;
+    if (gpus_.empty() || t.host_changed_) return;
     gpus_.front().use();
     gpus_.front().model->copy_parameters_to(t.model_);
     t.host_changed_ = true;
@@ -254,8 +255,10 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
   void run_batch(Trainer& t, const data::Batch& batch, std::size_t group_samples, bool accumulate,
                  bool last) override {
     if constexpr (!is_pipelined<Policy>) {
-      // A callback changed the weights through model(): the GPUs take them now.
-      if (!accumulate) push_host_edits(t);
+      // A callback changed the weights through model() (or read them: the
+      // copy is the device's): the GPUs take them now, before this batch,
+      // so that no update enqueued since is overwritten.
+      push_host_edits(t);
       for (auto& replica : gpus_) {
         replica.use();
         replica.model->set_lr(t.optimizer_.options().lr);
@@ -293,8 +296,11 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
         }
       } catch (...) {
         // A step the device halted (a non-finite loss, a bad label) skipped
-        // its update and every later one: Adam's step count goes back to
-        // the finished steps', as the CPU leaves it at the step's start.
+        // its update and every later one: the device is at the steps read
+        // before, and the counters go back to them (Dropout's, Adam's step
+        // count), as the CPU leaves them at the step's start.
+        t.batches_ -= t.gpu_unreported_;
+        t.gpu_unreported_ = 0;
         pending_slots_.clear();
         for (auto& replica : gpus_) replica.model->set_optimizer_steps(reported_updates_);
         throw;
@@ -351,6 +357,12 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
                                   std::size_t batch_size) {
     // Existing replicas are kept (a fit may be running: this can be a
     // callback's call); larger requests are evaluated in pieces of their size.
+    // Not while the GPUs run steps fit() has not read: evaluation uses
+    // their input slots and totals.
+    LOOM_CHECK(t.gpu_unreported_ == 0, "evaluate: called while the GPU runs a step that fit() "
+               "has not reported (the GPU runs a step ahead of the callbacks); evaluate at an "
+               "epoch's end, from a step callback whose needs_state_at_step(steps) is true for "
+               "that step, or after a fit that ended");
     ensure_nccl(t);
     const auto world = static_cast<std::size_t>(gpu_world());
     auto& replicas =
@@ -387,6 +399,8 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
       }
     }
     const auto totals = wait_gpu_totals(last);
+    // A fit's next step counts from zero (see finish_step).
+    epoch_begin(t);
     if (totals.halted == loom::gpu::halt_bad_label)
       LOOM_FAIL("evaluate: dataset '", dataset.name, "': label ", totals.bad_label,
                 " of a sample is outside the network's ", classes, " classes");

@@ -317,8 +317,10 @@ class TrainerCore {
   virtual bool runs_ahead(const FitOptions& options) const = 0;
   // The sums of the oldest step that run_batch enqueued and no finish_step
   // has read (waiting for it), its non-finite values and fp16 overflow
-  // handled as run_batch handles them on the CPU; one that raises leaves
-  // the executor at the steps finished before it.
+  // handled as run_batch handles them on the CPU. A step the device halted
+  // raises with the executor and the counters (batches_, gpu_unreported_)
+  // at the steps read before it; any other error leaves the steps run
+  // ahead unreported (save() refuses: the devices' state is not known).
   virtual cpu::LossSums finish_step(int epoch, std::size_t step, const FitOptions& options) = 0;
   // Before an epoch's first batch.
   virtual void epoch_begin() = 0;
@@ -626,9 +628,6 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
   // trainer's state after it (needs_state_at_step: callbacks::Checkpoint's
   // saves) is reported before the next one is enqueued instead.
   const bool ahead = runs_ahead(options);
-  // Dropout's counter as the reported steps leave it: a step that fails
-  // leaves it there, as it leaves the position.
-  std::uint64_t reported_batches = batches_;
   events.fit_begin(info);
 
   const int first_epoch = resumed ? resumed->epoch + (resumed->ended ? 1 : 0) : 1;
@@ -654,17 +653,8 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
       std::size_t batches = 0, samples = 0;
     };
     const auto report = [&](const Ran& ran, std::optional<cpu::LossSums> sums) {
-      if (!sums) {
-        try {
-          sums = finish_step(epoch, step.step + 1, options);
-        } catch (...) {
-          gpu_unreported_ = 0;  // the executor is back at the finished steps
-          batches_ = reported_batches;
-          throw;
-        }
-      }
+      if (!sums) sums = finish_step(epoch, step.step + 1, options);
       gpu_unreported_ -= ran.batches;
-      reported_batches += ran.batches;
       position_.batches += ran.batches;
       steps_ += 1;
       step.skipped = sums->overflowed || !nonfinite_.empty();
@@ -694,6 +684,9 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
                               position_.samples);
     Ran gathering;                // the step whose batches are being run
     std::optional<Ran> pending;  // ahead: the step before, run and not reported
+    // Dropout's counter at the step's start: a step that fails leaves it
+    // there, as it leaves the position.
+    std::uint64_t step_first_batch = batches_;
     data::Batch batch{};
     while (loader.next(batch)) {
       if (groups.at_step_start()) {
@@ -708,7 +701,10 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
       }
       const auto place = groups.next(batch.size);
       const std::size_t number = step.step + 1 + (pending ? 1 : 0);
-      if (!place.accumulate) events.step_begin(step_begin(epoch, number - 1, info, options));
+      if (!place.accumulate) {
+        step_first_batch = batches_;
+        events.step_begin(step_begin(epoch, number - 1, info, options));
+      }
       std::optional<cpu::LossSums> sums;
       try {
         sums = run_batch(batch, place.group_samples, place.accumulate, place.last, epoch, number,
@@ -717,7 +713,7 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
         // The failed step's batches updated nothing; a step run ahead of
         // it stays unreported.
         gpu_unreported_ -= gathering.batches;
-        batches_ = reported_batches;
+        batches_ = step_first_batch;
         throw;
       }
       gpu_unreported_ += 1;
