@@ -106,6 +106,13 @@ struct Maybe {
   void on_step(const StepInfo& info, T& trainer) {
     if (c) c->on_step(info, trainer);
   }
+  // A Checkpoint's saves: a GPU reads the step before the next one runs.
+  bool needs_state_at_step(std::uint64_t steps) const {
+    if constexpr (requires { c->needs_state_at_step(steps); })
+      return c && c->needs_state_at_step(steps);
+    else
+      return false;
+  }
   template <class T>
   void on_epoch_end(const EpochInfo& info, T& trainer) {
     if (c) c->on_epoch_end(info, trainer);

@@ -321,6 +321,11 @@ TEST_CASE("fit loop: running ahead, a step that fails leaves the trainer at the 
     REQUIRE(ahead.dropout_step() == 5);
     REQUIRE_THROWS_WITH(ahead.save(path), Catch::Contains("called while the GPU runs a step "
                                                           "that fit() has not reported"));
+    // A loaded checkpoint is the devices' state: nothing is left unread.
+    Trainer<Mlp> plain(devices::cpu(1), {.lr = 0.01f});
+    plain.save(path);
+    ahead.load(path);
+    REQUIRE_NOTHROW(ahead.save(path));
   }
   {
     // Enqueueing batch 5 fails while step 4 is unread: Dropout's counter

@@ -357,12 +357,13 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
                                   std::size_t batch_size) {
     // Existing replicas are kept (a fit may be running: this can be a
     // callback's call); larger requests are evaluated in pieces of their size.
-    // Not while the GPUs run steps fit() has not read: evaluation uses
-    // their input slots and totals.
-    LOOM_CHECK(t.gpu_unreported_ == 0, "evaluate: called while the GPU runs a step that fit() "
-               "has not reported (the GPU runs a step ahead of the callbacks); evaluate at an "
-               "epoch's end, from a step callback whose needs_state_at_step(steps) is true for "
-               "that step, or after a fit that ended");
+    // Not from a fit's callback while the GPUs run steps it has not read:
+    // evaluation resets the loss totals, whose per-slot snapshots those
+    // steps' reads wait for. (After a fit, whatever it left, it may.)
+    LOOM_CHECK(!t.fitting_ || t.gpu_unreported_ == 0, "evaluate: called while the GPU runs a "
+               "step that fit() has not reported (the GPU runs a step ahead of the callbacks); "
+               "evaluate at an epoch's end, from a step callback whose needs_state_at_step(steps) "
+               "is true for that step, or after the fit");
     ensure_nccl(t);
     const auto world = static_cast<std::size_t>(gpu_world());
     auto& replicas =

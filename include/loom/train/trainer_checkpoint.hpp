@@ -91,6 +91,7 @@ LOOM_DECL void TrainerCore::load_with(const std::filesystem::path& path, bool re
   options_.seed = image.seed;  // Dropout's masks go on as they would have
   batches_ = image.batches;
   nonfinite_steps_ = image.nonfinite_steps;
+  gpu_unreported_ = 0;  // the devices hold the checkpoint's state now
   resume_ = resume && image.position.epoch > 0 ? std::optional(image.position) : std::nullopt;
   resume_fit_ = resume ? image.fit : std::nullopt;
 }

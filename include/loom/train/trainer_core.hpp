@@ -483,6 +483,7 @@ class TrainerCore {
   // optimizer step is not reported yet: the devices are past position_
   // while there are any.
   std::size_t gpu_unreported_ = 0;
+  bool fitting_ = false;  // run_fit is running (its callbacks too)
 };
 
 #if LOOM_IMPLEMENT
@@ -628,6 +629,11 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
   // trainer's state after it (needs_state_at_step: callbacks::Checkpoint's
   // saves) is reported before the next one is enqueued instead.
   const bool ahead = runs_ahead(options);
+  struct Fitting {
+    bool& flag;
+    explicit Fitting(bool& f) : flag(f) { flag = true; }
+    ~Fitting() { flag = false; }
+  } fitting(fitting_);
   events.fit_begin(info);
 
   const int first_epoch = resumed ? resumed->epoch + (resumed->ended ? 1 : 0) : 1;
