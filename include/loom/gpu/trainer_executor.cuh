@@ -243,13 +243,14 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
   // The device's totals count from each epoch's start; a step's sums are
   // what it added to them.
   void epoch_begin(Trainer&) override {
-    if constexpr (!is_pipelined<Policy>) {
-      for (auto& replica : gpus_) {
-        replica.use();
-        replica.model->reset_totals();
-      }
-      read_totals_ = {};
+    if constexpr (!is_pipelined<Policy>) reset_totals();
+  }
+  void reset_totals() {
+    for (auto& replica : gpus_) {
+      replica.use();
+      replica.model->reset_totals();
     }
+    read_totals_ = {};
   }
 
   void run_batch(Trainer& t, const data::Batch& batch, std::size_t group_samples, bool accumulate,
@@ -372,10 +373,7 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
     const std::size_t most = replicas.front().model->max_batch();
     const std::size_t piece = batch_size == 0 ? most : std::min(batch_size, most);
     const std::size_t sample = dataset.sample_size();
-    for (auto& replica : replicas) {
-      replica.use();
-      replica.model->reset_totals();
-    }
+    reset_totals();
     // Every rank takes the same number of steps (they are collective); a
     // rank whose share has run out takes empty ones.
     const std::size_t steps = (batch_share(dataset.count, world, 0).count + piece - 1) / piece;
@@ -401,7 +399,7 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
     }
     const auto totals = wait_gpu_totals(last);
     // A fit's next step counts from zero (see finish_step).
-    epoch_begin(t);
+    reset_totals();
     if (totals.halted == loom::gpu::halt_bad_label)
       LOOM_FAIL("evaluate: dataset '", dataset.name, "': label ", totals.bad_label,
                 " of a sample is outside the network's ", classes, " classes");
