@@ -201,7 +201,11 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
     check_combinations(app, o, distributed);
   } catch (const CLI::ParseError& error) {
     result.help = error.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success);
-    result.status = app.exit(error);
+    // app.exit prints the usage or the refusal; its status is CLI11's own
+    // (105, 109, ...), so a refusal exits with 2 instead, as Unix tools do,
+    // and stays apart from a run-time error's 1.
+    app.exit(error);
+    result.status = result.help ? 0 : 2;
   }
   result.collective_timeout = collective_timeout;
   result.collective_timeout_given = timeout_default && app.count("--collective-timeout") > 0;

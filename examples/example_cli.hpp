@@ -47,8 +47,8 @@ struct Options {
 };
 
 // What parsing the command line came to: `status` 0 to go on (or, with
-// `help`, to end after --help printed the usage); else the exit status
-// after the refusal was printed.
+// `help`, to end after --help printed the usage); else 2, the exit status
+// of a refused command line, after the refusal was printed.
 struct CommandLine {
   int status = 0;
   bool help = false;
