@@ -1,6 +1,6 @@
 // The multi-process path, run by CTest under `mpiexec -np 2`: MpiComm's
-// collectives, DataParallel and ModelSplit across processes against
-// single-device training, and ranks that disagree on the network or count. Every rank runs every test case in
+// collectives and the line a late call prints, DataParallel and ModelSplit
+// across processes against single-device training, and ranks that disagree on the network or count. Every rank runs every test case in
 // the same order (they are collective); CTest's timeout turns a hang into a
 // failure.
 #define CATCH_CONFIG_RUNNER
@@ -8,10 +8,14 @@
 
 #include <array>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <filesystem>
 #include <functional>
+#include <iostream>
 #include <loom/loom.hpp>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fashion_test.hpp"
@@ -86,6 +90,63 @@ TEST_CASE("mpi: a message of the wrong length is a loom::Error naming the call a
                                         "were expected"));
   }
   world.barrier();  // both ranks go on together
+}
+
+TEST_CASE("mpi: a call past the report time names the late rank once, then completes") {
+  // A world of its own (made by both ranks), reporting after 0.3 s: a late
+  // rank's partner asks at 0.3 s, gets no answer from it and prints at 1.3 s;
+  // the late rank comes at 2 s and the call completes.
+  auto world = comm::MpiComm::world(comm::Timeout(60.0), comm::Timeout(0.3));
+  REQUIRE(world.report_after() == comm::Timeout(0.3));
+  const int r = world.rank();
+  const auto late_if = [](bool late) {
+    if (late) std::this_thread::sleep_for(std::chrono::seconds(2));
+  };
+  std::ostringstream captured;
+  struct Restore {
+    std::streambuf* was;
+    ~Restore() { std::cerr.rdbuf(was); }
+  } restore{std::cerr.rdbuf(captured.rdbuf())};
+  late_if(r == 1);
+  world.barrier();  // #1: rank 0's question waits unanswered at rank 1
+  late_if(r == 0);
+  std::vector<float> x{1.0f + r};
+  world.all_reduce(std::span<float>(x), comm::ReduceOp::sum);  // #2: rank 1 asks
+  late_if(r == 1);
+  world.barrier();  // #3: an answer to #1's or #2's question is not one to #3's
+  std::vector<float> got(1);
+  if (r == 0) {
+    world.recv(std::span<float>(got), 1);
+  } else {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    world.send(std::span<const float>(x), 0);
+  }
+  REQUIRE(x[0] == 3.0f);
+  const std::string tail = "; the timeout is 60 s (LOOM_COLLECTIVE_TIMEOUT)";
+  const std::vector<std::string> expected =
+      r == 0 ? std::vector<std::string>{" s in MPI_Barrier (collective #1) for rank(s) 1, which "
+                                        "have not arrived" + tail,
+                                        " s in MPI_Barrier (collective #3) for rank(s) 1, which "
+                                        "have not arrived" + tail,
+                                        " s in MPI_Recv for rank 1" + tail}
+             : std::vector<std::string>{" s in MPI_Allreduce (collective #2) for rank(s) 0, "
+                                        "which have not arrived" + tail};
+  const std::string start = "loom: rank " + std::to_string(r) + " of 2 has waited ";
+  std::istringstream lines(captured.str());
+  std::size_t seen = 0;
+  for (std::string line; std::getline(lines, line); ++seen) {
+    INFO(line);
+    REQUIRE(seen < expected.size());
+    REQUIRE(line.rfind(start, 0) == 0);
+    std::size_t used = 0;
+    const double waited = std::stod(line.substr(start.size()), &used);
+    REQUIRE(line.substr(start.size() + used) == expected[seen]);
+    // A send/recv names its peer at once; a collective after the answers' second.
+    const bool recv = seen == 2;
+    REQUIRE(waited >= (recv ? 0.3 : 1.3));
+    REQUIRE(waited < (recv ? 1.0 : 2.0));
+  }
+  REQUIRE(seen == expected.size());
 }
 
 TEST_CASE("mpi: DataParallel over 2 processes reaches the single-device weights") {

@@ -2,11 +2,15 @@
 // fixed reduction order, and how misuse and a failing rank end as errors.
 #include <loom/loom.hpp>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <iostream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "loom_test.hpp"
@@ -19,8 +23,9 @@ namespace {
 // Runs body(comm) on one thread per rank; returns each rank's error text
 // ("" when it returned normally).
 std::vector<std::string> on_ranks(int n, const std::function<void(comm::LocalComm&)>& body,
-                                  comm::Timeout timeout = comm::collective_timeout()) {
-  auto comms = comm::LocalComm::create(n, timeout);
+                                  comm::Timeout timeout = comm::collective_timeout(),
+                                  comm::Timeout report_after = comm::collective_report_after()) {
+  auto comms = comm::LocalComm::create(n, timeout, report_after);
   std::vector<std::string> errors(static_cast<std::size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
@@ -33,6 +38,36 @@ std::vector<std::string> on_ranks(int n, const std::function<void(comm::LocalCom
     });
   for (auto& t : threads) t.join();
   return errors;
+}
+
+// What is written to std::cerr while it lives.
+class CerrCapture {
+ public:
+  CerrCapture() : saved_(std::cerr.rdbuf(text_.rdbuf())) {}
+  CerrCapture(const CerrCapture&) = delete;
+  CerrCapture& operator=(const CerrCapture&) = delete;
+  ~CerrCapture() { std::cerr.rdbuf(saved_); }
+  std::string text() const { return text_.str(); }
+
+ private:
+  std::ostringstream text_;
+  std::streambuf* saved_;
+};
+
+// The lines of `text` that begin with `start`, each without its start.
+std::vector<std::string> lines_after(const std::string& text, const std::string& start) {
+  std::vector<std::string> found;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind(start, 0) == 0) found.push_back(line.substr(start.size()));
+  return found;
+}
+
+// "0.2 s in ...": the seconds a report line says it waited, and the rest.
+std::pair<double, std::string> waited_and_rest(const std::string& line) {
+  std::size_t used = 0;
+  const double seconds = std::stod(line, &used);
+  return {seconds, line.substr(used)};
 }
 
 }  // namespace
@@ -209,6 +244,71 @@ TEST_CASE("LocalComm: a rank that never comes is given up after the timeout, and
                       Catch::Contains("LocalComm::create: the timeout must be positive, got 0 s"));
 }
 
+TEST_CASE("LocalComm: a call past the report time names the ranks missing once, then completes") {
+  const comm::Timeout timeout(30.0), report_after(0.2), late(1.0);
+  REQUIRE(comm::LocalComm::create(2, timeout, report_after)[1].report_after() == report_after);
+  CerrCapture captured;
+  std::vector<std::vector<float>> data(3, std::vector<float>(5));
+  std::atomic<int> waiting{0};
+  const auto begun = std::chrono::steady_clock::now();
+  const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    data[r].assign(5, float(r + 1));
+    if (c.rank() == 2) {
+      while (waiting.load() < 2) std::this_thread::yield();
+      std::this_thread::sleep_for(late);
+    } else {
+      waiting += 1;
+    }
+    c.all_reduce(std::span<float>(data[r]), comm::ReduceOp::sum);
+  }, timeout, report_after);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - begun;
+  REQUIRE(errors == std::vector<std::string>{"", "", ""});
+  for (const auto& d : data) REQUIRE(d == std::vector<float>(5, 6.0f));
+  REQUIRE(took.count() < timeout.count());
+  const std::string text = captured.text();
+  INFO(text);
+  for (int r : {0, 1}) {
+    const auto lines = lines_after(text, "loom: rank " + std::to_string(r) + " of 3 has waited ");
+    REQUIRE(lines.size() == 1);  // once, though it waited 5 times the report time
+    const auto [waited, rest] = waited_and_rest(lines[0]);
+    REQUIRE(waited >= report_after.count());
+    REQUIRE(waited < late.count());
+    REQUIRE(rest == " s in LocalComm all_reduce for rank(s) 2, which have not arrived (rank " +
+                        std::to_string(1 - r) +
+                        " is waiting too); the timeout is 30 s (LOOM_COLLECTIVE_TIMEOUT)");
+  }
+  REQUIRE(lines_after(text, "loom: rank 2 of 3").empty());  // it came last: no wait
+
+  {  // a recv names the rank whose message it waits for
+    CerrCapture recv_captured;
+    std::vector<float> message(3, 0.0f);
+    const auto recv_errors = on_ranks(2, [&](comm::LocalComm& c) {
+      if (c.rank() == 0) {
+        std::this_thread::sleep_for(late);
+        c.send(std::span<const float>(std::vector<float>{1.0f, 2.0f, 3.0f}), 1);
+      } else {
+        c.recv(std::span<float>(message), 0);
+      }
+    }, timeout, report_after);
+    REQUIRE(recv_errors == std::vector<std::string>{"", ""});
+    REQUIRE(message == std::vector<float>{1.0f, 2.0f, 3.0f});
+    const auto lines = lines_after(recv_captured.text(), "loom: rank 1 of 2 has waited ");
+    REQUIRE(lines.size() == 1);
+    REQUIRE(waited_and_rest(lines[0]).second ==
+            " s in LocalComm recv for rank 0's message; the timeout is 30 s "
+            "(LOOM_COLLECTIVE_TIMEOUT)");
+  }
+  {  // a report time at or above the timeout means never
+    CerrCapture silent;
+    const auto gave_up = on_ranks(2, [&](comm::LocalComm& c) {
+      if (c.rank() == 1) c.barrier();  // rank 0 never comes
+    }, comm::Timeout(0.3), comm::Timeout(0.3));
+    REQUIRE_THAT(gave_up[1], Catch::Contains("LocalComm barrier on rank 1 of 2 timed out"));
+    REQUIRE(silent.text().empty());
+  }
+}
+
 TEST_CASE("Comm holds any Communicator, ops and ranks pass through") {
   STATIC_REQUIRE(comm::Communicator<comm::LocalComm>);
   auto locals = comm::LocalComm::create(2);
@@ -227,18 +327,32 @@ TEST_CASE("Comm holds any Communicator, ops and ranks pass through") {
   REQUIRE(held[1].describe() == "LocalComm rank 1 of 2");
 }
 
-TEST_CASE("comm: LOOM_COLLECTIVE_TIMEOUT sets the timeout in seconds, and a bad value is refused") {
-  const auto restore = [] { unsetenv("LOOM_COLLECTIVE_TIMEOUT"); };
-  restore();
-  REQUIRE(comm::collective_timeout().count() == 600.0);
-  setenv("LOOM_COLLECTIVE_TIMEOUT", "2.5", 1);
-  REQUIRE(comm::collective_timeout().count() == 2.5);
-  for (const char* bad : {"0", "-3", "ten", "5s", "1e9", "1e12"}) {
-    setenv("LOOM_COLLECTIVE_TIMEOUT", bad, 1);
-    REQUIRE_THROWS_WITH(comm::collective_timeout(),
-                        Catch::Contains(std::string("LOOM_COLLECTIVE_TIMEOUT='") + bad +
-                                        "' is not a number of seconds: give one above 0 and "
-                                        "below 1e9"));
+TEST_CASE("comm: LOOM_COLLECTIVE_TIMEOUT and _REPORT set seconds, and a bad value is refused") {
+  struct Setting {
+    const char* variable;
+    comm::Timeout (*read)();
+    double fallback;
+    const char* default_text;
+  };
+  for (const Setting& setting :
+       {Setting{"LOOM_COLLECTIVE_TIMEOUT", comm::collective_timeout, 600.0, "600"},
+        Setting{"LOOM_COLLECTIVE_REPORT", comm::collective_report_after, 30.0, "30"}}) {
+    INFO(setting.variable);
+    unsetenv(setting.variable);
+    REQUIRE(setting.read().count() == setting.fallback);
+    setenv(setting.variable, "2.5", 1);
+    REQUIRE(setting.read().count() == 2.5);
+    for (const char* bad : {"0", "-3", "ten", "5s", "1e9", "1e12"}) {
+      setenv(setting.variable, bad, 1);
+      REQUIRE_THROWS_WITH(setting.read(),
+                          Catch::Contains(std::string(setting.variable) + "='" + bad +
+                                          "' is not a number of seconds: give one above 0 and "
+                                          "below 1e9 (the default is " + setting.default_text +
+                                          ")"));
+    }
+    unsetenv(setting.variable);
   }
-  restore();
+  setenv("LOOM_COLLECTIVE_REPORT", "0.5", 1);
+  REQUIRE(comm::LocalComm::create(2)[0].report_after().count() == 0.5);
+  unsetenv("LOOM_COLLECTIVE_REPORT");
 }

@@ -8,7 +8,8 @@
 // the operation and the rank; a rank that fails calls cancel() so that the
 // others' pending calls raise instead of waiting forever (LocalComm; MPI
 // jobs are ended by mpirun when a rank exits). A rank that never comes is
-// given up after a timeout, by every communicator.
+// given up after a timeout, by every communicator; before that, LocalComm
+// and MpiComm name the ranks they wait for on std::cerr.
 #pragma once
 
 #include <algorithm>
@@ -16,9 +17,11 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <span>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -33,26 +36,45 @@ namespace loom::comm {
 // the other ranks before it declares them lost and raises.
 using Timeout = std::chrono::duration<double>;
 
+namespace detail {
+
+// The seconds in environment variable `name`, or `fallback` when unset.
+inline Timeout seconds_from_env(const char* name, double fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return Timeout(fallback);
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  LOOM_CHECK(*end == '\0' && seconds > 0.0 && seconds < 1e9, name, "='", text,
+             "' is not a number of seconds: give one above 0 and below 1e9 (the default is ",
+             fallback, ")");
+  return Timeout(seconds);
+}
+
+}  // namespace detail
+
 // LOOM_COLLECTIVE_TIMEOUT (seconds) or 600 s: generous, since a rank may
 // legitimately be busy for minutes between two collectives (loading data,
 // writing a checkpoint the others wait for).
 inline Timeout collective_timeout() {
-  const char* text = std::getenv("LOOM_COLLECTIVE_TIMEOUT");
-  if (text == nullptr || *text == '\0') return Timeout(600.0);
-  char* end = nullptr;
-  const double seconds = std::strtod(text, &end);
-  LOOM_CHECK(*end == '\0' && seconds > 0.0 && seconds < 1e9, "LOOM_COLLECTIVE_TIMEOUT='", text,
-             "' is not a number of seconds: give one above 0 and below 1e9 (the default is 600)");
-  return Timeout(seconds);
+  return detail::seconds_from_env("LOOM_COLLECTIVE_TIMEOUT", 600.0);
+}
+
+// LOOM_COLLECTIVE_REPORT (seconds) or 30 s: a call that has waited this long
+// for other ranks prints one line on std::cerr naming the ranks that have
+// not arrived, then keeps waiting up to the timeout, which stays the limit.
+// A value at or above the timeout means never.
+inline Timeout collective_report_after() {
+  return detail::seconds_from_env("LOOM_COLLECTIVE_REPORT", 30.0);
 }
 
 // Calls done() until it returns true (completed: returns true) or `timeout`
-// has passed (returns false; `waited` says how long it was). Polling starts
-// busy, as MPI's and CUDA's own blocking waits do, then sleeps ever longer
-// (up to a millisecond) so that a long wait leaves the core to the ranks and
-// threads still computing.
-template <class Done>
-bool wait_until(Timeout timeout, Done&& done, Timeout& waited) {
+// has passed (returns false; `waited` says how long it was), and
+// waiting(waited so far) after every poll that found it not done. Polling
+// starts busy, as MPI's and CUDA's own blocking waits do, then sleeps ever
+// longer (up to a millisecond) so that a long wait leaves the core to the
+// ranks and threads still computing.
+template <class Done, class Waiting>
+bool wait_until(Timeout timeout, Done&& done, Timeout& waited, Waiting&& waiting) {
   using clock = std::chrono::steady_clock;
   const auto begun = clock::now();
   auto pause = std::chrono::microseconds(0);
@@ -60,6 +82,7 @@ bool wait_until(Timeout timeout, Done&& done, Timeout& waited) {
     if (done()) return true;
     waited = clock::now() - begun;
     if (waited > timeout) return false;
+    waiting(waited);
     if (busy_polls < 1000) {
       ++busy_polls;
     } else {
@@ -69,6 +92,54 @@ bool wait_until(Timeout timeout, Done&& done, Timeout& waited) {
     }
   }
 }
+template <class Done>
+bool wait_until(Timeout timeout, Done&& done, Timeout& waited) {
+  return wait_until(timeout, std::forward<Done>(done), waited, [](Timeout) {});
+}
+
+namespace detail {
+
+// "2, 5": ranks for a message.
+inline std::string rank_list(const std::vector<int>& ranks) {
+  std::string text;
+  for (const int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
+  return text;
+}
+
+// " for rank(s) 2, which have not arrived (rank 1 is waiting too)": whom a
+// collective waits for, given the ranks not in it (each with a note, maybe
+// empty) and the other ranks in it.
+inline std::string awaiting_ranks(const std::vector<std::pair<int, std::string>>& missing,
+                                  const std::vector<int>& waiting) {
+  std::string text;
+  if (missing.empty()) {
+    text = ", though every other rank has arrived";
+  } else {
+    text = " for rank(s) ";
+    for (std::size_t i = 0; i < missing.size(); ++i)
+      text += (i == 0 ? "" : ", ") + std::to_string(missing[i].first) + missing[i].second;
+    text += ", which have not arrived";
+  }
+  if (!waiting.empty() && !missing.empty())
+    text += waiting.size() == 1 ? " (rank " + rank_list(waiting) + " is waiting too)"
+                                : " (ranks " + rank_list(waiting) + " are waiting too)";
+  return text;
+}
+
+// The one line a wait prints once it has waited collective_report_after():
+// "loom: rank 0 of 3 has waited 30.0 s in <call><whom>; the timeout is 600 s
+// (LOOM_COLLECTIVE_TIMEOUT)".
+inline std::string late_line(int rank, int size, Timeout waited, const std::string& call,
+                             const std::string& whom, Timeout timeout) {
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.1f", waited.count());
+  std::ostringstream line;
+  line << "loom: rank " << rank << " of " << size << " has waited " << seconds << " s in " << call
+       << whom << "; the timeout is " << timeout.count() << " s (LOOM_COLLECTIVE_TIMEOUT)\n";
+  return line.str();
+}
+
+}  // namespace detail
 
 enum class ReduceOp { sum, average };
 

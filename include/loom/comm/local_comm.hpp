@@ -10,6 +10,8 @@
 // as between processes) for ranks that never come raises a loom::Error that
 // names them, and aborts the group so that the others raise too: a rank
 // thread that returned early or made fewer calls ends the run, not hangs it.
+// Before that, a call that has waited the group's report time
+// (LOOM_COLLECTIVE_REPORT, 30 s) prints once on std::cerr whom it waits for.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -38,9 +41,10 @@ namespace detail {
 // What the ranks of a LocalComm share.
 class LocalGroup {
  public:
-  LocalGroup(int size, Timeout timeout)
+  LocalGroup(int size, Timeout timeout, Timeout report_after)
       : size_(size),
         timeout_(timeout),
+        report_after_(report_after),
         slots_(static_cast<std::size_t>(size)),
         present_(static_cast<std::size_t>(size), false) {}
 
@@ -55,6 +59,7 @@ class LocalGroup {
 
   int size() const { return size_; }
   Timeout timeout() const { return timeout_; }
+  Timeout report_after() const { return report_after_; }
 
   // Publishes this rank's slot and waits until every rank has published its
   // own for the same operation; returns all slots.
@@ -86,14 +91,22 @@ class LocalGroup {
       return;
     }
     present_[static_cast<std::size_t>(rank)] = true;
-    if (!changed_.wait_for(lock, timeout_,
-                           [&] { return generation_ != generation || aborted_; })) {
-      std::string missing;
+    const auto missing = [&] {
+      std::vector<int> ranks;
       for (int r = 0; r < size_; ++r)
-        if (!present_[static_cast<std::size_t>(r)])
-          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      time_out(rank, op, "rank(s) " + missing);
-    }
+        if (!present_[static_cast<std::size_t>(r)]) ranks.push_back(r);
+      return ranks;
+    };
+    const auto awaiting = [&] {
+      std::vector<std::pair<int, std::string>> absent;
+      for (const int r : missing()) absent.emplace_back(r, "");
+      std::vector<int> waiting;
+      for (int r = 0; r < size_; ++r)
+        if (r != rank && present_[static_cast<std::size_t>(r)]) waiting.push_back(r);
+      return awaiting_ranks(absent, waiting);
+    };
+    if (!wait(lock, rank, op, [&] { return generation_ != generation || aborted_; }, awaiting))
+      time_out(rank, op, "rank(s) " + rank_list(missing()));
     if (generation_ == generation) throw_if_aborted(rank, op);
   }
 
@@ -118,8 +131,10 @@ class LocalGroup {
   void recv(int to, int from, void* data, std::size_t bytes) {
     std::unique_lock lock(mutex_);
     Pair& pair = pairs_[{from, to}];
-    if (!changed_.wait_for(lock, timeout_, [&] { return !pair.queue.empty() || aborted_; }))
-      time_out(to, "recv", "rank " + std::to_string(from) + "'s message");
+    const auto message_of = [&] { return "rank " + std::to_string(from) + "'s message"; };
+    if (!wait(lock, to, "recv", [&] { return !pair.queue.empty() || aborted_; },
+              [&] { return " for " + message_of(); }))
+      time_out(to, "recv", message_of());
     throw_if_aborted(to, "recv");
     auto& message = pair.queue.front();
     if (message.size() != bytes) {
@@ -148,7 +163,7 @@ class LocalGroup {
   std::shared_ptr<LocalGroup> split_group(std::uint64_t split, int color, int members) {
     std::lock_guard lock(mutex_);
     auto& group = splits_[{split, color}];
-    if (!group) group = std::make_shared<LocalGroup>(members, timeout_);
+    if (!group) group = std::make_shared<LocalGroup>(members, timeout_, report_after_);
     return group;
   }
   std::uint64_t generation() {
@@ -161,6 +176,20 @@ class LocalGroup {
     std::deque<std::vector<unsigned char>> queue;  // sent, not yet received
     std::vector<std::vector<unsigned char>> spare;
   };
+
+  // With the lock held: waits until ready() (returns true) or the timeout
+  // (false). Past report_after_ it prints once, still holding the lock so
+  // that the group's lines do not interleave, whom it waits for (whom()).
+  template <class Ready, class Whom>
+  bool wait(std::unique_lock<std::mutex>& lock, int rank, const char* op, Ready ready,
+            Whom whom) {
+    if (report_after_ >= timeout_) return changed_.wait_for(lock, timeout_, ready);
+    const auto begun = std::chrono::steady_clock::now();
+    if (changed_.wait_for(lock, report_after_, ready)) return true;
+    const Timeout waited = std::chrono::steady_clock::now() - begun;
+    std::cerr << late_line(rank, size_, waited, std::string("LocalComm ") + op, whom(), timeout_);
+    return changed_.wait_for(lock, timeout_ - waited, ready);
+  }
 
   // With the lock held: gives up on `awaited`, aborts the group, raises.
   [[noreturn]] void time_out(int rank, const char* op, const std::string& awaited) {
@@ -185,6 +214,7 @@ class LocalGroup {
 
   int size_;
   Timeout timeout_;
+  Timeout report_after_;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<Slot> slots_;
@@ -202,12 +232,18 @@ class LocalGroup {
 class LocalComm {
  public:
   // n communicators of one group, one per worker thread (rank i = element i).
-  // A call waits at most `timeout` for the other ranks.
-  static std::vector<LocalComm> create(int n, Timeout timeout = collective_timeout()) {
+  // A call waits at most `timeout` for the other ranks, and past
+  // `report_after` (unless that is at or above the timeout) says once on
+  // std::cerr which ranks it waits for.
+  static std::vector<LocalComm> create(int n, Timeout timeout = collective_timeout(),
+                                       Timeout report_after = collective_report_after()) {
     LOOM_CHECK(n >= 1, "LocalComm::create(", n, "): a group needs at least one rank");
     LOOM_CHECK(timeout.count() > 0.0, "LocalComm::create: the timeout must be positive, got ",
                timeout.count(), " s");
-    auto group = std::make_shared<detail::LocalGroup>(n, timeout);
+    LOOM_CHECK(report_after.count() > 0.0,
+               "LocalComm::create: the report time must be positive, got ", report_after.count(),
+               " s");
+    auto group = std::make_shared<detail::LocalGroup>(n, timeout, report_after);
     std::vector<LocalComm> ranks;
     for (int r = 0; r < n; ++r) ranks.push_back(LocalComm(group, r));
     return ranks;
@@ -216,6 +252,7 @@ class LocalComm {
   int rank() const { return rank_; }
   int size() const { return group_->size(); }
   Timeout timeout() const { return group_->timeout(); }
+  Timeout report_after() const { return group_->report_after(); }
   std::string describe() const {
     return "LocalComm rank " + std::to_string(rank_) + " of " + std::to_string(size());
   }

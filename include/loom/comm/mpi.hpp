@@ -16,6 +16,13 @@
 // ever. The communicator is then dead, and dist::Environment ends the job
 // with MPI_Abort rather than MPI_Finalize, which would wait for the missing
 // ranks too.
+//
+// Before that, a call that has waited collective_report_after() (30 s)
+// prints one line on std::cerr naming the ranks it waits for. MPI cannot say
+// who is missing from a collective, so each MpiComm has a side channel (a
+// duplicate of its communicator) on which a late rank asks the others which
+// collective they are in: a rank that waits in a call answers at its every
+// poll; a rank that is computing, stuck or stopped does not.
 #pragma once
 
 #include <mpi.h>
@@ -27,12 +34,15 @@
 #include <cstdlib>
 #include <cstddef>
 #include <cstdint>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <type_traits>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../core/device.hpp"
@@ -94,25 +104,93 @@ class MpiFailure {
   }
 };
 
+// After MPI_Finalize no MPI call may be made, freeing included.
+inline bool mpi_finalized() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  return finalized != 0;
+}
+
 // Frees a communicator loom made (split) while MPI is still running.
 struct MpiCommFree {
   void operator()(MPI_Comm* comm) const {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!finalized && *comm != MPI_COMM_NULL) MPI_Comm_free(comm);
+    if (!mpi_finalized() && *comm != MPI_COMM_NULL) MPI_Comm_free(comm);
     delete comm;
   }
 };
 
+// A note on an MpiComm's side channel: the question "who is in collective
+// #n?" ({token, n, 0}) or its answer "I wait in collective #m" ({token, n, m}).
+struct MpiNote {
+  std::uint64_t words[3] = {0, 0, 0};
+  MPI_Request request = MPI_REQUEST_NULL;
+};
+
+// What the copies of one MpiComm share: the side channel (a duplicate of the
+// communicator, so that notes never meet the collectives' messages or the
+// program's own), its token (a number its ranks agreed on: a note that came
+// late for a freed channel whose id MPI gave to a new one is not taken for
+// the new one's), how many collectives were started on it (every rank makes
+// the same ones, so the numbers agree), and the notes whose sends have not
+// completed.
+struct MpiSideChannel {
+  MpiSideChannel() = default;
+  MpiSideChannel(const MpiSideChannel&) = delete;
+  MpiSideChannel& operator=(const MpiSideChannel&) = delete;
+  ~MpiSideChannel() {
+    if (mpi_finalized()) return;
+    // No MPI call after a failure: the job is aborted, and MPI may be stuck.
+    const bool usable = !MpiFailure::happened();
+    for (auto& note : sending) {
+      int complete = 0;
+      if (usable && MPI_Test(&note->request, &complete, MPI_STATUS_IGNORE) == MPI_SUCCESS &&
+          complete != 0)
+        continue;
+      // A note to a rank that never takes it: MPI may read it until the
+      // job ends, so it outlives this channel.
+      if (usable) MPI_Request_free(&note->request);
+      std::lock_guard lock(unsent_mutex());
+      unsent().push_back(std::move(note));
+    }
+    if (usable && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+  }
+
+  static std::mutex& unsent_mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<std::unique_ptr<MpiNote>>& unsent() {
+    static std::vector<std::unique_ptr<MpiNote>> notes;
+    return notes;
+  }
+
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::uint64_t token = 0;
+  std::uint64_t collectives = 0;
+  std::vector<std::unique_ptr<MpiNote>> sending;
+};
+
 }  // namespace detail
+
+}  // namespace loom::comm
+
+namespace loom::dist {
+class Environment;
+}  // namespace loom::dist
+
+namespace loom::comm {
 
 class MpiComm {
  public:
-  // MPI_COMM_WORLD (MPI must be running: see dist::Environment).
-  static MpiComm world(Timeout timeout = collective_timeout()) {
+  // MPI_COMM_WORLD (MPI must be running: see dist::Environment). Collective:
+  // every rank makes it (it duplicates the communicator for the side channel).
+  // A call gives up after `timeout` and reports whom it waits for after
+  // `report_after` (unless that is at or above the timeout).
+  static MpiComm world(Timeout timeout = collective_timeout(),
+                       Timeout report_after = collective_report_after()) {
     return MpiComm(std::shared_ptr<MPI_Comm>(new MPI_Comm(MPI_COMM_WORLD),
                                              [](MPI_Comm* comm) { delete comm; }),
-                   timeout);
+                   timeout, report_after);
   }
 
   int rank() const { return rank_; }
@@ -121,11 +199,13 @@ class MpiComm {
     return "MpiComm rank " + std::to_string(rank_) + " of " + std::to_string(size_);
   }
   Timeout timeout() const { return timeout_; }
+  Timeout report_after() const { return report_after_; }
 
   template <Element T>
   void all_reduce(std::span<T> data, ReduceOp op) {
     for_chunks(data, [&](T* chunk, int count) {
       MPI_Request request = MPI_REQUEST_NULL;
+      ++side_->collectives;
       start(MPI_Iallreduce(MPI_IN_PLACE, chunk, count, detail::mpi_type<T>(), MPI_SUM, *comm_,
                            &request),
             "MPI_Allreduce");
@@ -140,6 +220,7 @@ class MpiComm {
     check_peer(root, "MPI_Bcast");
     for_chunks(data, [&](T* chunk, int count) {
       MPI_Request request = MPI_REQUEST_NULL;
+      ++side_->collectives;
       start(MPI_Ibcast(chunk, count, detail::mpi_type<T>(), root, *comm_, &request), "MPI_Bcast");
       wait(request, "MPI_Bcast", data.size(), element_name<T>());
     });
@@ -171,6 +252,7 @@ class MpiComm {
 
   void barrier() {
     MPI_Request request = MPI_REQUEST_NULL;
+    ++side_->collectives;
     start(MPI_Ibarrier(*comm_, &request), "MPI_Barrier");
     wait(request, "MPI_Barrier", 0, "none");
   }
@@ -181,7 +263,7 @@ class MpiComm {
     check_usable("MPI_Comm_split");
     auto made = std::shared_ptr<MPI_Comm>(new MPI_Comm(MPI_COMM_NULL), detail::MpiCommFree{});
     check(MPI_Comm_split(*comm_, color, key, made.get()), "MPI_Comm_split");
-    return MpiComm(std::move(made), timeout_);
+    return MpiComm(std::move(made), timeout_, report_after_);
   }
 
   // MPI cannot wake a rank waiting in a collective; the failing rank ends its
@@ -192,15 +274,44 @@ class MpiComm {
   MPI_Comm get() const { return *comm_; }
 
  private:
-  static constexpr int tag = 7;
+  friend class loom::dist::Environment;
 
-  MpiComm(std::shared_ptr<MPI_Comm> comm, Timeout timeout)
-      : comm_(std::move(comm)), timeout_(timeout) {
+  static constexpr int tag = 7;
+  // The side channel's tags.
+  static constexpr int question_tag = 1;
+  static constexpr int answer_tag = 2;
+  // How long a late rank waits for the others' answers before it prints
+  // what it has: a waiting rank answers within its next poll (at most 1 ms
+  // apart), so a second is ample even on a loaded machine.
+  static constexpr double answer_window_s = 1.0;
+
+  MpiComm(std::shared_ptr<MPI_Comm> comm, Timeout timeout, Timeout report_after)
+      : comm_(std::move(comm)),
+        side_(std::make_shared<detail::MpiSideChannel>()),
+        timeout_(timeout),
+        report_after_(report_after) {
     LOOM_CHECK(timeout.count() > 0.0, "MpiComm: the timeout must be positive, got ",
                timeout.count(), " s");
+    LOOM_CHECK(report_after.count() > 0.0, "MpiComm: the report time must be positive, got ",
+               report_after.count(), " s");
     check(MPI_Comm_set_errhandler(*comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check(MPI_Comm_rank(*comm_, &rank_), "MPI_Comm_rank");
     check(MPI_Comm_size(*comm_, &size_), "MPI_Comm_size");
+    check(MPI_Comm_dup(*comm_, &side_->comm), "MPI_Comm_dup");
+    check(MPI_Comm_set_errhandler(side_->comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    std::random_device random;
+    side_->token = (std::uint64_t{random()} << 32) ^ random();
+    check(MPI_Allreduce(MPI_IN_PLACE, &side_->token, 1, MPI_UINT64_T, MPI_MAX, side_->comm),
+          "MPI_Allreduce");
+  }
+
+  // The same communicator and side channel with another timeout.
+  MpiComm with_timeout(Timeout timeout) const {
+    LOOM_CHECK(timeout.count() > 0.0, "MpiComm: the timeout must be positive, got ",
+               timeout.count(), " s");
+    MpiComm copy = *this;
+    copy.timeout_ = timeout;
+    return copy;
   }
 
   void check(int code, const char* call) const {
@@ -225,18 +336,137 @@ class MpiComm {
   }
 
   // Waits for a started call, testing it with MPI_Test (which also drives
-  // MPI's progress), until it completes or the timeout passes.
+  // MPI's progress), until it completes or the timeout passes. peer: the
+  // rank a send or recv waits for; -1 for the collective just started.
   MPI_Status wait(MPI_Request& request, const char* call, std::size_t count, const char* type,
                   int peer = -1) const {
     MPI_Status status{};
     Timeout waited{};
+    Lateness late{call, peer, peer >= 0 ? 0 : side_->collectives};
     const bool done = wait_until(timeout_, [&] {
       int complete = 0;
       check(MPI_Test(&request, &complete, &status), call);
       return complete != 0;
-    }, waited);
-    if (!done) fail_timeout(call, count, type, peer, waited);
+    }, waited, [&](Timeout so_far) { keep_account(late, so_far); });
+    if (!done) {
+      if (late.asked && !late.printed) print_late(late, waited);
+      fail_timeout(call, count, type, peer, waited);
+    }
     return status;
+  }
+
+  // One wait's account of whom it waits for.
+  struct Lateness {
+    const char* call;
+    int peer;                 // a send's or recv's peer, else -1
+    std::uint64_t collective; // the collective's number, 0 for a send or recv
+    bool asked = false;       // the question went out (at `asked_at`)
+    bool printed = false;
+    Timeout asked_at{};
+    int answered = 0;
+    std::vector<std::uint64_t> answers{};  // each rank's collective, 0: no answer
+  };
+
+  // Between two polls of a wait: a collective's wait answers the questions
+  // that came (and takes the answers to its own); once the wait has lasted
+  // report_after_, a send or recv names its peer, and a collective asks
+  // every other rank once where it is, then prints when all answered or
+  // answer_window_s has passed.
+  void keep_account(Lateness& late, Timeout waited) const {
+    if (late.collective != 0) read_notes(late);
+    if (!side_->sending.empty()) drop_sent();
+    if (late.printed || report_after_ >= timeout_ || waited < report_after_) return;
+    if (late.collective == 0) {
+      print_late(late, waited);
+    } else if (!late.asked) {
+      late.asked = true;
+      late.asked_at = waited;
+      late.answers.assign(static_cast<std::size_t>(size_), 0);
+      for (int r = 0; r < size_; ++r)
+        if (r != rank_) send_note(r, question_tag, late.collective, 0);
+    } else if (late.answered == size_ - 1 || waited - late.asked_at >= Timeout(answer_window_s)) {
+      print_late(late, waited);
+    }
+  }
+
+  // Takes every note that has come: answers questions with this wait's
+  // collective number, keeps the answers to this wait's question, and drops
+  // answers to earlier questions (they are numbered).
+  void read_notes(Lateness& late) const {
+    for (;;) {
+      int came = 0;
+      MPI_Message message = MPI_MESSAGE_NULL;
+      MPI_Status status{};
+      check(MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, side_->comm, &came, &message, &status),
+            "MPI_Improbe");
+      if (came == 0) return;
+      int bytes = 0;
+      check(MPI_Get_count(&status, MPI_BYTE, &bytes), "MPI_Get_count");
+      std::uint64_t words[3] = {0, 0, 0};
+      if (bytes != static_cast<int>(sizeof words)) {  // not a note: taken, then dropped
+        std::vector<unsigned char> other(static_cast<std::size_t>(bytes));
+        check(MPI_Mrecv(other.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv");
+        continue;
+      }
+      check(MPI_Mrecv(words, 3, MPI_UINT64_T, &message, MPI_STATUS_IGNORE), "MPI_Mrecv");
+      const int from = status.MPI_SOURCE;
+      if (words[0] != side_->token) continue;
+      if (status.MPI_TAG == question_tag) {
+        send_note(from, answer_tag, words[1], late.collective);
+      } else if (late.asked && words[1] == late.collective &&
+                 late.answers[static_cast<std::size_t>(from)] == 0) {
+        late.answers[static_cast<std::size_t>(from)] = words[2];
+        ++late.answered;
+      }
+    }
+  }
+
+  void send_note(int to, int note_tag, std::uint64_t first, std::uint64_t second) const {
+    auto note = std::make_unique<detail::MpiNote>();
+    note->words[0] = side_->token;
+    note->words[1] = first;
+    note->words[2] = second;
+    check(MPI_Isend(note->words, 3, MPI_UINT64_T, to, note_tag, side_->comm, &note->request),
+          "MPI_Isend");
+    side_->sending.push_back(std::move(note));
+  }
+
+  // Forgets the notes whose sends completed.
+  void drop_sent() const {
+    auto& sending = side_->sending;
+    for (std::size_t i = 0; i < sending.size();) {
+      int complete = 0;
+      check(MPI_Test(&sending[i]->request, &complete, MPI_STATUS_IGNORE), "MPI_Test");
+      if (complete != 0) {
+        sending[i] = std::move(sending.back());
+        sending.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  void print_late(Lateness& late, Timeout waited) const {
+    late.printed = true;
+    std::string call = late.call;
+    std::string whom;
+    if (late.collective == 0) {
+      whom = " for rank " + std::to_string(late.peer);
+    } else {
+      call += " (collective #" + std::to_string(late.collective) + ")";
+      std::vector<std::pair<int, std::string>> missing;
+      std::vector<int> waiting;
+      for (int r = 0; r < size_; ++r) {
+        const std::uint64_t at = late.answers[static_cast<std::size_t>(r)];
+        if (r == rank_) continue;
+        if (at == late.collective)
+          waiting.push_back(r);
+        else
+          missing.emplace_back(r, at == 0 ? "" : " (in collective #" + std::to_string(at) + ")");
+      }
+      whom = detail::awaiting_ranks(missing, waiting);
+    }
+    std::cerr << detail::late_line(rank_, size_, waited, call, whom, timeout_);
   }
 
   [[noreturn]] void fail_timeout(const char* call, std::size_t count, const char* type, int peer,
@@ -275,7 +505,9 @@ class MpiComm {
   }
 
   std::shared_ptr<MPI_Comm> comm_;
+  std::shared_ptr<detail::MpiSideChannel> side_;
   Timeout timeout_;
+  Timeout report_after_;
   int rank_ = -1;
   int size_ = 0;
 };
@@ -291,7 +523,8 @@ namespace loom::dist {
 // communication threads need. Works without mpirun too: one rank of one.
 //
 // Collectives give up after comm::collective_timeout() (LOOM_COLLECTIVE_TIMEOUT
-// in seconds, else 600): see MpiComm. After a call
+// in seconds, else 600) and report whom they wait for after
+// comm::collective_report_after() (LOOM_COLLECTIVE_REPORT, else 30): see MpiComm. After a call
 // failed or timed out, the destructor ends the whole job with MPI_Abort
 // (exit status 1 from mpirun) instead of finalizing: the ranks missing
 // from that call may be dead, and MPI_Finalize would wait for them.
@@ -326,13 +559,13 @@ class Environment {
   Environment(const Environment&) = delete;
   Environment& operator=(const Environment&) = delete;
   ~Environment() {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return;
-    if (comm::detail::MpiFailure::happened())
+    if (comm::detail::mpi_finalized()) return;
+    if (comm::detail::MpiFailure::happened()) {
       MPI_Abort(MPI_COMM_WORLD, 1);
-    else if (owned_)
+    } else if (owned_) {
+      world_.reset();  // frees its side channel, unless a copy outlives MPI
       MPI_Finalize();
+    }
   }
 
   int rank() const { return world_->rank(); }
@@ -344,7 +577,7 @@ class Environment {
   // For communicators made from world() from now on (the trainer makes its
   // own when it is constructed).
   void set_collective_timeout(comm::Timeout timeout) {
-    world_ = comm::MpiComm::world(timeout);
+    world_ = world_->with_timeout(timeout);
     timeout_ = timeout;
   }
   comm::Timeout collective_timeout() const { return timeout_; }
