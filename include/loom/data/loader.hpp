@@ -11,6 +11,7 @@
 #include <exception>
 #include <loom/core/error.hpp>
 #include <loom/core/rng.hpp>
+#include <loom/core/stop_signals.hpp>
 #include <loom/data/dataset.hpp>
 #include <mutex>
 #include <numeric>
@@ -105,7 +106,7 @@ class Loader {
       slot.images.resize(max_batch_ * sample_size_);
       slot.labels.resize(max_batch_);
     }
-    worker_ = std::thread([this] { run(); });
+    worker_ = loom::detail::start_quiet_thread("loom-loader", [this] { run(); });
   }
 
   // A temporary Dataset would die before the Loader that references it.

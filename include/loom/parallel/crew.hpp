@@ -24,6 +24,7 @@
 #include "../backend/cpu/threads.hpp"
 #include "../core/error.hpp"
 #include "../core/precision.hpp"
+#include "../core/stop_signals.hpp"
 
 namespace loom::data {
 struct Dataset;
@@ -85,7 +86,8 @@ class Crew {
   void start(std::size_t workers, Body body, OnError on_error) {
     body_ = std::move(body);
     on_error_ = std::move(on_error);
-    for (std::size_t i = 0; i < workers; ++i) threads_list_.emplace_back([this, i] { work(i); });
+    for (std::size_t i = 0; i < workers; ++i) threads_list_.push_back(
+        detail::start_quiet_thread("loom-worker", [this, i] { work(i); }));
   }
 
   // The only rank of its group (a grid of one): no other rank can be left

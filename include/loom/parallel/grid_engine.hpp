@@ -46,6 +46,7 @@
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../core/linkage.hpp"
+#include "../core/stop_signals.hpp"
 #include "../data/dataset.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
@@ -252,7 +253,7 @@ class StageOf final : public PipelineStage {
 class Outbox {
  public:
   Outbox(comm::Comm comm, int peer, bool threaded) : comm_(std::move(comm)), peer_(peer) {
-    if (threaded) thread_ = std::thread([this] { run(); });
+    if (threaded) thread_ = start_quiet_thread("loom-outbox", [this] { run(); });
   }
   Outbox(const Outbox&) = delete;
   Outbox& operator=(const Outbox&) = delete;
