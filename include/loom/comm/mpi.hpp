@@ -167,6 +167,9 @@ struct MpiSideChannel {
   MPI_Comm comm = MPI_COMM_NULL;
   std::uint64_t token = 0;
   std::uint64_t collectives = 0;
+  // A pipeline's send thread waits on a copy of the communicator while its
+  // stage waits in a collective: their notes meet here.
+  std::mutex sending_mutex;
   std::vector<std::unique_ptr<MpiNote>> sending;
 };
 
@@ -374,7 +377,7 @@ class MpiComm {
   // answer_window_s has passed.
   void keep_account(Lateness& late, Timeout waited) const {
     if (late.collective != 0) read_notes(late);
-    if (!side_->sending.empty()) drop_sent();
+    drop_sent();
     if (late.printed || report_after_ >= timeout_ || waited < report_after_) return;
     if (late.collective == 0) {
       print_late(late, waited);
@@ -428,11 +431,13 @@ class MpiComm {
     note->words[2] = second;
     check(MPI_Isend(note->words, 3, MPI_UINT64_T, to, note_tag, side_->comm, &note->request),
           "MPI_Isend");
+    std::lock_guard lock(side_->sending_mutex);
     side_->sending.push_back(std::move(note));
   }
 
   // Forgets the notes whose sends completed.
   void drop_sent() const {
+    std::lock_guard lock(side_->sending_mutex);
     auto& sending = side_->sending;
     for (std::size_t i = 0; i < sending.size();) {
       int complete = 0;
