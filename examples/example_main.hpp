@@ -141,7 +141,8 @@ inline void describe_run(std::ostream& out, const char* title, const Options& o,
   out << "loom " << title << " on " << (cifar ? "CIFAR-10" : "Fashion-MNIST") << ": "
       << parameters << " parameters, " << data.train.count << " training and "
       << data.test.count << " test images, " << policy;
-  if (processes) out << " over " << processes.size() << " processes, each";
+  if (processes)
+    out << " over " << processes.size() << " processes, process " << processes.rank();
   out << " on";
   for (const auto& device : devices) {
     out << ' ' << device.name();
@@ -199,11 +200,62 @@ inline void report_run(std::ostream& out, const Options& o, const EvalResult& la
   out << line;
 }
 
+// How the program was started (the command that resumes it), and the
+// handler that turns a signal into a stop at a step's end.
+struct Launch {
+  std::vector<std::string> args;  // argv, MPI's own arguments taken out
+  int processes = 1;              // under mpirun: its -np
+  callbacks::StopOnSignal* stop = nullptr;
+};
+
+// The command line again, with --resume `checkpoint` in place of any
+// --resume it had; quoted where the shell would split or expand it.
+inline std::string resume_command(const Launch& launch, const std::string& checkpoint) {
+  const auto quoted = [](const std::string& arg) {
+    if (!arg.empty() && arg.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                              "0123456789-_./=:,+@%") == std::string::npos)
+      return arg;
+    std::string text = "'";
+    for (const char c : arg) text += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return text + "'";
+  };
+  std::string command = launch.processes > 1 ? "mpirun -np " + std::to_string(launch.processes) : "";
+  for (std::size_t k = 0; k < launch.args.size(); ++k) {
+    if (launch.args[k] == "--resume") {
+      ++k;
+      continue;
+    }
+    if (launch.args[k].rfind("--resume=", 0) == 0) continue;
+    command += (command.empty() ? "" : " ") + quoted(launch.args[k]);
+  }
+  return command + " --resume " + quoted(checkpoint);
+}
+
+// A signal stopped the fit: where, what was saved, how to go on.
+template <class T>
+void report_stop(std::ostream& out, const Options& o, const T& trainer,
+                 const callbacks::StopOnSignal& stop, const Launch& launch) {
+  const TrainingPosition& at = trainer.position();
+  out << "stopped by " << signal_name(stop.stopped_by());
+  if (trainer.steps() == 0 && at.epoch == 0)
+    out << " before the first step\n";
+  else
+    out << " after step " << trainer.steps() << " (epoch " << at.epoch << ", step " << at.steps
+        << ")\n";
+  if (o.checkpoint.empty())
+    out << "nothing was saved: --checkpoint FILE saves the run when a signal stops it\n";
+  else
+    out << "resume with: " << resume_command(launch, o.checkpoint) << '\n';
+  out.flush();
+}
+
 // Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
-// console under mpirun, a silent stream on the other ranks).
+// console under mpirun, a silent stream on the other ranks). Returns the
+// program's exit status: 0, or 128 + the signal that stopped the fit.
 template <class Net, class Policy>
-void train(const char* title, const Options& o, const data::Split& data,
-           std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+int train(const char* title, const Options& o, const data::Split& data,
+          std::vector<Device> devices, comm::Comm processes, std::ostream& out,
+          const Launch& launch) {
   static_assert(ExamplePolicies::contains<Policy>, "example_trainers.hpp names the examples' trainers: "
                 "their CUDA side registers executors for those alone");
   const auto started = std::chrono::steady_clock::now();
@@ -235,6 +287,23 @@ void train(const char* title, const Options& o, const data::Split& data,
   } catch (const ResumeMismatch& refused) {
     throw resume_refusal(refused, o);
   }
+  // A checkpoint at or past --epochs leaves nothing to train: said, with
+  // the checkpoint's own test figures.
+  if (const TrainingPosition& at = t.position();
+      !o.resume.empty() && (at.ended ? at.epoch >= o.epochs : at.epoch > o.epochs)) {
+    if (at.ended)
+      out << "the checkpoint already finished epoch " << at.epoch << " of " << o.epochs
+          << "; pass --epochs " << at.epoch + 1 << " to train on\n";
+    else
+      out << "the checkpoint stopped in epoch " << at.epoch << ", past --epochs " << o.epochs
+          << "; pass --epochs " << at.epoch << " to finish that epoch\n";
+    const EvalResult checkpoint = t.evaluate(data.test);
+    char line[120];
+    std::snprintf(line, sizeof line, "the checkpoint's test accuracy: %.2f%% (loss %.4f)\n",
+                  100.0 * checkpoint.accuracy, checkpoint.loss);
+    out << line;
+    return 0;
+  }
   callbacks::Evaluate evaluate(data.test, &out);
   Maybe<callbacks::Checkpoint> checkpoint{.c = {}, .name = "checkpoint"};
   if (!o.checkpoint.empty())
@@ -245,56 +314,66 @@ void train(const char* title, const Options& o, const data::Split& data,
     metrics.c.emplace(callbacks::Metrics::Options{
         .path = o.metrics, .append = !o.resume.empty(), .evaluate = &evaluate});
   try {
+    // The signal's callback last: a signal during the epoch's evaluation
+    // stops the fit before the next step, and the checkpoint saves (at
+    // the fit's end) the state the processes stopped at.
     t.fit(data.train, fit_options(o, data.train.channels == 3), ExampleSchedule{&o, &out},
-          callbacks::Progress({.out = &out}), evaluate, checkpoint, metrics);
+          callbacks::Progress({.out = &out}), evaluate, checkpoint, metrics, *launch.stop);
   } catch (const ResumeMismatch& refused) {
     throw resume_refusal(refused, o);
+  }
+  if (launch.stop->stopped_by() != 0) {
+    report_stop(out, o, t, *launch.stop, launch);
+    return launch.stop->exit_status();
   }
   // A resumed run that had already finished trained nothing: measure it now.
   if (evaluate.history.empty()) evaluate.last = t.evaluate(data.test);
   report_run(out, o, evaluate.last, t.precision(), t.skipped_steps(), t.loss_scale(),
              t.nonfinite_steps(), started);
+  return 0;
 }
 
 // ModelSplit over `stages` devices or processes.
 template <class Net>
-void train_split(const char* title, const Options& o, const data::Split& data, int stages,
-                 std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+int train_split(const char* title, const Options& o, const data::Split& data, int stages,
+                std::vector<Device> devices, comm::Comm processes, std::ostream& out,
+                const Launch& launch) {
   LOOM_CHECK(stages >= 2 && stages <= 4, "--policy split takes 2 to 4 stages (--devices, or "
              "mpirun -np), not ", stages);
-  train<Net, PipelinePolicy>(title, o, data, std::move(devices), std::move(processes), out);
+  return train<Net, PipelinePolicy>(title, o, data, std::move(devices), std::move(processes), out,
+                                    launch);
 }
 
 // Hybrid: --replicas pipelines over `ranks` devices or processes.
 template <class Net>
-void train_hybrid(const char* title, const Options& o, const data::Split& data, int ranks,
-                  std::vector<Device> devices, comm::Comm processes, std::ostream& out) {
+int train_hybrid(const char* title, const Options& o, const data::Split& data, int ranks,
+                 std::vector<Device> devices, comm::Comm processes, std::ostream& out,
+                 const Launch& launch) {
   const int r = std::max(1, o.replicas), s = ranks / r;
   LOOM_CHECK(r * s == ranks && s >= 2 && s <= 4, "--policy hybrid lays ", ranks,
              " devices (--devices, or mpirun -np) out as --replicas ", o.replicas,
              " x stages; this example builds pipelines of 2 to 4 stages: give --replicas R and "
              "R x 2, R x 3 or R x 4 devices");
-  train<Net, PipelinePolicy>(title, o, data, std::move(devices), std::move(processes), out);
+  return train<Net, PipelinePolicy>(title, o, data, std::move(devices), std::move(processes), out,
+                                    launch);
 }
 
 // Trains Net under the policy --policy names, over the processes of mpirun
 // (`world`, each rank on `rank_devices`) or over this process's devices.
 template <class Net>
-void run_policy(const char* title, const Options& o, const data::Split& data,
-                const comm::Comm& world, const std::vector<Device>& rank_devices,
-                const char* program, std::ostream& out) {
+int run_policy(const char* title, const Options& o, const data::Split& data,
+               const comm::Comm& world, const std::vector<Device>& rank_devices,
+               const Launch& launch, std::ostream& out) {
   if (world) {
     LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
                " with mpirun: each process is one device; start more processes instead");
     LOOM_CHECK(o.policy != "single", "--policy single under mpirun: start one process, or "
                "choose data or split");
     if (o.policy == "split")
-      train_split<Net>(title, o, data, world.size(), rank_devices, world, out);
-    else if (o.policy == "hybrid")
-      train_hybrid<Net>(title, o, data, world.size(), rank_devices, world, out);
-    else
-      train<Net, DataParallel<>>(title, o, data, rank_devices, world, out);
-    return;
+      return train_split<Net>(title, o, data, world.size(), rank_devices, world, out, launch);
+    if (o.policy == "hybrid")
+      return train_hybrid<Net>(title, o, data, world.size(), rank_devices, world, out, launch);
+    return train<Net, DataParallel<>>(title, o, data, rank_devices, world, out, launch);
   }
   const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
   const Device first = devices::all().front();
@@ -306,21 +385,20 @@ void run_policy(const char* title, const Options& o, const data::Split& data,
       const auto gpus = devices::gpus();
       for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = gpus[k % gpus.size()];
     }
-    if (policy == "split")
-      train_split<Net>(title, o, data, o.devices, ranks, {}, out);
-    else
-      train_hybrid<Net>(title, o, data, o.devices, ranks, {}, out);
-  } else if (first.kind == Device::Kind::cuda) {
+    if (policy == "split") return train_split<Net>(title, o, data, o.devices, ranks, {}, out, launch);
+    return train_hybrid<Net>(title, o, data, o.devices, ranks, {}, out, launch);
+  }
+  if (first.kind == Device::Kind::cuda) {
     LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
                ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,
-               " ", program);
-    train<Net, SingleDevice>(title, o, data, {first}, {}, out);
-  } else if (policy == "single") {
-    LOOM_CHECK(o.devices == 1, "--policy single runs on one device, not --devices ", o.devices);
-    train<Net, SingleDevice>(title, o, data, {first}, {}, out);
-  } else {
-    train<Net, DataParallel<>>(title, o, data, devices::cpu(o.devices), {}, out);
+               " ", launch.args.front());
+    return train<Net, SingleDevice>(title, o, data, {first}, {}, out, launch);
   }
+  if (policy == "single") {
+    LOOM_CHECK(o.devices == 1, "--policy single runs on one device, not --devices ", o.devices);
+    return train<Net, SingleDevice>(title, o, data, {first}, {}, out, launch);
+  }
+  return train<Net, DataParallel<>>(title, o, data, devices::cpu(o.devices), {}, out, launch);
 }
 
 // CifarNet: the network --cifar DIR trains on CIFAR-10 (void: no such option).
@@ -368,7 +446,7 @@ int example_main(int argc, char** argv, const char* title, Options o) {
       if (parse_status == 0 && talks)
         std::cerr << "loom: process " << first_refused << " refused its command line (its "
                   << "message above says why); every process stops\n";
-      return parse_status != 0 ? parse_status : 1;
+      return parse_status != 0 ? parse_status : 2;
     }
     if (helped > 0) return 0;
   }
@@ -383,6 +461,11 @@ int example_main(int argc, char** argv, const char* title, Options o) {
   std::ostream quiet(nullptr);
   std::ostream& out = talks ? std::cout : quiet;
   try {
+    // Before the data are read: a signal from here on stops the run at a
+    // step's end (or before the first), saving --checkpoint.
+    callbacks::StopOnSignal stop({.out = &out});
+    Launch launch{.args = std::vector<std::string>(argv, argv + argc), .processes = 1,
+                  .stop = &stop};
     const auto limit = [&](data::Split data) {
       if (o.train_samples > 0) data.train = data::head(data.train, o.train_samples);
       if (o.test_samples > 0) data.test = data::head(data.test, o.test_samples);
@@ -395,19 +478,18 @@ int example_main(int argc, char** argv, const char* title, Options o) {
 #if defined(LOOM_WITH_MPI)
     const comm::Comm world = distributed ? comm::Comm(mpi->world()) : comm::Comm{};
     const std::vector<Device> rank_devices = distributed ? mpi->devices() : std::vector<Device>{};
+    launch.processes = mpi->size();
 #else
     const comm::Comm world;
     const std::vector<Device> rank_devices;
 #endif
     if constexpr (!std::is_void_v<CifarNet>) {
-      if (!o.cifar_dir.empty()) {
-        run_policy<CifarNet>(title, o, limit(data::cifar10(o.cifar_dir)), world, rank_devices,
-                             argv[0], out);
-        return 0;
-      }
+      if (!o.cifar_dir.empty())
+        return run_policy<CifarNet>(title, o, limit(data::cifar10(o.cifar_dir)), world,
+                                    rank_devices, launch, out);
     }
-    run_policy<Net>(title, o, limit(data::fashion_mnist(o.data_dir)), world, rank_devices,
-                    argv[0], out);
+    return run_policy<Net>(title, o, limit(data::fashion_mnist(o.data_dir)), world, rank_devices,
+                           launch, out);
   } catch (const Error& error) {
     std::cerr << error.what() << '\n';
 #if defined(LOOM_WITH_MPI)
@@ -417,7 +499,6 @@ int example_main(int argc, char** argv, const char* title, Options o) {
 #endif
     return 1;
   }
-  return 0;
 }
 
 }  // namespace loom::examples

@@ -35,6 +35,7 @@
 #include "parallel/single_device.hpp"
 #include "train/batch_size.hpp"
 #include "train/callbacks.hpp"
+#include "train/stop_on_signal.hpp"
 #include "train/trainer.hpp"
 
 // Compiled by nvcc: the CUDA executor, with which Trainers run on GPUs,

@@ -355,7 +355,11 @@ TEST_CASE(
   last.load(path);
   const auto steps = last.steps();
   last.save(path);
-  REQUIRE(entries(dir.path()) == std::vector<std::string>{"checkpoint.safetensors", "refs"});
+  // The killed writers' Checkpoint lock file stays (one per path, reused by
+  // the next run), and no process holds it any more.
+  REQUIRE(entries(dir.path()) == std::vector<std::string>{"checkpoint.safetensors",
+                                                          "checkpoint.safetensors.lock", "refs"});
+  REQUIRE(io::FileLock::acquire(path, "the test").held());
   Writer reader = make_trainer();
   reader.load(path);
   REQUIRE(reader.steps() == steps);

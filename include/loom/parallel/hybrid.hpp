@@ -78,8 +78,11 @@ struct Placement {
 // `grid_replicas`: Hybrid<replicas_from_devices, ...>'s replica count, as
 // pipeline_grid takes it.
 template <class Net, class Policy>
+// `process_devices`: across processes, each one's device by rank, when
+// known (else only this process's is named).
 std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t processes = 0,
-                                 std::size_t process = 0, std::size_t grid_replicas = 0) {
+                                 std::size_t process = 0, std::size_t grid_replicas = 0,
+                                 const std::vector<std::string>& process_devices = {}) {
   std::size_t replicas = 1, stages = 1;
   std::vector<std::size_t> starts{0, Net::layer_count};  // stage k: layers starts[k] + 1 ...
   if constexpr (is_pipelined<Policy>) {
@@ -101,6 +104,8 @@ std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t
     p.last_layer = starts[p.stage + 1];
     if (processes == 0)
       p.device = w < devices.size() ? devices[w].name() : "(missing)";
+    else if (w < process_devices.size())
+      p.device = "process " + std::to_string(w) + ": " + process_devices[w];
     else
       p.device = w == process ? "process " + std::to_string(w) + ": " + devices.front().name()
                               : "process " + std::to_string(w);

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -35,6 +37,7 @@
 
 #include "../data/data.hpp"
 #include "../io/atomic_file.hpp"
+#include "../io/file_lock.hpp"
 #include "../optim/lr_schedule.hpp"
 #include "trainer.hpp"
 
@@ -52,10 +55,14 @@ inline std::string clock(double seconds) {
 }  // namespace detail
 
 // Progress: on a terminal, one bar per epoch redrawn in place; otherwise
-// (logs, CI) plain lines, about `lines_per_epoch` per epoch.
+// (logs, CI) plain lines, about `lines_per_epoch` per epoch. It also warns,
+// once a fit, when the training loss grows by orders of magnitude while
+// staying finite (a learning rate too high diverges so: no NaN stops it).
 class Progress {
  public:
-  // automatic: the bar when `out` is std::cout and stdout is a terminal.
+  // automatic: the bar when `out` is std::cout and stdout is a terminal
+  // that is not an MPI launcher's (mpirun gives its processes a terminal
+  // of its own even when its output goes to a file).
   enum class Style { automatic, bar, lines };
 
   struct Options {
@@ -63,6 +70,9 @@ class Progress {
     Style style = Style::automatic;
     int lines_per_epoch = 10;
     int bar_width = 24;
+    // Warn when a step's loss exceeds this many times the fit's first
+    // step's (0: never).
+    double divergence_factor = 100.0;
   };
 
   Progress() : Progress(Options{}) {}
@@ -70,13 +80,26 @@ class Progress {
       : options_(options),
         terminal_(options.style == Style::bar ||
                   (options.style == Style::automatic && options.out == &std::cout &&
-                   ::isatty(STDOUT_FILENO) == 1)) {}
+                   ::isatty(STDOUT_FILENO) == 1 && !under_mpi_launcher())) {}
 
   void on_fit_begin(const FitInfo& info);
 
   void on_step(const StepInfo& step);
+  // With the trainer: the divergence warning names its learning rate.
+  template <class TrainerT>
+  void on_step(const StepInfo& step, TrainerT& trainer) {
+    on_step(step);
+    watch_divergence(step, trainer.optimizer().options().lr);
+  }
 
   void on_epoch_end(const EpochInfo& epoch);
+
+  // Open MPI's and PMI's launchers (mpirun, srun) tell their processes so.
+  static bool under_mpi_launcher() {
+    for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"})
+      if (std::getenv(name) != nullptr) return true;
+    return false;
+  }
 
  private:
   static double rate(std::size_t samples, double seconds) {
@@ -84,10 +107,14 @@ class Progress {
   }
 
   std::string line(const StepInfo& step, bool bar) const;
+  void watch_divergence(const StepInfo& step, float lr);
 
   Options options_;
   bool terminal_ = false;
   std::chrono::steady_clock::time_point last_draw_{};
+  // The fit's first finite step loss, and whether this fit was warned.
+  std::optional<double> first_loss_;
+  bool warned_ = false;
 };
 
 // Evaluate: measures a held-out dataset at the end of every epoch and keeps
@@ -228,14 +255,19 @@ class Checkpoint {
 
   // Saves are collective: every process saves at the same steps. The
   // process that writes (rank 0) checks now that it can write there, rather
-  // than at the first save, an epoch later.
+  // than at the first save, an epoch later, and locks the file for as long
+  // as this callback lives (io::FileLock on "<path>.lock"): another run
+  // saving to the same path is refused at its start, naming this process.
   template <class TrainerT>
-  void on_fit_prepare(const FitInfo&, Fingerprint& fingerprint, TrainerT& trainer) const {
+  void on_fit_prepare(const FitInfo&, Fingerprint& fingerprint, TrainerT& trainer) {
     fingerprint.add("checkpoint.path", options_.path)
         .add("checkpoint.every_steps", options_.every_steps)
         .add("checkpoint.every_epoch", options_.every_epoch)
         .add("checkpoint.at_end", options_.at_end);
-    if (trainer.process_rank() == 0) check_writable();
+    if (trainer.process_rank() == 0) {
+      check_writable();
+      if (!lock_.held()) lock_ = io::FileLock::acquire(options_.path, "callbacks::Checkpoint");
+    }
   }
 
   template <class TrainerT>
@@ -268,19 +300,24 @@ class Checkpoint {
 
   template <class TrainerT>
   void save(TrainerT& trainer) {
+    const auto began = std::chrono::steady_clock::now();
     trainer.save(options_.path);
+    // How long a save takes bounds the grace period a job's stop needs.
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - began;
     ++saves;
     last_step_ = trainer.steps();
     last_ended_ = trainer.position().ended;
     if (options_.out != nullptr) {
       std::ostringstream text;
-      text << "checkpoint " << options_.path.string() << " (step " << last_step_ << ")\n";
+      text << "checkpoint " << options_.path.string() << " (step " << last_step_ << ") in "
+           << std::fixed << std::setprecision(3) << took.count() << " s\n";
       *options_.out << text.str();
       options_.out->flush();
     }
   }
 
   Options options_;
+  io::FileLock lock_;
   std::uint64_t last_step_ = 0;
   bool last_ended_ = false;
 };
@@ -449,6 +486,8 @@ LOOM_DECL void Metrics::drop_lines_after(std::uint64_t steps, bool epoch_open) {
 }
 
 LOOM_DECL void Progress::on_fit_begin(const FitInfo& info) {
+  first_loss_.reset();
+  warned_ = false;
   *options_.out << "training: " << info.samples_per_epoch << " samples, " << info.epochs
                 << " epoch(s) of " << info.steps_per_epoch << " steps, batch " << info.batch_size
                 << '\n';
@@ -478,6 +517,25 @@ LOOM_DECL void Progress::on_step(const StepInfo& step) {
     *options_.out << line(step, false) << '\n';
     options_.out->flush();
   }
+}
+
+LOOM_DECL void Progress::watch_divergence(const StepInfo& step, float lr) {
+  if (step.skipped || !std::isfinite(step.step_loss) || options_.divergence_factor <= 0) return;
+  if (!first_loss_) {
+    first_loss_ = step.step_loss;
+    return;
+  }
+  if (warned_ || !(step.step_loss > options_.divergence_factor * std::max(*first_loss_, 1e-6)))
+    return;
+  warned_ = true;
+  std::ostringstream text;
+  text << (terminal_ ? "\r\x1b[K" : "") << "warning: the training loss grew from "
+       << std::setprecision(4) << *first_loss_ << " (this fit's first step) to " << step.step_loss
+       << " (epoch " << step.epoch << ", step " << step.step
+       << ") while staying finite: training is diverging. Lower the learning rate (now " << lr
+       << ")\n";
+  *options_.out << text.str();
+  options_.out->flush();
 }
 
 LOOM_DECL void Progress::on_epoch_end(const EpochInfo& epoch) {

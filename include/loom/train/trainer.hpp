@@ -20,6 +20,7 @@
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../data/data.hpp"
+#include "../layers/layer.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "../optim/adam.hpp"
@@ -40,6 +41,16 @@ namespace gpu {
 template <class Trainer>
 class TrainerExecutor;
 }  // namespace gpu
+
+// The loss is the Trainer's, not a layer: a Sequential that lists it is
+// refused by name rather than as an unknown layer.
+template <class In_, std::size_t Index_>
+struct Bind<SoftmaxCrossEntropy, In_, Index_> : LayerBase<SoftmaxCrossEntropy, In_, In_, Index_> {
+  static_assert(dependent_false<In_>,
+                "SoftmaxCrossEntropy is the Trainer's loss, not a layer: end the Sequential with "
+                "the class scores (e.g. Linear<10>); the Trainer trains them with softmax "
+                "cross-entropy");
+};
 
 template <class Net_, class Policy_ = SingleDevice, class Optimizer_ = SGD>
 class Trainer : public detail::TrainerCore {
@@ -129,7 +140,7 @@ class Trainer : public detail::TrainerCore {
 
   std::vector<Placement> placement() const override {
     return loom::placement<Net, Policy>(devices_, process_count_, process_rank_,
-                                        options_.replicas);
+                                        options_.replicas, process_devices_);
   }
 
   // Across MPI processes fit() first compares, in one collective, what
@@ -497,8 +508,10 @@ class Trainer : public detail::TrainerCore {
     }
   }
 
+  const Device& device_of_process() const override { return devices_.front(); }
+
   void check_dataset(const data::Dataset& dataset, const char* what) const {
-    check_samples(dataset, what, Net::input_shape::size, classes);
+    check_samples(dataset, what, Net::input_shape::dims, classes);
   }
   bool on_gpu() const { return devices_.front().kind == Device::Kind::cuda; }
 

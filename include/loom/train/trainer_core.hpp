@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../backend/cpu/softmax_xent.hpp"
+#include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../core/linkage.hpp"
 #include "../core/precision.hpp"
@@ -276,6 +277,17 @@ class TrainerCore {
   const TrainingPosition& position() const { return position_; }
   // Across MPI processes: this process's rank (0 writes checkpoints); else 0.
   std::size_t process_rank() const { return process_rank_; }
+  // The MPI processes training together (0 or 1: this one alone).
+  std::size_t process_count() const { return process_count_; }
+  // The largest of the processes' values: a collective, which every
+  // process calls at the same point of its fit (a callback's hook); in one
+  // process, `value`. callbacks::StopOnSignal agrees on a signal with it.
+  double max_over_processes(double value) {
+    if (process_count_ <= 1) return value;
+    const double row[1] = {value};
+    const std::vector<double> all = gather_over_processes(row);
+    return *std::max_element(all.begin(), all.end());
+  }
   // The policy's name (Hybrid<replicas_from_devices, ...> with one replica
   // is a ModelSplit).
   virtual const char* policy_name() const = 0;
@@ -347,6 +359,8 @@ class TrainerCore {
   // Across the processes (every process must call them); in one process,
   // `value` and `row`.
   virtual double sum_over_processes(double value) = 0;
+  // This process's device (across processes, each drives one).
+  virtual const Device& device_of_process() const = 0;
   virtual std::vector<double> gather_over_processes(std::span<const double> row) = 0;
 
   // The fit loop, over executors that run each step at once (the CPU's)
@@ -358,13 +372,35 @@ class TrainerCore {
   void describe_fit(Fingerprint& f, const data::Dataset& train, const FitOptions& options) const;
 
   // fit() and evaluate(): a data set the network can take.
+  // `input`: the network's Input<> dimensions. Input<C, H, W> takes
+  // samples of that shape only, Input<Rows, Features> samples whose rows
+  // (channels x height) and width are those, and a flat Input<F> any
+  // sample of F values.
   static void check_samples(const data::Dataset& dataset, const char* what,
-                            std::size_t input_size, std::size_t classes) {
+                            std::span<const std::size_t> input, std::size_t classes) {
+    std::size_t input_size = 1;
+    std::string input_text;
+    for (const std::size_t d : input) {
+      input_size *= d;
+      input_text += (input_text.empty() ? "" : ", ") + std::to_string(d);
+    }
     LOOM_CHECK(dataset.count > 0, what, ": dataset '", dataset.name, "' is empty");
     LOOM_CHECK(dataset.sample_size() == input_size, what, ": dataset '", dataset.name,
                "' has samples of ", dataset.channels, "x", dataset.height, "x", dataset.width,
                " = ", dataset.sample_size(), " values but the network's Input holds ",
                input_size);
+    const bool same_shape =
+        input.size() == 3   ? input[0] == dataset.channels && input[1] == dataset.height &&
+                                  input[2] == dataset.width
+        : input.size() == 2 ? input[0] == dataset.channels * dataset.height &&
+                                  input[1] == dataset.width
+                            : true;
+    LOOM_CHECK(same_shape, what, ": dataset '", dataset.name, "' has samples of ",
+               dataset.channels, "x", dataset.height, "x", dataset.width,
+               " but the network's Input is <", input_text, ">: the same ", input_size,
+               " values in another shape. Give Input<", dataset.channels, ", ", dataset.height,
+               ", ", dataset.width, ">, or a flat Input<", input_size,
+               "> to take any sample of ", input_size, " values");
     LOOM_CHECK(dataset.classes <= classes, what, ": dataset '", dataset.name, "' has ",
                dataset.classes, " classes but the network outputs ", classes, " scores");
     LOOM_CHECK(dataset.images.size() == dataset.count * dataset.sample_size() &&
@@ -474,6 +510,8 @@ class TrainerCore {
     void set(bool v) { value.store(v, std::memory_order_relaxed); }
   } stop_;
 
+  // Across MPI processes: each one's device by rank, once a fit gathered them.
+  std::vector<std::string> process_devices_;
   TrainingPosition position_;
   std::optional<FitIdentity> fit_;  // the last fit's, for a checkpoint
   // A loaded checkpoint's position, which the next fit() goes on from.
@@ -585,6 +623,19 @@ LOOM_DECL void TrainerCore::fit_with(const data::Dataset& train, const FitOption
   if (const auto differ = compare_processes(detail::AgreementPhase::fit, fingerprint, failure);
       differ.kind != detail::Disagreement::Kind::none)
     throw Error(detail::disagreement_text(differ, detail::AgreementPhase::fit, process_rank_));
+  // Each process's device, for the placement callbacks print (a process
+  // knows only its own): a collective, as the comparison before it.
+  if (process_count_ > 1 && process_devices_.empty()) {
+    const Device& mine = device_of_process();
+    const double row[2] = {mine.kind == Device::Kind::cuda ? 1.0 : 0.0,
+                           static_cast<double>(mine.index)};
+    const std::vector<double> all = gather_over_processes(row);
+    for (std::size_t p = 0; p + 1 < all.size(); p += 2)
+      process_devices_.push_back(
+          Device{all[p] != 0.0 ? Device::Kind::cuda : Device::Kind::cpu,
+                 static_cast<int>(all[p + 1])}
+              .name());
+  }
   data::Loader loader(
       train,
       {.batch_size = options.batch_size,
