@@ -155,7 +155,7 @@ TEST_CASE("StopOnSignal: one at a time, and the replaced handlers come back") {
   callbacks::StopOnSignal again;  // the first one's end freed the place
 }
 
-TEST_CASE("threads loom starts block the stop signals: the loader's and the worker devices'") {
+TEST_CASE("threads loom starts block the stop signals: the loader's, the worker devices' and their reducers'") {
   const auto train = head(fashion().train, 256);
   {
     data::Loader loader(train, {.batch_size = 64});
@@ -165,9 +165,12 @@ TEST_CASE("threads loom starts block the stop signals: the loader's and the work
   }
   Trainer<Mlp, DataParallel<>> trainer(devices::cpu(2), {.lr = 0.05f});
   trainer.fit(train, {.epochs = 1, .batch_size = 64});
-  const auto masks = blocked_in_threads("loom-worker");
-  REQUIRE(masks.size() >= 2);
-  for (const auto mask : masks) REQUIRE(blocks_stop_signals(mask));
+  for (const char* name : {"loom-worker", "loom-reducer"}) {
+    INFO(name);
+    const auto masks = blocked_in_threads(name);
+    REQUIRE(masks.size() >= 2);  // one or more a device
+    for (const auto mask : masks) REQUIRE(blocks_stop_signals(mask));
+  }
   // This thread, which started them, still takes them.
   sigset_t mine;
   REQUIRE(::pthread_sigmask(SIG_BLOCK, nullptr, &mine) == 0);

@@ -1,9 +1,10 @@
 // The signals a program may turn into a clean stop (callbacks::StopOnSignal):
 // SIGINT (Ctrl-C), SIGTERM (what Slurm, Kubernetes and mpirun send before
 // they kill) and SIGUSR1 (Slurm's --signal=USR1@T early warning). The
-// threads loom starts (the Loader's prefetch thread, CPU worker devices)
-// block them from birth, so the kernel hands such a signal to a thread of
-// the program's own, and a handler never runs between a worker's steps.
+// threads loom starts (the Loader's prefetch thread, CPU worker devices,
+// their gradient reducers, a pipeline's send thread) block them from birth,
+// so the kernel hands such a signal to a thread of the program's own, and
+// a handler never runs between a worker's steps.
 #pragma once
 
 #include <pthread.h>

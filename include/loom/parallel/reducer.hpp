@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../comm/communicator.hpp"
+#include "../core/stop_signals.hpp"
 
 namespace loom::detail {
 
@@ -30,7 +31,7 @@ class Reducer {
         posted_at_(tags),
         begun_(tags),
         ended_(tags),
-        thread_([this] { run(); }) {}
+        thread_(start_quiet_thread("loom-reducer", [this] { run(); })) {}
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
   ~Reducer() {
