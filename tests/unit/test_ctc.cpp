@@ -21,8 +21,7 @@ struct CtcBatch {
   std::vector<std::int32_t> frames, targets, lengths;
 
   CtcBatch(std::size_t max_frames_, std::size_t classes_,
-           const std::vector<std::vector<std::int32_t>>& labels,
-           std::vector<std::int32_t> frames_)
+           const std::vector<std::vector<std::int32_t>>& labels, std::vector<std::int32_t> frames_)
       : max_frames(max_frames_), classes(classes_), frames(std::move(frames_)) {
     for (const auto& l : labels) max_target = std::max(max_target, l.size());
     targets.assign(labels.size() * max_target, 0);
@@ -38,8 +37,7 @@ struct CtcBatch {
   cpu::CtcSums loss(const std::vector<T>& x, T grad_scale, T* grad, bool zero_infinity = false,
                     std::size_t first_sample = 0) const {
     return cpu::ctc_loss(x.data(), n(), max_frames, classes, frames.data(), targets.data(),
-                         max_target, lengths.data(), grad_scale, grad, zero_infinity,
-                         first_sample);
+                         max_target, lengths.data(), grad_scale, grad, zero_infinity, first_sample);
   }
 };
 
@@ -51,7 +49,8 @@ double brute_force_loss(const std::vector<double>& x, std::size_t frames, std::s
   for (std::size_t t = 0; t < frames; ++t) {
     double total = 0;
     for (std::size_t c = 0; c < classes; ++c) total += std::exp(x[t * classes + c]);
-    for (std::size_t c = 0; c < classes; ++c) p[t * classes + c] = std::exp(x[t * classes + c]) / total;
+    for (std::size_t c = 0; c < classes; ++c)
+      p[t * classes + c] = std::exp(x[t * classes + c]) / total;
   }
   std::size_t paths = 1;
   for (std::size_t t = 0; t < frames; ++t) paths *= classes;
@@ -90,8 +89,7 @@ TEST_CASE("ctc: the loss equals a brute-force sum over all alignments (T <= 5, C
     const auto sums = batch.loss(x, 1.0, static_cast<double*>(nullptr));
     REQUIRE(sums.infinite == 0);
     const double expected = brute_force_loss(x, c.frames, 3, c.target);
-    REQUIRE(sums.loss * static_cast<double>(c.target.size()) ==
-            Approx(expected).epsilon(1e-12));
+    REQUIRE(sums.loss * static_cast<double>(c.target.size()) == Approx(expected).epsilon(1e-12));
   }
 }
 
@@ -120,8 +118,7 @@ TEST_CASE("ctc: the gradient equals central finite differences (double, repeats,
 }
 
 TEST_CASE("ctc: float agrees with double") {
-  const CtcBatch batch(30, 12,
-                       {{1, 2, 3, 4, 5}, {7, 7, 7}, {11}, {3, 9, 3, 9, 3, 9, 10, 1}},
+  const CtcBatch batch(30, 12, {{1, 2, 3, 4, 5}, {7, 7, 7}, {11}, {3, 9, 3, 9, 3, 9, 10, 1}},
                        {30, 17, 5, 24});
   const auto xd = test::random_vector<double>(batch.size(), 21, -4.0, 4.0);
   const std::vector<float> xf(xd.begin(), xd.end());

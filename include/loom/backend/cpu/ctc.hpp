@@ -55,13 +55,13 @@ inline bool ctc_check_sample(std::size_t i, std::size_t max_frames, std::size_t 
   const std::int32_t* target = targets + i * max_target;
   for (std::int32_t k = 0; k < length; ++k)
     LOOM_CHECK(target[k] >= 1 && static_cast<std::size_t>(target[k]) < classes, "ctc_loss: label ",
-               target[k], " at position ", k, " of sample ", sample, " is outside 1..",
-               classes - 1, " (class 0 is the blank); check the targets' encoding");
+               target[k], " at position ", k, " of sample ", sample, " is outside 1..", classes - 1,
+               " (class 0 is the blank); check the targets' encoding");
   const std::size_t repeats = ctc_repeats(target, static_cast<std::size_t>(length));
   const bool fits = static_cast<std::size_t>(length) + repeats <= static_cast<std::size_t>(t);
   LOOM_CHECK(fits || zero_infinity, "ctc_loss: sample ", sample, " has target length ", length,
-             " with ", repeats, " repeats, which needs ", static_cast<std::size_t>(length) + repeats,
-             " frames, but has ", t,
+             " with ", repeats, " repeats, which needs ",
+             static_cast<std::size_t>(length) + repeats, " frames, but has ", t,
              " frames; give it more frames (less downsampling) or set zero_infinity to leave such "
              "samples out of the loss");
   return fits;
@@ -109,22 +109,26 @@ CtcSums ctc_loss(const T* logits, std::size_t n, std::size_t max_frames, std::si
     extended.assign(states, 0);
     for (std::size_t k = 0; k < length; ++k) extended[2 * k + 1] = targets[i * max_target + k];
     // A state s may be entered from s-2 when it is a label other than s-2's.
-    auto skips = [&](std::size_t s) { return s >= 2 && extended[s] != 0 && extended[s] != extended[s - 2]; };
+    auto skips = [&](std::size_t s) {
+      return s >= 2 && extended[s] != 0 && extended[s] != extended[s - 2];
+    };
 
-    scratch.resize(t_len * classes + 2 * t_len * states);
+    scratch.resize(t_len * classes + 2 * t_len * states + classes);
     double* log_p = scratch.data();  // log_softmax of the sample's frames
     double* alpha = log_p + t_len * classes;
     double* beta = alpha + t_len * states;
+    double* frame_grad = beta + t_len * states;
     const T* x = logits + i * max_frames * classes;
     for (std::size_t t = 0; t < t_len; ++t) {
-      const T* row = x + t * classes;
-      double top = static_cast<double>(row[0]);
-      for (std::size_t c = 1; c < classes; ++c) top = std::max(top, static_cast<double>(row[c]));
+      const T* scores = x + t * classes;
+      double top = static_cast<double>(scores[0]);
+      for (std::size_t c = 1; c < classes; ++c) top = std::max(top, static_cast<double>(scores[c]));
       double total = 0.0;
-      for (std::size_t c = 0; c < classes; ++c) total += std::exp(static_cast<double>(row[c]) - top);
+      for (std::size_t c = 0; c < classes; ++c)
+        total += std::exp(static_cast<double>(scores[c]) - top);
       const double log_total = top + std::log(total);
       for (std::size_t c = 0; c < classes; ++c)
-        log_p[t * classes + c] = static_cast<double>(row[c]) - log_total;
+        log_p[t * classes + c] = static_cast<double>(scores[c]) - log_total;
     }
 
     // alpha[t][s]: log probability of the prefixes ending in state s at frame
@@ -148,7 +152,8 @@ CtcSums ctc_loss(const T* logits, std::size_t n, std::size_t max_frames, std::si
     const double* last = alpha + (t_len - 1) * states;
     const double log_likelihood = detail::log_add(last[states - 1], last[states - 2]);
     if (!std::isfinite(log_likelihood) && zero_infinity) {
-      ++sums.infinite;  // an underflow PyTorch would also zero: the path exists, its probability does not
+      ++sums.infinite;  // an underflow PyTorch would also zero: the path exists, its probability
+                        // does not
       continue;
     }
     const double scale = 1.0 / static_cast<double>(length);
@@ -174,24 +179,18 @@ CtcSums ctc_loss(const T* logits, std::size_t n, std::size_t max_frames, std::si
       }
     }
 
+    // Softmax minus occupancy is formed in double and rounded to T once: in
+    // float the two nearly cancel on confident frames.
     const double factor = static_cast<double>(grad_scale) * scale;
     for (std::size_t t = 0; t < t_len; ++t) {
-      // Occupancy per class, summed in probability space: each term is at
-      // most 1, and the states of one class are few (one per occurrence).
-      double occupancy_blank = 0.0;
-      T* g = grad + t * classes;
-      for (std::size_t c = 0; c < classes; ++c)
-        g[c] = static_cast<T>(std::exp(log_p[t * classes + c]) * factor);
+      for (std::size_t c = 0; c < classes; ++c) frame_grad[c] = std::exp(log_p[t * classes + c]);
       for (std::size_t s = 0; s < states; ++s) {
         const double path = alpha[t * states + s] + beta[t * states + s];
-        if (path == minus_inf) continue;
-        const double occupancy = std::exp(path - log_likelihood);
-        if (extended[s] == 0)
-          occupancy_blank += occupancy;
-        else
-          g[extended[s]] -= static_cast<T>(occupancy * factor);
+        if (path != minus_inf)
+          frame_grad[static_cast<std::size_t>(extended[s])] -= std::exp(path - log_likelihood);
       }
-      g[0] -= static_cast<T>(occupancy_blank * factor);
+      for (std::size_t c = 0; c < classes; ++c)
+        grad[t * classes + c] = static_cast<T>(frame_grad[c] * factor);
     }
   }
   return sums;
@@ -233,8 +232,7 @@ inline std::size_t edit_distance(std::span<const std::int32_t> hyp,
     row[0] = i;
     for (std::size_t j = 1; j <= ref.size(); ++j) {
       const std::size_t above = row[j];
-      row[j] = std::min({above + 1, row[j - 1] + 1,
-                         diagonal + (hyp[i - 1] == ref[j - 1] ? 0 : 1)});
+      row[j] = std::min({above + 1, row[j - 1] + 1, diagonal + (hyp[i - 1] == ref[j - 1] ? 0 : 1)});
       diagonal = above;
     }
   }
