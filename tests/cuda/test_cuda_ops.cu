@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <loom/backend/cpu/cpu.hpp>
+#include <loom/backend/cuda/ctc.cuh>
 #include <loom/backend/cuda/epilogue.cuh>
 #include <loom/backend/cuda/memory.hpp>
 #include <loom/backend/cuda/pool.cuh>
@@ -153,4 +154,60 @@ TEST_CASE("cuda: standalone ReLU forward and backward equal the CPU backend, NaN
   for (std::size_t i = 0; i < y.size(); ++i)
     if (i != 17) REQUIRE(got[i] == y[i]);
   test::require_equal(to_host(d_dx), dx, "dx");
+}
+
+TEST_CASE("cuda: CTC loss through cuDNN equals cpu::ctc_loss, padding and zero_infinity included") {
+  constexpr std::size_t n = 5, max_frames = 40, classes = 12, max_target = 8;
+  const std::vector<std::int32_t> frames{40, 23, 9, 40, 4};
+  // Sample 4's {1, 1, 1} needs 5 frames and has 4: zeroed under
+  // zero_infinity; {2, 3} fits them.
+  const std::vector<std::vector<std::int32_t>> fit{
+      {1, 2, 3, 4, 5, 6, 7, 8}, {7, 7, 7}, {3, 1, 4, 1, 5}, {11, 11, 2}, {2, 3}};
+  auto pad = [&](std::vector<std::vector<std::int32_t>> labels,
+                 std::vector<std::int32_t>& lengths) {
+    std::vector<std::int32_t> padded(n * max_target, 0);
+    lengths.clear();
+    for (std::size_t i = 0; i < n; ++i) {
+      std::copy(labels[i].begin(), labels[i].end(), padded.begin() + i * max_target);
+      lengths.push_back(static_cast<std::int32_t>(labels[i].size()));
+    }
+    return padded;
+  };
+  auto too_short = fit;
+  too_short[4] = {1, 1, 1};
+  const auto logits = test::random_vector<float>(n * max_frames * classes, 61, -4.0, 4.0);
+  auto d_logits = to_device(logits);
+  loom::gpu::DeviceBuffer<float> d_grad(logits.size(), "test CTC gradient");
+  loom::gpu::Dnn dnn;
+  loom::gpu::CtcWorkspace workspace(dnn, n, max_frames, classes, max_target);
+  for (const auto& labels : {fit, too_short}) {
+    std::vector<std::int32_t> lengths;
+    const auto targets = pad(labels, lengths);
+    std::vector<float> grad(logits.size());
+    const auto expected =
+        cpu::ctc_loss(logits.data(), n, max_frames, classes, frames.data(), targets.data(),
+                      max_target, lengths.data(), 1.0f / n, grad.data(), true, 0);
+    // All ones is a NaN: padding cuDNN left unwritten would show.
+    LOOM_CUDA_CHECK(cudaMemset(d_grad.data(), 0xff, logits.size() * sizeof(float)));
+    const auto sums = loom::gpu::ctc_loss(d_logits.data(), n, max_frames, classes, frames.data(),
+                                          targets.data(), max_target, lengths.data(), 1.0f / n,
+                                          d_grad.data(), true, 0, workspace);
+    REQUIRE(sums.infinite == expected.infinite);
+    REQUIRE(sums.loss == Approx(expected.loss).epsilon(1e-4));
+    test::require_close(to_host(d_grad), grad, {1e-7, 1e-4}, "CTC dlogits");
+    const auto loss_only =
+        loom::gpu::ctc_loss(d_logits.data(), n, max_frames, classes, frames.data(), targets.data(),
+                            max_target, lengths.data(), 1.0f / n, nullptr, true, 0, workspace);
+    REQUIRE(loss_only.loss == Approx(expected.loss).epsilon(1e-4));
+  }
+  std::vector<std::int32_t> lengths;
+  const auto targets = pad(too_short, lengths);
+  REQUIRE_THROWS_WITH(
+      loom::gpu::ctc_loss(d_logits.data(), n, max_frames, classes, frames.data(), targets.data(),
+                          max_target, lengths.data(), 1.0f, d_grad.data(), false, 10, workspace),
+      Catch::StartsWith("loom: ctc_loss: sample 14 has target length 3 with 2 repeats, which "
+                        "needs 5 frames, but has 4 frames"));
+  REQUIRE_THROWS_WITH(
+      loom::gpu::CtcWorkspace(dnn, 2, 10, 5, 300),
+      Catch::Contains("targets of up to 300 labels, but cuDNN's CTC takes 1 to 255"));
 }
