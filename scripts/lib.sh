@@ -15,6 +15,7 @@ LOOM_DEBIAN_PACKAGES=(
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist
   python3-torch python3-matplotlib python3-venv
+  espeak-ng libsndfile1-dev libkissfft-dev libsamplerate0-dev python3-torchaudio
 )
 
 # loom_install_packages PACKAGE...: installs whichever of the Debian packages
