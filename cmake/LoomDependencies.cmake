@@ -30,3 +30,25 @@ find_path(LOOM_CBLAS_INCLUDE_DIR cblas.h
 if(NOT LOOM_CBLAS_INCLUDE_DIR)
   message(FATAL_ERROR "loom: cblas.h not found; install OpenBLAS (Debian: apt-get install libopenblas-dev)")
 endif()
+
+# Audio (data/audio.hpp): libsndfile reads the audio files, KissFFT's real FFT
+# computes log-mel features (Debian: libsndfile1-dev libkissfft-dev). Both
+# come through pkg-config as one target, PkgConfig::LOOM_AUDIO, which an
+# installed loom::loom names and this file makes again for the consumer.
+loom_find_dependency(PkgConfig)
+if(CMAKE_FIND_PACKAGE_NAME STREQUAL "loom")
+  pkg_check_modules(LOOM_AUDIO QUIET IMPORTED_TARGET sndfile kissfft-float)
+  if(NOT LOOM_AUDIO_FOUND)
+    set(loom_FOUND FALSE)
+    set(loom_NOT_FOUND_MESSAGE "loom needs libsndfile and KissFFT (pkg-config sndfile, "
+        "kissfft-float); Debian: apt-get install libsndfile1-dev libkissfft-dev")
+    return()
+  endif()
+else()
+  pkg_check_modules(LOOM_AUDIO IMPORTED_TARGET sndfile kissfft-float)
+  if(NOT LOOM_AUDIO_FOUND)
+    message(FATAL_ERROR "loom: libsndfile or KissFFT not found through pkg-config (sndfile, "
+                        "kissfft-float); install them (Debian: apt-get install libsndfile1-dev "
+                        "libkissfft-dev)")
+  endif()
+endif()
