@@ -24,7 +24,13 @@ LOOM_HOST_DEVICE constexpr std::uint64_t hash_key(std::uint64_t seed, std::uint6
 
 // What a random stream is for. Each purpose keys its streams apart, so that
 // (seed, epoch k)'s shuffle never repeats (seed, layer k)'s weights.
-enum class RngPurpose : std::uint64_t { init = 1, shuffle = 2, dropout = 3, augment = 4 };
+enum class RngPurpose : std::uint64_t {
+  init = 1,
+  shuffle = 2,
+  dropout = 3,
+  augment = 4,
+  spec_augment = 5,  // data/audio.hpp's masks
+};
 
 LOOM_HOST_DEVICE constexpr std::uint64_t stream_key(RngPurpose purpose, std::uint64_t index) {
   return mix64((static_cast<std::uint64_t>(purpose) << 56) ^ index);
