@@ -141,6 +141,27 @@ TEST_CASE("layers: Linear forward matches the plain product, backward matches fi
   check_gradients<WithRelu>(63);
 }
 
+TEST_CASE("layers: Linear over Positions x Features acts per position, each row a sample's") {
+  // 4 positions of 11 features: the plain product of every (sample,
+  // position) row, as PyTorch's Linear over the last dimension.
+  using Plain = Bind<Linear<7>, Shape<4, 11>, 1>;
+  using WithRelu = Bind<Fused<Linear<7>, ReLU>, Shape<4, 11>, 1>;
+  STATIC_REQUIRE(Plain::output_shape::rank == 2);
+  STATIC_REQUIRE(Plain::output_shape::dims[0] == 4);
+  STATIC_REQUIRE(Plain::output_shape::dims[1] == 7);
+  STATIC_REQUIRE(Plain::param_count == 7 * 11 + 7);
+  STATIC_REQUIRE(Plain::forward_flops == 4 * Bind<Linear<7>, Shape<11>, 1>::forward_flops);
+  const auto params = random_vector<double>(Plain::param_count, 64, -0.5, 0.5);
+  const auto x = random_vector<double>(batch * 4 * 11, 65);
+  const auto expected =
+      test::linear_reference(batch * 4, 11, 7, x, {params.begin(), params.begin() + 77},
+                             {params.begin() + 77, params.end()});
+  check_forward<Plain>(params, x, expected);
+  check_forward<WithRelu>(params, x, test::relu_reference(expected));
+  check_gradients<Plain>(66);
+  check_gradients<WithRelu>(67);
+}
+
 TEST_CASE("layers: MaxPool2d and AvgPool2d") {
   SECTION("2x2 windows, stride 2") {
     using Max = Bind<MaxPool2d<2>, Shape<3, 6, 5>, 1>;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <loom/core/error.hpp>
+#include <loom/core/targets.hpp>
 #include <loom/data/idx.hpp>
 #include <string>
 #include <system_error>
@@ -22,10 +23,74 @@ struct Dataset {
   std::string name;
   std::size_t count = 0, channels = 1, height = 0, width = 0, classes = 10;
   std::vector<float> images;  // count * sample_size(), NCHW, normalised
-  std::vector<std::int32_t> labels;
+  std::vector<std::int32_t> labels;  // one class per sample; empty for label sequences
+  // A label sequence per sample (CTCLoss): max_target labels each, padded
+  // with 0 past its length; max_target 0 when the data has classes instead.
+  std::size_t max_target = 0;
+  std::vector<std::int32_t> targets;         // count * max_target
+  std::vector<std::int32_t> target_lengths;  // count, each 1..max_target
+  // Each sample's run-time length of its time dimension (rows, padded with
+  // zeros past it); empty: every sample has all of them.
+  std::vector<std::int32_t> frames;
 
   std::size_t sample_size() const { return channels * height * width; }
+  bool has_sequences() const { return max_target > 0; }
 };
+
+// The whole data set's targets, from its first sample.
+inline Targets targets_of(const Dataset& set) {
+  Targets t;
+  t.labels = set.labels.empty() ? nullptr : set.labels.data();
+  t.sequences = set.targets.empty() ? nullptr : set.targets.data();
+  t.sequence_lengths = set.target_lengths.empty() ? nullptr : set.target_lengths.data();
+  t.max_target = set.max_target;
+  t.frames = set.frames.empty() ? nullptr : set.frames.data();
+  return t;
+}
+
+// Its arrays hold what count says, a label sequence per sample when it has
+// them (each of length 1..max_target, labels 1..classes-1: 0 is CTC's
+// blank) and one class per sample when not; frames, when given, are
+// 1..(its rows: channels x height). Names the first sample that is wrong.
+inline void check_targets(const Dataset& set) {
+  const std::string where = "dataset '" + set.name + "'";
+  LOOM_CHECK(set.images.size() == set.count * set.sample_size(), where, " declares ", set.count,
+             " samples of ", set.sample_size(), " values but holds ", set.images.size(),
+             " image values");
+  if (set.has_sequences()) {
+    LOOM_CHECK(set.targets.size() == set.count * set.max_target &&
+                   set.target_lengths.size() == set.count,
+               where, " has ", set.targets.size(), " target labels and ",
+               set.target_lengths.size(), " target lengths for ", set.count,
+               " samples of up to ", set.max_target, " labels; expected ",
+               set.count * set.max_target, " and ", set.count);
+    for (std::size_t i = 0; i < set.count; ++i) {
+      const std::int32_t length = set.target_lengths[i];
+      LOOM_CHECK(length >= 1 && static_cast<std::size_t>(length) <= set.max_target, where,
+                 ": sample ", i, " has a target of length ", length, "; expected 1..",
+                 set.max_target);
+      for (std::int32_t k = 0; k < length; ++k) {
+        const std::int32_t label = set.targets[i * set.max_target + static_cast<std::size_t>(k)];
+        LOOM_CHECK(label >= 1 && static_cast<std::size_t>(label) < set.classes, where,
+                   ": sample ", i, " has label ", label, " at position ", k,
+                   " of its target; expected 1..", set.classes - 1, " (0 is the blank)");
+      }
+    }
+  } else {
+    LOOM_CHECK(set.labels.size() == set.count, where, " declares ", set.count, " samples of ",
+               set.sample_size(), " values but holds ", set.images.size(),
+               " image values and ", set.labels.size(), " labels");
+  }
+  if (!set.frames.empty()) {
+    const std::size_t rows = set.channels * set.height;
+    LOOM_CHECK(set.frames.size() == set.count, where, " has ", set.frames.size(),
+               " sample lengths (frames) for ", set.count, " samples");
+    for (std::size_t i = 0; i < set.count; ++i)
+      LOOM_CHECK(set.frames[i] >= 1 && static_cast<std::size_t>(set.frames[i]) <= rows, where,
+                 ": sample ", i, " has ", set.frames[i], " frames; expected 1..", rows,
+                 " (its rows)");
+  }
+}
 
 // Batches of `batch_size` in an epoch over `count` samples: the last one
 // short, or left out with drop_last.
@@ -102,7 +167,16 @@ inline Dataset head(const Dataset& set, std::size_t n) {
   part.classes = set.classes;
   part.images.assign(set.images.begin(),
                      set.images.begin() + static_cast<std::ptrdiff_t>(part.count * set.sample_size()));
-  part.labels.assign(set.labels.begin(), set.labels.begin() + static_cast<std::ptrdiff_t>(part.count));
+  const auto prefix = [&](const std::vector<std::int32_t>& from, std::size_t per_sample) {
+    if (from.empty()) return std::vector<std::int32_t>{};
+    return std::vector<std::int32_t>(
+        from.begin(), from.begin() + static_cast<std::ptrdiff_t>(part.count * per_sample));
+  };
+  part.labels = prefix(set.labels, 1);
+  part.max_target = set.max_target;
+  part.targets = prefix(set.targets, set.max_target);
+  part.target_lengths = prefix(set.target_lengths, 1);
+  part.frames = prefix(set.frames, 1);
   part.name = set.name + " (first " + std::to_string(part.count) + ")";
   return part;
 }

@@ -69,9 +69,10 @@ inline void augment_image(float* image, std::size_t channels, std::size_t height
 // Valid until the next call to Loader::next() or Loader::start_epoch().
 struct Batch {
   const float* images = nullptr;  // size * sample_size(), NCHW
-  const std::int32_t* labels = nullptr;
+  const std::int32_t* labels = nullptr;  // targets.labels
   std::size_t size = 0;
   std::size_t first = 0;  // position of its first sample in this epoch's order
+  Targets targets{};      // what its samples train against (labels, or label sequences)
 };
 
 // The sample order of one epoch: identity without shuffle, otherwise a
@@ -94,17 +95,19 @@ class Loader {
   Loader(const Dataset& dataset, LoaderOptions options)
       : dataset_(dataset), options_(options), sample_size_(dataset.sample_size()) {
     LOOM_CHECK(options_.batch_size > 0, "LoaderOptions::batch_size is 0; it must be at least 1");
-    LOOM_CHECK(dataset.images.size() == dataset.count * sample_size_ &&
-                   dataset.labels.size() == dataset.count,
-               "dataset '", dataset.name, "' declares ", dataset.count, " samples of ",
-               sample_size_, " values but holds ", dataset.images.size(), " image values and ",
-               dataset.labels.size(), " labels");
+    check_targets(dataset);
     const std::size_t count = dataset.count;
     batches_ = data::batches_per_epoch(count, options_.batch_size, options_.drop_last);
     max_batch_ = batches_ == 0 ? 0 : std::min(options_.batch_size, count);
     for (Slot& slot : slots_) {
       slot.images.resize(max_batch_ * sample_size_);
-      slot.labels.resize(max_batch_);
+      if (dataset.has_sequences()) {
+        slot.sequences.resize(max_batch_ * dataset.max_target);
+        slot.sequence_lengths.resize(max_batch_);
+      } else {
+        slot.labels.resize(max_batch_);
+      }
+      if (!dataset.frames.empty()) slot.frames.resize(max_batch_);
     }
     worker_ = loom::detail::start_quiet_thread("loom-loader", [this] { run(); });
   }
@@ -177,7 +180,17 @@ class Loader {
     slot.state = Slot::State::held;
     held_ = &slot;
     ++take_;
-    out = Batch{slot.images.data(), slot.labels.data(), slot.size, slot.first};
+    out = Batch{.images = slot.images.data(),
+                .labels = slot.labels.empty() ? nullptr : slot.labels.data(),
+                .size = slot.size,
+                .first = slot.first};
+    out.targets.labels = out.labels;
+    if (!slot.sequences.empty()) {
+      out.targets.sequences = slot.sequences.data();
+      out.targets.sequence_lengths = slot.sequence_lengths.data();
+      out.targets.max_target = dataset_.max_target;
+    }
+    if (!slot.frames.empty()) out.targets.frames = slot.frames.data();
     return true;
   }
 
@@ -187,6 +200,7 @@ class Loader {
     State state = State::empty;
     std::vector<float> images;
     std::vector<std::int32_t> labels;
+    std::vector<std::int32_t> sequences, sequence_lengths, frames;
     std::size_t size = 0;
     std::size_t first = 0;
     std::exception_ptr error;
@@ -226,20 +240,32 @@ class Loader {
     const std::size_t size = std::min(options_.batch_size, dataset_.count - first);
     for (std::size_t j = 0; j < size; ++j) {
       const std::size_t index = order_[first + j];
-      const std::int32_t label = dataset_.labels[index];
-      LOOM_CHECK(label >= 0 && static_cast<std::size_t>(label) < dataset_.classes, "dataset '",
-                 dataset_.name, "' has label ", label, " at sample ", index, "; expected 0..",
-                 dataset_.classes - 1, " for ", dataset_.classes, " classes");
       std::copy_n(dataset_.images.begin() + static_cast<std::ptrdiff_t>(index * sample_size_),
                   sample_size_,
                   slot.images.begin() + static_cast<std::ptrdiff_t>(j * sample_size_));
       if (options_.augment.active())
         augment_image(slot.images.data() + j * sample_size_, dataset_.channels, dataset_.height,
                       dataset_.width, options_.augment, options_.seed, epoch_, index, scratch_);
-      slot.labels[j] = label;
+      gather_targets(index, j, slot);
     }
     slot.size = size;
     slot.first = first;
+  }
+
+  void gather_targets(std::size_t index, std::size_t j, Slot& slot) const {
+    if (dataset_.has_sequences()) {
+      const std::size_t width = dataset_.max_target;
+      std::copy_n(dataset_.targets.begin() + static_cast<std::ptrdiff_t>(index * width), width,
+                  slot.sequences.begin() + static_cast<std::ptrdiff_t>(j * width));
+      slot.sequence_lengths[j] = dataset_.target_lengths[index];
+    } else {
+      const std::int32_t label = dataset_.labels[index];
+      LOOM_CHECK(label >= 0 && static_cast<std::size_t>(label) < dataset_.classes, "dataset '",
+                 dataset_.name, "' has label ", label, " at sample ", index, "; expected 0..",
+                 dataset_.classes - 1, " for ", dataset_.classes, " classes");
+      slot.labels[j] = label;
+    }
+    if (!slot.frames.empty()) slot.frames[j] = dataset_.frames[index];
   }
 
   const Dataset& dataset_;

@@ -376,7 +376,9 @@ class LayerRunner {
           context.dnn, L::geometry(batch), out_channels,
           ConvOptions{.allow_tensor_ops = tensor_cores, .workspace_limit = library_limit});
     } else if constexpr (L::kind == "linear") {
-      constexpr std::size_t in = L::in_features;
+      constexpr std::size_t in = L::in_features, out_channels = L::out_features;
+      // Over Frames x Features it acts per position: a row per sample and position.
+      const std::size_t rows = batch * L::positions;
       GemmOptions options;
       options.max_workspace_bytes = std::min(options.max_workspace_bytes, library_limit);
       options.allow_tf32 = math == TensorMath::tf32;
@@ -386,15 +388,15 @@ class LayerRunner {
                                : role.writes_mask        ? Epilogue::relu_aux_bias
                                                          : Epilogue::relu_bias;
       forward_ = std::make_unique<GemmPlan>(
-          context.blas, GemmShape{false, true, batch, out_channels, in, in, in, out_channels},
+          context.blas, GemmShape{false, true, rows, out_channels, in, in, in, out_channels},
           forward, options);
       // With the mask kept, the next layer's GEMM has already summed the bias gradient.
       weight_grad_ = std::make_unique<GemmPlan>(
-          context.blas, GemmShape{true, false, out_channels, in, batch, out_channels, in, in},
+          context.blas, GemmShape{true, false, out_channels, in, rows, out_channels, in, in},
           role.writes_mask ? Epilogue::none : Epilogue::bgrad_a, options);
       if (role.input_gradient)
         input_grad_ = std::make_unique<GemmPlan>(
-            context.blas, GemmShape{false, false, batch, in, out_channels, out_channels, in, in},
+            context.blas, GemmShape{false, false, rows, in, out_channels, out_channels, in, in},
             role.applies_previous_drelu ? Epilogue::drelu_bgrad : Epilogue::none, options);
     }
   }
@@ -466,7 +468,7 @@ class LayerRunner {
       // With the mask kept, dy is already dZ (the next layer's epilogue made it).
       const float* grad = c.dy;
       if (L::activation == Act::relu && !role_.writes_mask) {
-        activation_backward<Act::relu>(c.dy, c.y, dz, batch_ * out_channels, c.stream);
+        activation_backward<Act::relu>(c.dy, c.y, dz, batch_ * L::output_shape::size, c.stream);
         grad = dz;
       }
       GemmArgs weights = gemm_args(grad, c.x, c.dweights, c);

@@ -594,7 +594,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
   bool all_local() const override { return true; }
   std::size_t local_stages() const { return ranks_; }
 
-  cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
+  cpu::LossSums micro_step(const float* images, const Targets& targets, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings,
                            const Pass& pass = {.training = true}) override {
@@ -605,7 +605,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
                max_batch_);
     crew_.run({.kind = JobKind::train,
                .images = images,
-               .labels = labels,
+               .labels = targets.labels,
                .n = n,
                .group_samples = group_samples,
                .accumulate = accumulate,

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -38,6 +39,9 @@ struct Pass {
   std::uint64_t step = 0;
   std::size_t first_sample = 0;
   ReplicaSum* replicas = nullptr;  // DataParallel's, when the network syncs statistics
+  // Sequences: each sample's length at the network's input, from the
+  // micro-batch's first sample (the data set's frames); null: all full.
+  const std::int32_t* frames = nullptr;
 };
 
 // What a contextual layer gets besides its tensors.
@@ -49,6 +53,22 @@ struct LayerContext {
   // What a block's inner layers round their outputs and gradients to, as
   // the network rounds its own layers' (net/model.hpp's set_precision).
   Precision precision = Precision::fp32;
+  // Sequences of varying length: each sample's length of the time dimension
+  // (the input's first, Frames of Frames x Features) at this layer's input;
+  // null when every sample has all its frames. A layer over time reads
+  // nothing at or past a sample's length (as zeros), writes zeros there in
+  // its output and input gradient, and so lets padding change nothing. A
+  // layer that changes the length declares
+  //   static constexpr std::size_t frames_out(std::size_t frames_in);
+  // and the network maps the lengths through it for the layers after it
+  // and the loss.
+  const std::int32_t* frames = nullptr;
+};
+
+// Whether a layer changes its samples' lengths (Conv1d with a stride).
+template <class L>
+concept ChangesFrames = requires(std::size_t f) {
+  { L::frames_out(f) } -> std::convertible_to<std::size_t>;
 };
 
 // Spec wrapper produced by the fusion pass: Layer followed by Activation, run as one.

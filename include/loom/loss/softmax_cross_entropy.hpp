@@ -1,16 +1,24 @@
 // SoftmaxCrossEntropy: mean cross-entropy of softmax(logits) over the global
-// batch, with its gradient written in the same pass.
+// batch, with its gradient written in the same pass. Trains a flat vector of
+// class scores against one class per sample.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "../backend/cpu/softmax_xent.hpp"
+#include "../core/targets.hpp"
+#include "loss.hpp"
 
 namespace loom {
 
 struct SoftmaxCrossEntropy {
   using Sums = cpu::LossSums;
+  static constexpr const char* name = "SoftmaxCrossEntropy";
+  static constexpr TargetKind target = TargetKind::class_label;
+  static constexpr const char* error_rate = nullptr;
+  template <class Out>
+  static constexpr bool fits = Out::rank == 1;
 
   // Loss and correct-count sums over `batch` rows; when dlogits is given it
   // receives d(mean loss over global_batch)/d(logits), times loss_scale
@@ -21,6 +29,12 @@ struct SoftmaxCrossEntropy {
                        float loss_scale = 1.0f) {
     return cpu::softmax_xent(logits, labels, batch, classes,
                              static_cast<T>(loss_scale) / static_cast<T>(global_batch), dlogits);
+  }
+
+  template <class Out, class T>
+  static Sums compute(const T* logits, std::size_t n, const Targets& targets, T grad_scale,
+                      T* dlogits) {
+    return cpu::softmax_xent(logits, targets.labels, n, Out::size, grad_scale, dlogits);
   }
 };
 

@@ -225,6 +225,11 @@ class Model {
   // Per sample, the range's input and output (the network's for the whole).
   std::size_t range_input_size() const { return in_size_; }
   std::size_t range_output_size() const { return out_size_; }
+  // Sequences: the samples' lengths at the range's output for the slot's
+  // last forward (the loss reads them), or null when its pass gave none.
+  const std::int32_t* output_frames(std::size_t slot = 0) const {
+    return frames_at(slots_.at(slot), range_.last);
+  }
 
   // Seeded weights: the same seed gives the same weights for any backend,
   // policy, or fused/unfused form of the network.
@@ -267,6 +272,7 @@ class Model {
         if constexpr (!L::in_place) slot.outputs[i] = arena_.take(L::output_shape::size * max_batch);
         if constexpr (L::saved > 0) slot.saved[i] = arena_.take(L::saved * max_batch);
       });
+    for (auto& slot : slots_) slot.frames.assign(frames_rules * max_batch, 0);
     capacity_ = max_batch;
   }
 
@@ -328,6 +334,7 @@ class Model {
     s.input = input;
     s.batch = n;
     s.pass = pass;
+    map_frames(s);
     if (precision_ != Precision::fp32) {
       if (weights_stale_) {
         std::ranges::copy(params_, compute_params_.begin());
@@ -583,12 +590,52 @@ class Model {
     std::array<T*, layer_count> outputs{};
     std::array<T*, layer_count> saved{};
     std::vector<T> rounded_input;  // a reduced precision's copy of the input
+    // Sequences: the samples' lengths after each layer that changes them
+    // (frames_rules of them, capacity each), in the network's order.
+    std::vector<std::int32_t> frames;
   };
+
+  // Per executed layer: how many layers before it change the samples'
+  // lengths (layers/layer.hpp's ChangesFrames), so which lengths it reads.
+  static constexpr std::array<std::size_t, layer_count + 1> frames_rules_before = [] {
+    std::array<std::size_t, layer_count + 1> before{};
+    static_for<layer_count>([&](auto i) {
+      before[i + 1] = before[i] + (ChangesFrames<type_at_t<i, executed>> ? 1 : 0);
+    });
+    return before;
+  }();
+  static constexpr std::size_t frames_rules = frames_rules_before[layer_count];
+
+  // The samples' lengths at executed layer `layer`'s input (layer_count:
+  // the network's output), or null when the slot's pass has none.
+  const std::int32_t* frames_at(const Slot& s, std::size_t layer) const {
+    if (s.pass.frames == nullptr) return nullptr;
+    const std::size_t rules = frames_rules_before[layer];
+    return rules == 0 ? s.pass.frames : s.frames.data() + (rules - 1) * capacity_;
+  }
+  // Maps the pass's lengths through every layer that changes them, up to
+  // the range's end (those before the range too: the pass holds the
+  // network's input lengths).
+  void map_frames(Slot& s) {
+    if constexpr (frames_rules > 0) {
+      if (s.pass.frames == nullptr) return;
+      static_for<layer_count>([&](auto i) {
+        using L = type_at_t<i, executed>;
+        if constexpr (ChangesFrames<L>) {
+          if (i >= range_.last) return;
+          const std::int32_t* in = frames_at(s, i);
+          std::int32_t* out = s.frames.data() + frames_rules_before[i] * capacity_;
+          for (std::size_t k = 0; k < s.batch; ++k)
+            out[k] = static_cast<std::int32_t>(L::frames_out(static_cast<std::size_t>(in[k])));
+        }
+      });
+    }
+  }
 
   template <std::size_t I>
   LayerContext<T> context(const Slot& s) {
     return {s.pass, state_.data() + (offsets::state_offsets[I] - state_base_), s.saved[I],
-            precision_};
+            precision_, frames_at(s, I)};
   }
 
   template <class OnLayerDone>

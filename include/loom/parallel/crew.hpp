@@ -21,6 +21,7 @@
 #include <span>
 #include <vector>
 
+#include "../core/targets.hpp"
 #include "../backend/cpu/threads.hpp"
 #include "../core/error.hpp"
 #include "../core/precision.hpp"
@@ -54,7 +55,8 @@ template <class Kind>
 struct EngineJob {
   Kind kind{};
   const float* images = nullptr;
-  const std::int32_t* labels = nullptr;
+  const std::int32_t* labels = nullptr;  // targets.labels (the GPU pipeline reads these)
+  Targets targets{};                     // the batch's, from its first sample
   std::size_t n = 0;              // samples of the batch (evaluation: per piece)
   std::size_t group_samples = 0;  // samples of the optimizer step
   bool accumulate = false;        // add to the step's earlier gradients

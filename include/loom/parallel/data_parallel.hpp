@@ -28,6 +28,7 @@
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../data/dataset.hpp"
+#include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "grid_engine.hpp"
 
@@ -73,7 +74,7 @@ void check_same_program(comm::Comm& c) {
 // DataParallel on CPU devices or processes, and SingleDevice on a CPU: the
 // grid engine over one stage, the whole network (StageOf<Net>), one replica
 // per rank.
-template <class Net, class Policy, class Optimizer>
+template <class Net, class Policy, class Optimizer, class Loss = SoftmaxCrossEntropy>
 class DataParallelEngine final : public GridEngine {
  public:
   using OptimizerState = typename Optimizer::template State<float>;
@@ -101,7 +102,7 @@ class DataParallelEngine final : public GridEngine {
   }
 
   // One batch of an optimizer step (see GridEngine::micro_step).
-  cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
+  cpu::LossSums micro_step(const float* images, const Targets& targets, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings, const Pass& pass = {.training = true}) {
     // A replica without a sample would miss the statistics' collectives.
@@ -110,7 +111,7 @@ class DataParallelEngine final : public GridEngine {
                  " sample(s) over ", world(), " replicas leaves a replica without one, and "
                  "SyncBatchNorm needs every replica's statistics; use batches of at least ",
                  world(), " (the last batch of an epoch included)");
-    return GridEngine::micro_step(images, labels, n, group_samples, accumulate, last, settings,
+    return GridEngine::micro_step(images, targets, n, group_samples, accumulate, last, settings,
                                   pass);
   }
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
@@ -131,7 +132,7 @@ class DataParallelEngine final : public GridEngine {
   DataParallelEngine(const std::vector<Device>& devices, const comm::Comm& processes,
                      const Model<Net, float>& initial, typename Optimizer::Options options)
       : GridEngine(
-            grid_net<Net, Optimizer>(1, is_data_parallel<Policy> && Net::syncs),
+            grid_net<Net, Optimizer, Loss>(1, is_data_parallel<Policy> && Net::syncs),
             [&](std::size_t) {
               return make_stage_of<Net, Optimizer>(initial, options, bucket_bytes());
             },

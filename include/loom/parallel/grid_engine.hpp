@@ -48,7 +48,7 @@
 #include "../core/linkage.hpp"
 #include "../core/stop_signals.hpp"
 #include "../data/dataset.hpp"
-#include "../loss/softmax_cross_entropy.hpp"
+#include "../loss/loss.hpp"
 #include "../net/model.hpp"
 #include "../optim/clip.hpp"
 #include "../optim/loss_scaler.hpp"
@@ -131,10 +131,13 @@ inline void check_same_program(comm::Comm& c, const std::string& identity,
                identity, ". Start every rank from the same program");
 }
 
-// A step's (loss sum, correct count) as the engines keep them, for the caller.
+// A step's loss sums as the engines keep them (Rank::stats), for the caller.
 template <std::size_t N>
 cpu::LossSums loss_sums(const std::array<double, N>& stats) {
-  return {stats[0], static_cast<std::size_t>(stats[1])};
+  return {.loss = stats[0],
+          .correct = static_cast<std::size_t>(stats[1]),
+          .errors = stats[2],
+          .references = stats[3]};
 }
 
 // One stage's network and optimizer state behind a type-erased face, so the
@@ -146,6 +149,9 @@ class PipelineStage {
   virtual const float* forward(const float* input, std::size_t n, std::size_t slot,
                                const Pass& pass) = 0;
   virtual float* output_gradient() = 0;
+  // Sequences: the samples' lengths at the stage's output for the slot's
+  // last forward, or null when its pass gave none.
+  virtual const std::int32_t* output_frames(std::size_t slot) const = 0;
   virtual void backward(std::size_t slot, bool accumulate, float* input_gradient) = 0;
   // The same, calling done(i) as each executed layer's gradients become final.
   virtual void backward(std::size_t slot, bool accumulate, float* input_gradient,
@@ -201,6 +207,9 @@ class StageOf final : public PipelineStage {
     return model_.forward(input, n, slot, pass);
   }
   float* output_gradient() override { return model_.output_gradient(); }
+  const std::int32_t* output_frames(std::size_t slot) const override {
+    return model_.output_frames(slot);
+  }
   void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
     // Through the overload below: each stage's network compiles one
     // backward, not two (a call per layer is all the no-op costs).
@@ -296,7 +305,8 @@ class Outbox {
 struct GridNet {
   std::string network, optimizer;  // type names, for the processes' identity check
   std::size_t parameter_count = 0, state_count = 0;
-  std::size_t input_size = 0, classes = 0;  // per sample
+  std::size_t input_size = 0;  // per sample
+  const LossOps* loss = nullptr;  // the trainer's (loss/loss.hpp)
   std::size_t stages = 1;
   // Where each layer with parameters begins in the flat buffer (clipping's
   // per-layer norms, summed over the stages).
@@ -309,14 +319,14 @@ struct GridNet {
 // Makes stage k of a rank, with its slice of the initial weights.
 using StageMaker = std::function<std::unique_ptr<PipelineStage>(std::size_t stage)>;
 
-template <class Net, class Optimizer>
+template <class Net, class Optimizer, class Loss>
 GridNet grid_net(std::size_t stages, bool syncs) {
-  return {.network = type_label<Net>(),
+  return {.network = type_label<Net>() + " trained with " + Loss::name,
           .optimizer = type_label<Optimizer>(),
           .parameter_count = Net::parameter_count,
           .state_count = Net::state_count,
           .input_size = Net::input_shape::size,
-          .classes = Net::output_shape::size,
+          .loss = &loss_ops<Loss, typename Net::output_shape>(),
           .stages = stages,
           .norm_segments = norm_segments<Net>,
           .syncs = syncs};
@@ -391,7 +401,7 @@ class GridEngine {
   // step's global loss and correct-count sums when `last`; a non-finite
   // loss or gradient skips the update on every rank (the caller checks
   // fault()), as does an fp16 overflow (LossSums::overflowed).
-  cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
+  cpu::LossSums micro_step(const float* images, const Targets& targets, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings, const Pass& pass);
 
@@ -498,9 +508,9 @@ class GridEngine {
     std::vector<std::size_t> free_slots, slot_of;  // slot_of: per micro-batch
     std::size_t capacity = 0, in_flight = 0, peak_in_flight = 0;
     std::size_t next_bucket = 0;  // the next gradient bucket to reduce this step
-    // Loss sum, correct count, and (training) how many stages' gradients
-    // are not finite.
-    std::array<double, 3> stats{};
+    // The loss's sums (loss, correct, errors, references: cpu::LossSums),
+    // and (training) how many stages' gradients are not finite.
+    std::array<double, 5> stats{};
     std::vector<double> squares;  // clipping's, per layer with parameters (kept: no allocation)
     double busy = 0.0;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
@@ -513,6 +523,20 @@ class GridEngine {
 
   bool first(const Rank& r) const { return r.stage == 0; }
   bool last(const Rank& r) const { return r.stage + 1 == stages_; }
+  // A micro-batch's targets for the loss, with its samples' lengths at the
+  // network's output (the layers may have changed them).
+  static Targets loss_targets(const Rank& r, const Targets& batch, std::size_t first_sample,
+                              std::size_t slot) {
+    Targets targets = batch.from(first_sample);
+    if (targets.frames != nullptr) targets.frames = r.net->output_frames(slot);
+    return targets;
+  }
+  static void add_sums(Rank& r, const cpu::LossSums& sums) {
+    r.stats[0] += sums.loss;
+    r.stats[1] += static_cast<double>(sums.correct);
+    r.stats[2] += sums.errors;
+    r.stats[3] += sums.references;
+  }
 
   // A failing rank wakes every group it belongs to, so no rank waits for it.
   void cancel(Rank& r, const std::string& why) {
@@ -573,7 +597,7 @@ class GridEngine {
     std::size_t micro;  // the step's last batch's micro-batches on this replica
 
     bool loss_finite() const { return std::isfinite(r.stats[0]); }
-    bool gradients_finite() const { return r.stats[2] == 0.0; }
+    bool gradients_finite() const { return r.stats[4] == 0.0; }
     // Unscales the stage's gradients; whether no stage's overflowed (the
     // replicas' copies hold the same reduced gradients).
     bool unscale(float loss_scale) {
@@ -762,13 +786,14 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
   }
 }
 
-LOOM_DECL cpu::LossSums GridEngine::micro_step(const float* images, const std::int32_t* labels,
+LOOM_DECL cpu::LossSums GridEngine::micro_step(const float* images, const Targets& targets,
                                                std::size_t n, std::size_t group_samples,
                                                bool accumulate, bool last,
                                                const StepSettings& settings, const Pass& pass) {
   crew_.run({.kind = JobKind::train,
              .images = images,
-             .labels = labels,
+             .labels = targets.labels,
+             .targets = targets,
              .n = n,
              .group_samples = group_samples,
              .accumulate = accumulate,
@@ -966,6 +991,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
       const auto started = Clock::now();
       Pass pass = job.pass;
       pass.first_sample = first_sample;
+      if (job.targets.frames != nullptr) pass.frames = job.targets.frames + first_sample;
       if (net_.syncs) pass.replicas = &r.statistics;
       const float* output = r.net->forward(input, piece.count, slot, pass);
       r.busy += seconds_since(started);
@@ -985,11 +1011,10 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
                         static_cast<int>(r.stage + 1));
       const auto started = Clock::now();
       if (last(r)) {
-        const auto sums = SoftmaxCrossEntropy::evaluate<float>(
-            r.outputs[slot], job.labels + first_sample, piece.count, net_.classes,
-            job.group_samples, dy, job.settings.loss_scale);
-        r.stats[0] += sums.loss;
-        r.stats[1] += static_cast<double>(sums.correct);
+        const auto sums = net_.loss->compute(
+            r.outputs[slot], piece.count, loss_targets(r, job.targets, first_sample, slot),
+            job.settings.loss_scale / static_cast<float>(job.group_samples), dy);
+        add_sums(r, sums);
         if (!std::isfinite(sums.loss) && !r.fault)
           r.fault = r.net->find_nonfinite_output(slot, first(r));
       }
@@ -1025,7 +1050,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
   // all skip a non-finite step or all take it. (fp16 checks its gradients
   // when it unscales them: non-finite there is an overflow.)
   const bool fp16 = job.settings.precision == Precision::fp16;
-  r.stats[2] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
+  r.stats[4] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
   r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
   RankExecutor executor{*this, r, micro};
   r.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
@@ -1035,6 +1060,7 @@ LOOM_DECL void GridEngine::evaluate(Rank& r, const Job& job) {
   share_state(r);
   r.net->set_precision(job.precision);
   const auto& data = *job.dataset;
+  const Targets targets = data::targets_of(data);
   const std::size_t sample = data.sample_size();
   const auto share = batch_share(data.count, grid_.replicas, r.replica);
   const std::size_t micro = std::min(schedule_.micro_batches, job.n);
@@ -1048,13 +1074,12 @@ LOOM_DECL void GridEngine::evaluate(Rank& r, const Job& job) {
       const std::size_t first_sample = share.first + at + piece.first;
       const float* input =
           receive_input(r, data.images.data() + first_sample * sample, piece.count, 0);
-      const float* output = r.net->forward(input, piece.count, 0, Pass{});
+      Pass pass;
+      if (targets.frames != nullptr) pass.frames = targets.frames + first_sample;
+      const float* output = r.net->forward(input, piece.count, 0, pass);
       if (last(r)) {
-        const auto sums =
-            SoftmaxCrossEntropy::evaluate<float>(output, data.labels.data() + first_sample,
-                                                 piece.count, net_.classes, piece.count, nullptr);
-        r.stats[0] += sums.loss;
-        r.stats[1] += static_cast<double>(sums.correct);
+        add_sums(r, net_.loss->compute(output, piece.count,
+                                       loss_targets(r, targets, first_sample, 0), 1.0f, nullptr));
       } else {
         send_output(r, output, piece.count);
       }

@@ -31,6 +31,7 @@
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../data/dataset.hpp"
+#include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "grid_engine.hpp"
 #include "partition.hpp"
@@ -155,24 +156,24 @@ namespace detail {
 // ModelSplit and Hybrid on CPU devices or processes: the grid engine over
 // the stages of Net cut by Partition (its cut into grid.stages stages),
 // each made from the whole network's initial weights.
-template <class Net, class Partition, class Optimizer>
+template <class Net, class Partition, class Optimizer, class Loss = SoftmaxCrossEntropy>
 class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
  public:
   PipelineEngine(const std::vector<Device>& devices, comm::Comm processes,
                  const Model<Net, float>& initial, typename Optimizer::Options options,
                  PipelineGrid grid, PipelineSchedule schedule)
-      : GridEngine(grid_net<Net, Optimizer>(grid.stages, false),
+      : GridEngine(grid_net<Net, Optimizer, Loss>(grid.stages, false),
                    [&](std::size_t k) {
                      return make_stage(grid.stages, k, initial, options, grid.bucket_bytes);
                    },
                    devices, std::move(processes), grid, schedule) {}
 
   bool all_local() const override { return GridEngine::all_local(); }
-  cpu::LossSums micro_step(const float* images, const std::int32_t* labels, std::size_t n,
+  cpu::LossSums micro_step(const float* images, const Targets& targets, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
                            const StepSettings& settings,
                            const Pass& pass = {.training = true}) override {
-    return GridEngine::micro_step(images, labels, n, group_samples, accumulate, last, settings,
+    return GridEngine::micro_step(images, targets, n, group_samples, accumulate, last, settings,
                                   pass);
   }
   const NonFiniteSpot& fault() const override { return GridEngine::fault(); }

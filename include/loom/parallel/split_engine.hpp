@@ -27,7 +27,7 @@ class SplitEngine {
   // One batch of an optimizer step: the step's loss and correct-count sums
   // when `last`; a non-finite loss skips the update on every rank (the
   // caller checks).
-  virtual cpu::LossSums micro_step(const float* images, const std::int32_t* labels,
+  virtual cpu::LossSums micro_step(const float* images, const Targets& targets,
                                    std::size_t n, std::size_t group_samples, bool accumulate,
                                    bool last, const StepSettings& settings,
                                    const Pass& pass) = 0;

@@ -289,7 +289,12 @@ LOOM_DECL Fingerprint& Fingerprint::add_data(const std::string& name, const data
                            std::to_string(set.width));
   const std::size_t head = std::min<std::size_t>(set.count, 256);
   std::uint64_t h = detail::fnv1a(set.images.data(), head * set.sample_size() * sizeof(float));
-  h = detail::fnv1a(set.labels.data(), head * sizeof(std::int32_t), h);
+  // Their targets: the classes, or the label sequences, their lengths and frames.
+  for (const auto* targets : {&set.labels, &set.targets, &set.target_lengths, &set.frames}) {
+    const std::size_t per_sample = targets == &set.targets ? set.max_target : 1;
+    if (!targets->empty())
+      h = detail::fnv1a(targets->data(), head * per_sample * sizeof(std::int32_t), h);
+  }
   return add(name + ".first_samples_digest", h >> 16);
 }
 #endif  // LOOM_IMPLEMENT

@@ -139,7 +139,9 @@ class Evaluate {
       std::ostringstream text;
       text << "epoch " << epoch.epoch << '/' << epoch.epochs << ' ' << dataset_->name << ": loss "
            << std::fixed << std::setprecision(4) << last.loss << ", accuracy "
-           << std::setprecision(2) << 100.0 * last.accuracy << "%\n";
+           << std::setprecision(2) << 100.0 * last.accuracy << '%';
+      if (last.error_rate) text << ", error rate " << 100.0 * *last.error_rate << '%';
+      text << '\n';
       *out_ << text.str();
       out_->flush();
     }
@@ -408,6 +410,7 @@ LOOM_DECL void Metrics::write_step(const StepInfo& step, std::uint64_t steps, fl
       {"samples_per_second", seconds > 0 ? static_cast<double>(step.step_samples) / seconds : 0.0},
       {"device_step_seconds", device_step_seconds}};
   if (loss_scale) line["loss_scale"] = *loss_scale;
+  if (step.error_rate) line["epoch_error_rate"] = *step.error_rate;
   if (!step.nonfinite.empty()) line["nonfinite"] = step.nonfinite;
   write(line);
 }
@@ -426,7 +429,9 @@ LOOM_DECL void Metrics::write_epoch(const EpochInfo& epoch, std::uint64_t steps,
   if (options_.evaluate != nullptr && !options_.evaluate->history.empty()) {
     line["test_loss"] = options_.evaluate->last.loss;
     line["test_accuracy"] = options_.evaluate->last.accuracy;
+    if (const auto rate = options_.evaluate->last.error_rate) line["test_error_rate"] = *rate;
   }
+  if (epoch.error_rate) line["error_rate"] = *epoch.error_rate;
   write(line);
   last_ = std::chrono::steady_clock::now();  // the evaluation is not the next step's
 }
@@ -543,7 +548,9 @@ LOOM_DECL void Progress::on_epoch_end(const EpochInfo& epoch) {
   std::ostringstream text;
   text << "epoch " << epoch.epoch << '/' << epoch.epochs << " done: loss " << std::fixed
        << std::setprecision(4) << epoch.loss << ", accuracy " << std::setprecision(2)
-       << 100.0 * epoch.accuracy << "%, " << std::setprecision(0)
+       << 100.0 * epoch.accuracy << "%, ";
+  if (epoch.error_rate) text << "error rate " << 100.0 * *epoch.error_rate << "%, ";
+  text << std::setprecision(0)
        << rate(epoch.samples, epoch.seconds) << " samples/s, " << std::setprecision(1)
        << epoch.seconds << " s\n";
   *options_.out << text.str();
@@ -562,8 +569,9 @@ LOOM_DECL std::string Progress::line(const StepInfo& step, bool bar) const {
   const double per_step = step.step ? step.seconds / static_cast<double>(step.step) : 0.0;
   const double eta = per_step * static_cast<double>(step.steps - step.step);
   out << "step " << step.step << '/' << step.steps << " loss " << std::fixed << std::setprecision(4)
-      << step.loss << " acc " << std::setprecision(2) << 100.0 * step.accuracy << "% "
-      << std::setprecision(0) << rate(step.samples, step.seconds) << " samples/s ETA "
+      << step.loss << " acc " << std::setprecision(2) << 100.0 * step.accuracy << "% ";
+  if (step.error_rate) out << "err " << 100.0 * *step.error_rate << "% ";
+  out << std::setprecision(0) << rate(step.samples, step.seconds) << " samples/s ETA "
       << detail::clock(eta);
   return out.str();
 }

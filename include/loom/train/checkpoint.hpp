@@ -40,6 +40,7 @@ struct TrainingPosition {
   bool ended = false;       // the epoch's end (and its callbacks) reached
   double loss_sum = 0.0;
   std::size_t correct = 0;
+  double errors = 0.0, references = 0.0;  // the loss's error rate, where it has one
   std::size_t samples = 0;
   double seconds = 0.0;
 };
@@ -176,6 +177,10 @@ LOOM_DECL void write_checkpoint(const std::filesystem::path& path, const Checkpo
   writer.set_metadata("position.ended", p.ended ? "1" : "0");
   writer.set_metadata("position.loss_sum", number_text(p.loss_sum));
   writer.set_metadata("position.correct", number_text(p.correct));
+  if (p.references > 0) {
+    writer.set_metadata("position.errors", number_text(p.errors));
+    writer.set_metadata("position.references", number_text(p.references));
+  }
   writer.set_metadata("position.samples", number_text(p.samples));
   writer.set_metadata("position.seconds", number_text(p.seconds));
   if (image.fit) {
@@ -324,6 +329,11 @@ LOOM_DECL CheckpointImage read_checkpoint(const std::filesystem::path& path,
   p.ended = parse_number<int>(file, "position.ended", where) != 0;
   p.loss_sum = parse_number<double>(file, "position.loss_sum", where);
   p.correct = parse_number<std::size_t>(file, "position.correct", where);
+  // Written by losses with an error rate (CTCLoss) only.
+  if (file.metadata().contains("position.references")) {
+    p.errors = parse_number<double>(file, "position.errors", where);
+    p.references = parse_number<double>(file, "position.references", where);
+  }
   p.samples = parse_number<std::size_t>(file, "position.samples", where);
   p.seconds = parse_number<double>(file, "position.seconds", where);
   LOOM_CHECK(image.lr >= 0.0f && image.base_lr > 0.0f, "checkpoint '", where,

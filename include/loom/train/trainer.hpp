@@ -1,5 +1,6 @@
-// Trainer<Net, Policy, Optimizer>: fits a network to a dataset. The policy
-// says how the network is spread over devices; the optimizer how weights move.
+// Trainer<Net, Policy, Optimizer, Loss>: fits a network to a dataset. The
+// policy says how the network is spread over devices; the optimizer how
+// weights move; the loss (loss/loss.hpp) what the outputs train against.
 #pragma once
 
 #include <algorithm>
@@ -21,6 +22,8 @@
 #include "../core/error.hpp"
 #include "../data/data.hpp"
 #include "../layers/layer.hpp"
+#include "../loss/ctc.hpp"
+#include "../loss/loss.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "../optim/adam.hpp"
@@ -52,7 +55,17 @@ struct Bind<SoftmaxCrossEntropy, In_, Index_> : LayerBase<SoftmaxCrossEntropy, I
                 "cross-entropy");
 };
 
-template <class Net_, class Policy_ = SingleDevice, class Optimizer_ = SGD>
+// The losses are the Trainer's too.
+template <bool Z, class In_, std::size_t Index_>
+struct Bind<CTC<Z>, In_, Index_> : LayerBase<CTC<Z>, In_, In_, Index_> {
+  static_assert(dependent_false<In_>,
+                "CTCLoss is the Trainer's loss, not a layer: end the Sequential with the "
+                "per-frame class scores (e.g. Linear<classes> over Input<Frames, Features>) and "
+                "give the Trainer CTCLoss as its fourth argument");
+};
+
+template <class Net_, class Policy_ = SingleDevice, class Optimizer_ = SGD,
+          class Loss_ = SoftmaxCrossEntropy>
 class Trainer : public detail::TrainerCore {
   // The CUDA executor reads and writes the trainer's state.
   template <class T>
@@ -62,12 +75,20 @@ class Trainer : public detail::TrainerCore {
   using Net = Net_;
   using Policy = Policy_;
   using Optimizer = Optimizer_;
-  using Loss = SoftmaxCrossEntropy;
-  static constexpr std::size_t classes = Net::output_shape::size;
+  using Loss = Loss_;
+  static_assert(LossType<Loss>, "Trainer: the fourth argument must be a loss (loss/loss.hpp), "
+                                "e.g. SoftmaxCrossEntropy or CTCLoss");
+  // The scores of each sample (or of each of its frames) are the output's last dimension.
+  using Out = typename Net::output_shape;
+  static constexpr std::size_t classes = Out::dims[Out::rank - 1];
 
   static_assert(
-      Net::output_shape::rank == 1,
+      !std::is_same_v<Loss, SoftmaxCrossEntropy> || Net::output_shape::rank == 1,
       "Trainer: the network must end in a flat vector of class scores (end with Linear<classes>)");
+  static_assert(Loss::template fits<typename Net::output_shape>,
+                "Trainer: the network's output does not suit the loss; CTCLoss trains Frames x "
+                "Classes scores per sample (end with a per-frame Linear<classes> over "
+                "Input<Frames, Features>)");
 
   // `processes`: for DataParallel or ModelSplit across MPI processes, the
   // world communicator (dist::Environment::world()); this process then
@@ -101,10 +122,17 @@ class Trainer : public detail::TrainerCore {
     // brings gpu/trainer_executor.cuh); one built by the host compiler has
     // what its CUDA translation unit registered (gpu::register_trainers).
     if (on_gpu()) {
-      if constexpr (requires(Trainer& t) { make_gpu_executor(t); })
-        gpu_ = make_gpu_executor(*this);
-      else if (detail::gpu_executor_factory<Trainer> != nullptr)
-        gpu_ = detail::gpu_executor_factory<Trainer>();
+      // The CUDA executor trains SoftmaxCrossEntropy only so far; the other
+      // losses' CUDA ops (backend/cuda/) join it with the one engine.
+      LOOM_CHECK((std::is_same_v<Loss, SoftmaxCrossEntropy>), Loss::name,
+                 " trains on CPU devices in this version; give CPU devices "
+                 "(devices::cpu(n))");
+      if constexpr (std::is_same_v<Loss, SoftmaxCrossEntropy>) {
+        if constexpr (requires(Trainer& t) { make_gpu_executor(t); })
+          gpu_ = make_gpu_executor(*this);
+        else if (detail::gpu_executor_factory<Trainer> != nullptr)
+          gpu_ = detail::gpu_executor_factory<Trainer>();
+      }
       LOOM_CHECK(gpu_ != nullptr, "device ", devices_.front().name(),
                  " needs the CUDA backend: compile with nvcc, including <loom/loom.hpp>, or "
                  "register this trainer from a CUDA translation unit "
@@ -182,6 +210,7 @@ class Trainer : public detail::TrainerCore {
     result.samples = dataset.count;
     result.loss = sums.loss / static_cast<double>(dataset.count);
     result.accuracy = static_cast<double>(sums.correct) / static_cast<double>(dataset.count);
+    result.error_rate = error_rate_of(sums.errors, sums.references);
     return result;
   }
 
@@ -315,6 +344,7 @@ class Trainer : public detail::TrainerCore {
   // runs (micro_batches 0: the policy's).
   void describe_setup(Fingerprint& f) const override {
     f.add("network", detail::type_label<Net>())
+        .add("loss", Loss::name)
         .add("policy", detail::type_label<Policy>())
         .add("device kind", devices_.front().kind == Device::Kind::cpu ? "cpu" : "cuda")
         .add("devices per process", devices_.size())
@@ -463,7 +493,7 @@ class Trainer : public detail::TrainerCore {
         .loss_scale = options_.precision == Precision::fp16 ? scaler_.scale() : 1.0f,
         .at_min_scale = options_.precision == Precision::fp16 && scaler_.at_min_scale()};
     auto& engine = engine_for_step();
-    const auto sums = engine.micro_step(batch.images, batch.labels, batch.size, group_samples,
+    const auto sums = engine.micro_step(batch.images, batch.targets, batch.size, group_samples,
                                         accumulate, last, settings, pass);
     if (!last) return std::nullopt;
     const NonFiniteSpot spot = engine.fault();
@@ -511,7 +541,10 @@ class Trainer : public detail::TrainerCore {
   const Device& device_of_process() const override { return devices_.front(); }
 
   void check_dataset(const data::Dataset& dataset, const char* what) const {
-    check_samples(dataset, what, Net::input_shape::dims, classes);
+    check_samples(dataset, what, Net::input_shape::dims, classes, Loss::target, Loss::name);
+    // What the loss checks of the whole data set (CTCLoss: every target fits its frames).
+    if constexpr (requires { Loss::template check_targets<Out>(Targets{}, std::size_t{}); })
+      Loss::template check_targets<Out>(data::targets_of(dataset), dataset.count);
   }
   bool on_gpu() const { return devices_.front().kind == Device::Kind::cuda; }
 
@@ -554,14 +587,15 @@ class Trainer : public detail::TrainerCore {
   struct NoEngine {};
   // SingleDevice and DataParallel on CPUs: replicas of the whole network.
   using Engine = std::conditional_t<!is_pipelined<Policy>,
-                                    detail::DataParallelEngine<Net, Policy, Optimizer>, NoEngine>;
+                                    detail::DataParallelEngine<Net, Policy, Optimizer, Loss>,
+                                    NoEngine>;
   // The pipelined policies' engines are types over the network and the
   // stage cut: ModelSplit and every Hybrid over one cut share them.
   struct NoPipeline {};
   static auto pipeline_type() {
     if constexpr (is_pipelined<Policy>)
-      return static_cast<detail::PipelineEngine<Net, typename Policy::partition, Optimizer>*>(
-          nullptr);
+      return static_cast<
+          detail::PipelineEngine<Net, typename Policy::partition, Optimizer, Loss>*>(nullptr);
     else
       return static_cast<NoPipeline*>(nullptr);
   }

@@ -20,10 +20,12 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "../backend/cpu/softmax_xent.hpp"
+#include "../core/targets.hpp"
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../core/linkage.hpp"
@@ -95,10 +97,19 @@ struct FitOptions {
 };
 
 struct EvalResult {
-  double loss = 0.0;      // mean cross-entropy
-  double accuracy = 0.0;  // fraction in [0, 1]
+  double loss = 0.0;      // the loss's mean over the samples
+  double accuracy = 0.0;  // fraction in [0, 1] predicted exactly (CTCLoss: whole sequences)
   std::size_t samples = 0;
+  // Where the loss defines one (CTCLoss: label edits over reference labels),
+  // a fraction in [0, 1] or above.
+  std::optional<double> error_rate{};
 };
+
+// errors / references, or none when the loss counts no references.
+inline std::optional<double> error_rate_of(double errors, double references) {
+  if (references <= 0.0) return std::nullopt;
+  return errors / references;
+}
 
 struct FitInfo {
   int epochs = 0;
@@ -121,6 +132,8 @@ struct StepInfo {
   // This optimizer step's own figures.
   double step_loss = 0.0;
   double step_accuracy = 0.0;
+  // Over the epoch so far, where the loss defines an error rate (CTCLoss).
+  std::optional<double> error_rate{};
   std::size_t step_samples = 0;
   // The update was skipped: fp16's gradients overflowed, or (with
   // NonFinite::skip) the loss or a gradient went non-finite, as `nonfinite` says.
@@ -145,6 +158,7 @@ struct EpochInfo {
   double accuracy = 0.0;
   std::size_t samples = 0;
   double seconds = 0.0;
+  std::optional<double> error_rate{};  // where the loss defines one (CTCLoss)
 };
 
 namespace detail {
@@ -377,7 +391,8 @@ class TrainerCore {
   // (channels x height) and width are those, and a flat Input<F> any
   // sample of F values.
   static void check_samples(const data::Dataset& dataset, const char* what,
-                            std::span<const std::size_t> input, std::size_t classes) {
+                            std::span<const std::size_t> input, std::size_t classes,
+                            TargetKind target, const char* loss) {
     std::size_t input_size = 1;
     std::string input_text;
     for (const std::size_t d : input) {
@@ -403,11 +418,20 @@ class TrainerCore {
                "> to take any sample of ", input_size, " values");
     LOOM_CHECK(dataset.classes <= classes, what, ": dataset '", dataset.name, "' has ",
                dataset.classes, " classes but the network outputs ", classes, " scores");
-    LOOM_CHECK(dataset.images.size() == dataset.count * dataset.sample_size() &&
-                   dataset.labels.size() == dataset.count,
-               what, ": dataset '", dataset.name, "' holds ", dataset.images.size(),
-               " image values and ", dataset.labels.size(), " labels for ", dataset.count,
-               " samples");
+    const TargetKind has =
+        dataset.has_sequences() ? TargetKind::label_sequence : TargetKind::class_label;
+    LOOM_CHECK(has == target, what, ": dataset '", dataset.name, "' has ",
+               target_kind_name(has), " but the trainer's loss, ", loss, ", trains against ",
+               target_kind_name(target));
+    try {
+      data::check_targets(dataset);
+    } catch (const Error& e) {
+      // "loom: <what>: <its message>", the message's place kept.
+      const std::string text = e.what();
+      const std::string_view prefix = "loom: ";
+      throw Error(std::string(prefix) + what + ": " +
+                  (text.starts_with(prefix) ? text.substr(prefix.size()) : text));
+    }
   }
 
   // fit()'s options that no trainer could run.
@@ -721,6 +745,8 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
       if (nonfinite_.empty()) {
         position_.loss_sum += sums->loss;
         position_.correct += sums->correct;
+        position_.errors += sums->errors;
+        position_.references += sums->references;
       } else {
         skipped_samples += ran.samples;
       }
@@ -731,6 +757,7 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
           static_cast<double>(std::max<std::size_t>(1, step.samples - skipped_samples));
       step.loss = position_.loss_sum / counted;
       step.accuracy = static_cast<double>(position_.correct) / counted;
+      step.error_rate = error_rate_of(position_.errors, position_.references);
       step.seconds = seconds_since(start);
       position_.steps = step.step;
       position_.samples = step.samples;
@@ -795,7 +822,8 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
         counted > 0 ? position_.loss_sum / static_cast<double>(counted) : 0.0,
         counted > 0 ? static_cast<double>(position_.correct) / static_cast<double>(counted)
                     : 0.0,
-        position_.samples, seconds_since(start)};
+        position_.samples, seconds_since(start),
+        error_rate_of(position_.errors, position_.references)};
     events.epoch_end(done);
   }
 }

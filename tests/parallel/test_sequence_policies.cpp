@@ -1,0 +1,138 @@
+// A loss other than softmax cross-entropy under every policy: CTCLoss over
+// sequences of varying length (garments read a row a frame, a per-frame
+// MLP), on CPU worker devices and real data. Each policy trains to one
+// device's weights and reports its sums (loss, sequences right, label error
+// rate) over the same global batch.
+#include <cmath>
+#include <loom/loom.hpp>
+#include <span>
+#include <vector>
+
+#include "fashion_test.hpp"
+#include "garment_sequences.hpp"
+#include "loom_test.hpp"
+
+using namespace loom;
+namespace test = loom::test;
+
+namespace {
+
+using Reader = Sequential<Input<56, 28>, Linear<32>, ReLU, Linear<24>, ReLU, Linear<11>>;
+static_assert(Reader::output_shape::rank == 2 && Reader::output_shape::dims[0] == 56 &&
+              Reader::output_shape::dims[1] == 11);
+
+const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
+// 200 samples in batches of 40 (the last epoch's order shuffled): 10 steps.
+const FitOptions fit{.epochs = 2, .batch_size = 40, .seed = 3};
+
+const data::Dataset& sequences() {
+  static const data::Dataset set = test::garment_sequences(test::fashion().train, 200);
+  return set;
+}
+
+struct Trained {
+  std::vector<float> weights;
+  EpochInfo last;
+  EvalResult eval;
+};
+
+template <class Policy>
+Trained train(std::size_t devices) {
+  auto workers = devices::cpu(devices);
+  for (auto& d : workers) d.threads = 1;
+  Trainer<Reader, Policy, SGD, CTCLoss> trainer(workers, sgd, {.seed = 11});
+  struct Last {
+    void on_epoch_end(const EpochInfo& epoch) { *out = epoch; }
+    EpochInfo* out;
+  };
+  Trained result;
+  trainer.fit(sequences(), fit, Last{&result.last});
+  const auto w = trainer.model().parameters();
+  result.weights.assign(w.begin(), w.end());
+  result.eval = trainer.evaluate(sequences(), 50);
+  return result;
+}
+
+void require_same_sums(const Trained& got, const Trained& ref, const char* what) {
+  INFO(what);
+  REQUIRE(got.last.loss == Approx(ref.last.loss).epsilon(1e-6));
+  REQUIRE(got.last.accuracy == ref.last.accuracy);
+  REQUIRE(got.last.error_rate.has_value());
+  REQUIRE(*got.last.error_rate == Approx(*ref.last.error_rate).epsilon(1e-12));
+  REQUIRE(got.eval.loss == Approx(ref.eval.loss).epsilon(1e-6));
+  REQUIRE(*got.eval.error_rate == Approx(*ref.eval.error_rate).epsilon(1e-12));
+}
+
+}  // namespace
+
+TEST_CASE("CTCLoss: one device learns and reports the loss's own sums") {
+  const Trained one = train<SingleDevice>(1);
+  // Two epochs of a per-frame MLP: far from trained, but the loss of a
+  // blank-heavy start (about log(11) per frame over ~50 frames, over a
+  // target of 1.7 labels) has come down, and every sum is in range.
+  REQUIRE(std::isfinite(one.last.loss));
+  REQUIRE(one.eval.samples == 200);
+  REQUIRE(one.eval.error_rate.has_value());
+  REQUIRE(*one.eval.error_rate >= 0.0);
+  REQUIRE(one.eval.accuracy >= 0.0);
+  REQUIRE(one.eval.accuracy <= 1.0);
+  Trainer<Reader, SingleDevice, SGD, CTCLoss> untrained(devices::cpu(1), sgd, {.seed = 11});
+  const auto before = untrained.evaluate(sequences(), 50);
+  REQUIRE(one.eval.loss < 0.8 * before.loss);
+}
+
+TEST_CASE("CTCLoss trains to one device's weights under DataParallel, ModelSplit and Hybrid") {
+  const Trained reference = train<SingleDevice>(1);
+  // Sums of the same gradients in other orders: fp32 rounding over 10 SGD steps.
+  const test::Tolerance tolerance{1e-6, 1e-4};
+  const auto dp = train<DataParallel<>>(3);
+  test::require_close(dp.weights, reference.weights, tolerance, "DataParallel over 3");
+  require_same_sums(dp, reference, "DataParallel over 3");
+  const auto split = train<ModelSplit<Balanced<2>, OneFOneB<4>>>(2);
+  test::require_close(split.weights, reference.weights, tolerance, "ModelSplit over 2");
+  require_same_sums(split, reference, "ModelSplit over 2");
+  const auto hybrid = train<Hybrid<2, ModelSplit<Balanced<2>, GPipe<2>>>>(4);
+  test::require_close(hybrid.weights, reference.weights, tolerance, "Hybrid 2 x 2");
+  require_same_sums(hybrid, reference, "Hybrid 2 x 2");
+}
+
+TEST_CASE("CTCLoss: a target that needs more frames than its sample has is refused, naming it") {
+  data::Dataset set = sequences();
+  // Sample 5 gets 2 frames and a target of one label twice: the repeat
+  // needs a blank between, so 3 frames.
+  set.frames[5] = 2;
+  set.target_lengths[5] = 2;
+  set.targets[5 * 2 + 1] = set.targets[5 * 2];
+  Trainer<Reader, SingleDevice, SGD, CTCLoss> trainer(devices::cpu(1), sgd);
+  REQUIRE_THROWS_WITH(trainer.fit(set, fit),
+                      Catch::Contains("CTCLoss: sample 5 has a target of 2 labels (1 repeated "
+                                      "in a row") &&
+                          Catch::Contains("needs 3 frames, but the sample has 2"));
+  // CTC<true> (zero_infinity) trains on, that sample adding nothing.
+  Trainer<Reader, SingleDevice, SGD, CTC<true>> lenient(devices::cpu(1), sgd);
+  lenient.fit(set, {.epochs = 1, .batch_size = 40});
+  REQUIRE(lenient.steps() == 5);
+}
+
+TEST_CASE("a loss is given the targets it trains against, or the fit is refused by name") {
+  Trainer<Reader, SingleDevice, SGD, CTCLoss> ctc(devices::cpu(1), sgd);
+  data::Dataset classes = sequences();
+  classes.max_target = 0;
+  classes.targets.clear();
+  classes.target_lengths.clear();
+  classes.labels.assign(classes.count, 1);
+  REQUIRE_THROWS_WITH(ctc.fit(classes, fit),
+                      Catch::StartsWith("loom: fit: dataset 'fashion-mnist-train garment pairs' has one "
+                                        "class per sample but the trainer's loss, CTCLoss, trains "
+                                        "against a label sequence per sample"));
+  using Mlp = Sequential<Input<56, 28>, Flatten, Linear<11>>;
+  Trainer<Mlp, SingleDevice, SGD> softmax(devices::cpu(1), sgd);
+  REQUIRE_THROWS_WITH(softmax.fit(sequences(), fit),
+                      Catch::Contains("has a label sequence per sample but the trainer's loss, "
+                                      "SoftmaxCrossEntropy, trains against one class per sample"));
+  data::Dataset bad = sequences();
+  bad.targets[7 * 2] = 11;
+  REQUIRE_THROWS_WITH(ctc.fit(bad, fit),
+                      Catch::Contains("sample 7 has label 11 at position 0 of its target; "
+                                      "expected 1..10 (0 is the blank)"));
+}
