@@ -386,6 +386,66 @@ TEST_CASE("audio: spec_augment masks bands and spans drawn from (seed, epoch, in
                     Contains("spec_augment: 10 features given for 3 frames x 4 mels = 12"));
 }
 
+namespace {
+
+// Utterances of the given frames over 3 mels, feature value = 100 * (u + 1) + t,
+// transcript u + 1 words long (each word's label u % 11 + 1).
+SpeechCorpus corpus_of(const std::vector<std::size_t>& frames) {
+  SpeechCorpus corpus{.name = "toy.tsv", .mels = 3, .utterances = {}, .skipped = 0};
+  for (std::size_t u = 0; u < frames.size(); ++u) {
+    Utterance utterance{.path = "wav/" + std::to_string(u) + ".wav", .frames = frames[u],
+                        .features = {}, .labels = {}};
+    for (std::size_t t = 0; t < frames[u]; ++t)
+      for (std::size_t m = 0; m < 3; ++m)
+        utterance.features.push_back(static_cast<float>(100 * (u + 1) + t));
+    utterance.labels.assign(u + 1, static_cast<std::int32_t>(u % 11 + 1));
+    corpus.utterances.push_back(std::move(utterance));
+  }
+  return corpus;
+}
+
+}  // namespace
+
+TEST_CASE("audio: speech_dataset pads each utterance to max_frames and keeps its frames and labels",
+          "[audio]") {
+  const SpeechCorpus corpus = corpus_of({4, 2, 6});
+  const Dataset set = speech_dataset(corpus, 6, digits_vocabulary().size() + 1);
+  CHECK(set.name == "toy.tsv");
+  CHECK(set.count == 3);
+  CHECK(set.channels == 1);
+  CHECK(set.height == 6);
+  CHECK(set.width == 3);
+  CHECK(set.classes == 12);
+  CHECK(set.max_target == 3);
+  CHECK(set.frames == std::vector<std::int32_t>{4, 2, 6});
+  CHECK(set.target_lengths == std::vector<std::int32_t>{1, 2, 3});
+  CHECK(set.targets == std::vector<std::int32_t>{1, 0, 0, 2, 2, 0, 3, 3, 3});
+  CHECK(set.labels.empty());
+  REQUIRE(set.images.size() == 3 * 6 * 3);
+  for (std::size_t u = 0; u < 3; ++u)
+    for (std::size_t t = 0; t < 6; ++t)
+      for (std::size_t m = 0; m < 3; ++m) {
+        INFO("utterance " << u << ", frame " << t << ", mel " << m);
+        const float expected =
+            t < static_cast<std::size_t>(set.frames[u]) ? static_cast<float>(100 * (u + 1) + t) : 0.0f;
+        CHECK(set.images[(u * 6 + t) * 3 + m] == expected);
+      }
+  CHECK_NOTHROW(check_targets(set));
+}
+
+TEST_CASE("audio: speech_dataset refuses an utterance past max_frames, naming its file and frames",
+          "[audio]") {
+  const SpeechCorpus corpus = corpus_of({4, 7, 2});
+  CHECK_THROWS_WITH(speech_dataset(corpus, 6, 12),
+                    Contains("speech_dataset: 'wav/1.wav' is 7 frames long; samples of corpus "
+                             "'toy.tsv' hold 1..6 (max_frames)"));
+  CHECK_NOTHROW(speech_dataset(corpus, 7, 12));
+  // Labels beyond the classes: the vocabulary and the classes disagree.
+  CHECK_THROWS_WITH(speech_dataset(corpus_of({3, 3, 3}), 3, 3),
+                    Contains("'wav/2.wav' has label 3; expected 1..2 for 3 classes"));
+  CHECK_THROWS_WITH(speech_dataset(corpus, 0, 12), Contains("max_frames is 0"));
+}
+
 #ifdef LOOM_DIGITS_SMOKE_DIR
 // Run by CTest after scripts/make-digits-corpus has written the corpus
 // (tests/unit/CMakeLists.txt); hidden from the discovered tests.
@@ -406,6 +466,10 @@ TEST_CASE("audio: the corpus scripts/make-digits-corpus writes reads back whole"
       CHECK(std::all_of(u.labels.begin(), u.labels.end(),
                         [&](std::int32_t l) { return l >= 1 && l <= 11; }));
     }
+    const Dataset set = speech_dataset(corpus, 1000, vocabulary.size() + 1);
+    CHECK(set.count == static_cast<std::size_t>(count));
+    CHECK(set.classes == 12);
+    CHECK_NOTHROW(check_targets(set));
   }
 }
 #endif

@@ -33,6 +33,7 @@
 #include <loom/core/error.hpp>
 #include <loom/core/rng.hpp>
 #include <loom/core/stop_signals.hpp>
+#include <loom/data/dataset.hpp>
 #include <loom/io/atomic_file.hpp>
 #include <memory>
 #include <numbers>
@@ -761,6 +762,59 @@ inline SpeechCorpus read_tsv_corpus(const std::string& tsv_path, const CorpusOpt
     }
   }
   return corpus;
+}
+
+// The corpus as a Dataset a CTC model trains on: a sample per utterance of
+// max_frames x mels (channels 1, height max_frames, width mels), its
+// features zero-padded past its frames (0 is each band's mean once
+// normalised per utterance), Dataset::frames its own frames, and its
+// labels as a target sequence padded to the longest transcript.
+// `classes`: the model's outputs, the vocabulary's size + 1 for CTC's
+// blank at 0. An utterance longer than max_frames is an error naming its
+// file (read_tsv_corpus's CorpusOptions::max_frames refuses or skips them
+// as it reads; give the same bound here).
+inline Dataset speech_dataset(const SpeechCorpus& corpus, std::size_t max_frames,
+                              std::size_t classes) {
+  LOOM_CHECK(max_frames >= 1, "speech_dataset: max_frames is 0; samples need at least 1 frame");
+  LOOM_CHECK(classes >= 2, "speech_dataset: ", classes,
+             " classes; CTC needs the blank (0) and at least one word (the vocabulary's size + 1)");
+  LOOM_CHECK(corpus.mels >= 1, "speech_dataset: corpus '", corpus.name, "' has 0 mels");
+  Dataset set;
+  set.name = corpus.name;
+  set.count = corpus.utterances.size();
+  set.channels = 1;
+  set.height = max_frames;
+  set.width = corpus.mels;
+  set.classes = classes;
+  for (const Utterance& u : corpus.utterances) {
+    LOOM_CHECK(u.frames >= 1 && u.frames <= max_frames, "speech_dataset: '", u.path, "' is ",
+               u.frames, " frames long; samples of corpus '", corpus.name, "' hold 1..",
+               max_frames, " (max_frames): raise max_frames, or leave it out when reading "
+               "(CorpusOptions::max_frames with skip_bad_files)");
+    LOOM_CHECK(u.features.size() == u.frames * corpus.mels, "speech_dataset: '", u.path,
+               "' has ", u.features.size(), " feature values for ", u.frames, " frames of ",
+               corpus.mels, " mels");
+    LOOM_CHECK(!u.labels.empty(), "speech_dataset: '", u.path, "' has an empty transcript");
+    set.max_target = std::max(set.max_target, u.labels.size());
+  }
+  set.images.assign(set.count * set.sample_size(), 0.0f);
+  set.targets.assign(set.count * set.max_target, 0);
+  set.target_lengths.resize(set.count);
+  set.frames.resize(set.count);
+  for (std::size_t i = 0; i < set.count; ++i) {
+    const Utterance& u = corpus.utterances[i];
+    for (const std::int32_t label : u.labels)
+      LOOM_CHECK(label >= 1 && static_cast<std::size_t>(label) < classes, "speech_dataset: '",
+                 u.path, "' has label ", label, "; expected 1..", classes - 1, " for ", classes,
+                 " classes (0 is CTC's blank; classes is the vocabulary's size + 1)");
+    std::copy(u.features.begin(), u.features.end(),
+              set.images.begin() + static_cast<std::ptrdiff_t>(i * set.sample_size()));
+    std::copy(u.labels.begin(), u.labels.end(),
+              set.targets.begin() + static_cast<std::ptrdiff_t>(i * set.max_target));
+    set.target_lengths[i] = static_cast<std::int32_t>(u.labels.size());
+    set.frames[i] = static_cast<std::int32_t>(u.frames);
+  }
+  return set;
 }
 
 // SpecAugment's masks (Park et al. 2019, without time warping): `frequency_masks`
