@@ -62,6 +62,9 @@ using DropoutDescriptor = DnnDescriptor<cudnnDropoutDescriptor_t, cudnnDestroyDr
 // L: an executed GRU or LSTM layer (Bind<GRU<...>, In, I>, Bind<LSTM<...>, In, I>).
 template <class L>
 class CudnnRecurrentRunner {
+  static_assert(!L::spec::bidirectional,
+                "loom: a bidirectional GRU or LSTM (BiGRU, BiLSTM, Bidirectional = true) runs on "
+                "the CPU only so far; train this network on CPU devices");
  public:
   // tensor_cores: cuDNN may use TF32 tensor-op kernels; off, FMA kernels
   // only (CUDNN_FMA_MATH), as the convolutions.

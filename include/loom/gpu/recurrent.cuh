@@ -102,6 +102,9 @@ __global__ void add_column_sums(const T* m, std::size_t rows, std::size_t cols, 
 // d(loss)/d(c_t) (n x H each), then the cuBLASLt workspace.
 template <class L>
 class RecurrentRunner {
+  static_assert(!L::spec::bidirectional,
+                "loom: a bidirectional GRU or LSTM (BiGRU, BiLSTM, Bidirectional = true) runs on "
+                "the CPU only so far; train this network on CPU devices");
  public:
   RecurrentRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
                   bool allow_tf32)
