@@ -94,6 +94,19 @@ void require_zero_padding(const H& h, const std::vector<std::int32_t>& frames, s
   }
 }
 
+// d(objective)/dv by central differences (step 1e-6), v restored.
+template <class F>
+double central_difference(F&& objective, double& v) {
+  constexpr double step = 1e-6;
+  const double keep = v;
+  v = keep + step;
+  const double up = objective();
+  v = keep - step;
+  const double down = objective();
+  v = keep;
+  return (up - down) / (2 * step);
+}
+
 // L(x, p) = sum(y * r), in double with random parameters: backward with
 // dy = r (nonzero in the padding too, which backward must not read) against
 // central differences of every parameter and input.
@@ -118,19 +131,10 @@ void check_gradients(const std::vector<std::int32_t>& frames, std::uint64_t seed
   constexpr std::size_t out_step = Spec::sequence ? Hn::out_size / Steps : 0;
   require_zero_padding(h, frames, Steps, out_step, F, Spec::sequence);
 
-  constexpr double step = 1e-6;
-  const auto numeric = [&](double& v) {
-    const double keep = v;
-    v = keep + step;
-    const double up = objective();
-    v = keep - step;
-    const double down = objective();
-    v = keep;
-    return (up - down) / (2 * step);
-  };
   std::vector<double> fd_params(h.params.size()), fd_x(x.size());
-  for (std::size_t i = 0; i < h.params.size(); ++i) fd_params[i] = numeric(h.params[i]);
-  for (std::size_t i = 0; i < x.size(); ++i) fd_x[i] = numeric(x[i]);
+  for (std::size_t i = 0; i < h.params.size(); ++i)
+    fd_params[i] = central_difference(objective, h.params[i]);
+  for (std::size_t i = 0; i < x.size(); ++i) fd_x[i] = central_difference(objective, x[i]);
   require_close(dparams, fd_params, {1e-6, 1e-5}, "parameter gradient");
   require_close(dx, fd_x, {1e-6, 1e-5}, "input gradient");
 
@@ -261,6 +265,35 @@ TEST_CASE("recurrent lengths: bidirectional GRU and LSTM gradients equal finite 
   check_gradients<LSTM<3, false, true>, 5, 2>(frames, 24);
   // Without lengths, both directions over every step.
   check_gradients<BiLSTM<3>, 4, 2>({4, 4}, 25);
+}
+
+TEST_CASE("recurrent lengths: bidirectional layers stacked in a network train by its gradients") {
+  // Through Model (every step, no lengths): BiGRU's 2H features per step
+  // feed a bidirectional LSTM's last states, then a Linear; central
+  // differences of every parameter and input of the whole network.
+  using Net = Sequential<Input<4, 3>, BiGRU<3>, LSTM<2, false, true>, Linear<2>>;
+  static_assert(Net::parameter_count ==
+                2 * 3 * 3 * (3 + 3 + 2) + 2 * 4 * 2 * (6 + 2 + 2) + 2 * 4 + 2);
+  constexpr std::size_t batch = 2;
+  Model<Net, double> model(3, batch);
+  auto params = model.parameters();
+  auto x = random_vector<double>(batch * 12, 4);
+  const auto r = random_vector<double>(batch * 2, 5);
+  const auto objective = [&] {
+    const double* y = model.forward(x.data(), batch);
+    return y[0] * r[0] + y[1] * r[1] + y[2] * r[2] + y[3] * r[3];
+  };
+  objective();
+  std::copy(r.begin(), r.end(), model.output_gradient());
+  std::vector<double> dx(x.size());
+  model.backward(0, false, dx.data());
+  const std::vector<double> dparams(model.gradients().begin(), model.gradients().end());
+  std::vector<double> fd_params(params.size()), fd_x(x.size());
+  for (std::size_t i = 0; i < params.size(); ++i)
+    fd_params[i] = central_difference(objective, params[i]);
+  for (std::size_t i = 0; i < x.size(); ++i) fd_x[i] = central_difference(objective, x[i]);
+  require_close(dparams, fd_params, {1e-7, 1e-5}, "parameter gradient");
+  require_close(dx, fd_x, {1e-7, 1e-5}, "input gradient");
 }
 
 TEST_CASE(
