@@ -1,6 +1,7 @@
 // Every layer template.
 #pragma once
 
+#include "conv1d.hpp"
 #include "conv2d.hpp"
 #include "dropout.hpp"
 #include "flatten.hpp"

@@ -33,6 +33,14 @@ struct FusionRule<Bind<Conv2d<Out, K, S, P>, In, I>, Bind<ReLU, In2, J>> {
   using type = Bind<Fused<Conv2d<Out, K, S, P>, ReLU>, In, I>;
 };
 
+// Conv1d, ReLU -> the same, with the bias+ReLU epilogue.
+template <std::size_t Out, std::size_t K, std::size_t S, std::size_t P, std::size_t D, class In,
+          std::size_t I, class In2, std::size_t J>
+struct FusionRule<Bind<Conv1d<Out, K, S, P, D>, In, I>, Bind<ReLU, In2, J>> {
+  static constexpr bool fuses = true;
+  using type = Bind<Fused<Conv1d<Out, K, S, P, D>, ReLU>, In, I>;
+};
+
 // BatchNorm, ReLU -> the ReLU applied in the normalisation's pass, and
 // its mask applied in the backward's.
 template <BatchNormSpec BN, class In, std::size_t I, class In2, std::size_t J>
