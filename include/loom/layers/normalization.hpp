@@ -7,6 +7,12 @@
 // rather than saving them: one extra pass, no per-slot buffer. A ReLU after
 // it is fused into the same passes (Fused<BatchNorm2d, ReLU>).
 //
+// BatchNorm1d over a time-major sequence Frames x C normalises per channel
+// (the last dimension) over every sample's valid frames (LayerContext::
+// frames): padded frames are left out of the statistics, the running
+// statistics and the gradient sums, written as zero and given zero input
+// gradient. With every frame valid it is PyTorch's BatchNorm1d over (N, C, L).
+//
 // SyncBatchNorm2d / SyncBatchNorm1d are the same layers whose training
 // statistics span the global batch: under DataParallel the replicas sum
 // their per-channel sums (forward) and gradient sums (backward), so the
@@ -19,8 +25,10 @@
 #include <cmath>
 #include <cstddef>
 #include <string_view>
+#include <type_traits>
 
 #include "../backend/cpu/epilogue.hpp"
+#include "frames.hpp"
 #include "layer.hpp"
 #include "relu.hpp"
 
@@ -36,12 +44,12 @@ namespace detail {
 inline constexpr double batch_norm_eps = 1e-5;
 inline constexpr double batch_norm_momentum = 0.1;
 
-template <class Spec, class In, std::size_t Index, std::size_t Rank, Act A, bool Sync>
-struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
+// What both forms share: parameters gamma and beta and the running
+// statistics of Channels channels, and PyTorch's update of the latter.
+template <class Spec, class In, std::size_t Index, std::size_t Channels, Act A, bool Sync>
+struct BatchNormBase : LayerBase<Spec, In, In, Index> {
   static constexpr bool syncs = Sync;
-  static constexpr bool checked = layer_input_rank_mismatch<Index, Spec, Rank, In::rank>::ok;
-  static constexpr std::size_t channels = dim_or_one<In, 0>;
-  static constexpr std::size_t plane = In::size / channels;
+  static constexpr std::size_t channels = Channels;
   static constexpr std::size_t weight_count = channels;
   static constexpr std::size_t bias_count = channels;
   static constexpr std::size_t param_count = 2 * channels;
@@ -49,7 +57,6 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
   static constexpr bool contextual = true;
   static constexpr std::size_t forward_flops = 4 * In::size;
   static constexpr std::size_t backward_flops = 8 * In::size;
-  static constexpr std::string_view kind = "batchnorm";
   static constexpr Act activation = A;
 
   template <class T>
@@ -73,6 +80,36 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
       state[channels + c] = T(1);
     }
   }
+
+  // The running statistics, which evaluation normalises with; no batch count.
+  template <class T>
+  static double running_moments(const T* state, std::array<double, 2 * channels>& moments) {
+    for (std::size_t c = 0; c < 2 * channels; ++c) moments[c] = static_cast<double>(state[c]);
+    return 0;
+  }
+
+  // PyTorch's update after a training forward over `count` values per
+  // channel: momentum 0.1, the unbiased variance.
+  template <class T>
+  static void update_running(T* state, const std::array<double, 2 * channels>& moments,
+                             double count) {
+    const double unbiased = count > 1 ? count / (count - 1) : 1.0;
+    for (std::size_t c = 0; c < channels; ++c) {
+      T& mean = state[c];
+      T& var = state[channels + c];
+      mean = static_cast<T>((1 - batch_norm_momentum) * mean + batch_norm_momentum * moments[c]);
+      var = static_cast<T>((1 - batch_norm_momentum) * var +
+                           batch_norm_momentum * moments[channels + c] * unbiased);
+    }
+  }
+};
+
+template <class Spec, class In, std::size_t Index, std::size_t Rank, Act A, bool Sync>
+struct BatchNormLayer : BatchNormBase<Spec, In, Index, dim_or_one<In, 0>, A, Sync> {
+  static constexpr bool checked = layer_input_rank_mismatch<Index, Spec, Rank, In::rank>::ok;
+  static constexpr std::size_t channels = dim_or_one<In, 0>;
+  static constexpr std::size_t plane = In::size / channels;
+  static constexpr std::string_view kind = "batchnorm";
 
   // Each channel's training mean and biased variance, accumulated in
   // double: two passes over this device's samples, or, across replicas, one
@@ -127,10 +164,8 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
   template <class T>
   static double moments_of(const T* x, std::size_t n, const LayerContext<T>& context,
                            std::array<double, 2 * channels>& moments) {
-    if (context.pass.training) return batch_moments(x, n, context.pass, moments);
-    for (std::size_t c = 0; c < 2 * channels; ++c)
-      moments[c] = static_cast<double>(context.state[c]);
-    return 0;
+    return context.pass.training ? batch_moments(x, n, context.pass, moments)
+                                 : BatchNormLayer::running_moments(context.state, moments);
   }
 
   template <class T>
@@ -138,17 +173,7 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
                       const LayerContext<T>& context) {
     std::array<double, 2 * channels> moments;
     const double count = moments_of(x, n, context, moments);
-    if (context.pass.training) {
-      // PyTorch's update: momentum 0.1, the unbiased variance.
-      const double unbiased = count > 1 ? count / (count - 1) : 1.0;
-      for (std::size_t c = 0; c < channels; ++c) {
-        T& mean = context.state[c];
-        T& var = context.state[channels + c];
-        mean = static_cast<T>((1 - batch_norm_momentum) * mean + batch_norm_momentum * moments[c]);
-        var = static_cast<T>((1 - batch_norm_momentum) * var +
-                             batch_norm_momentum * moments[channels + c] * unbiased);
-      }
-    }
+    if (context.pass.training) BatchNormLayer::update_running(context.state, moments, count);
     for (std::size_t c = 0; c < channels; ++c) {
       const double mean = moments[c], var = moments[channels + c];
       const T scale = static_cast<T>(params[c] / std::sqrt(var + batch_norm_eps));
@@ -216,6 +241,158 @@ struct BatchNormLayer : LayerBase<Spec, In, In, Index> {
   }
 };
 
+// BatchNorm1d (or SyncBatchNorm1d) over a time-major sequence Frames x C.
+// Channels are the innermost loop, so every pass reads memory in order;
+// each channel's sums still run over (sample, frame) in order, the order
+// BatchNormLayer takes over the same valid frames packed as a batch of
+// C-vectors, and the two agree bit for bit (a test holds them so).
+template <class Spec, class In, std::size_t Index, Act A, bool Sync>
+struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync> {
+  static constexpr std::size_t frames = In::dims[0];
+  static constexpr std::size_t channels = In::dims[1];
+  // Not "batchnorm": the GPU's BatchNormRunner lays channels out as
+  // N x C x plane, so a network with this form stops at the GPU's "No CUDA
+  // runner" message rather than normalising the wrong elements.
+  static constexpr std::string_view kind = "batchnorm_time";
+
+  // Calls visit(offset of the frame's C values) for every valid frame,
+  // samples and frames in order.
+  template <class T, class Visit>
+  static void each_valid(std::size_t n, const LayerContext<T>& context, Visit&& visit) {
+    for (std::size_t s = 0; s < n; ++s) {
+      const std::size_t valid = sample_frames<Spec, Index, frames>(context, s);
+      for (std::size_t t = 0; t < valid; ++t) visit(s * In::size + t * channels);
+    }
+  }
+
+  // Zeroes every sample's frames at or past its length.
+  template <class T>
+  static void zero_padding(T* v, std::size_t n, const LayerContext<T>& context) {
+    for (std::size_t s = 0; s < n; ++s) {
+      const std::size_t valid = sample_frames<Spec, Index, frames>(context, s);
+      std::fill(v + s * In::size + valid * channels, v + (s + 1) * In::size, T(0));
+    }
+  }
+
+  static void check_count(double count) {
+    LOOM_CHECK(count > 0, type_label<Spec>(), " (layer ", Index,
+               ") in training: no sample of the batch has a valid frame (every length is 0), "
+               "so there are no statistics to normalise with; leave empty sequences out of the "
+               "data");
+  }
+
+  // As BatchNormLayer's, over the valid frames only.
+  template <class T>
+  static double batch_moments(const T* x, std::size_t n, const LayerContext<T>& context,
+                              std::array<double, 2 * channels>& moments) {
+    std::size_t valid_frames = 0;
+    for (std::size_t s = 0; s < n; ++s) valid_frames += sample_frames<Spec, Index, frames>(context, s);
+    if (Sync && context.pass.replicas != nullptr) {
+      std::array<double, 2 * channels + 1> sums{};
+      each_valid(n, context, [&](std::size_t at) {
+        for (std::size_t c = 0; c < channels; ++c) {
+          const double v = static_cast<double>(x[at + c]);
+          sums[c] += v;
+          sums[channels + c] += v * v;
+        }
+      });
+      sums[2 * channels] = static_cast<double>(valid_frames);
+      context.pass.replicas->sum(sums);
+      const double count = sums[2 * channels];
+      check_count(count);
+      for (std::size_t c = 0; c < channels; ++c) {
+        moments[c] = sums[c] / count;
+        moments[channels + c] =
+            std::max(0.0, sums[channels + c] / count - moments[c] * moments[c]);
+      }
+      return count;
+    }
+    const double count = static_cast<double>(valid_frames);
+    check_count(count);
+    std::array<double, channels> sums{}, squares{};
+    each_valid(n, context, [&](std::size_t at) {
+      for (std::size_t c = 0; c < channels; ++c) sums[c] += static_cast<double>(x[at + c]);
+    });
+    for (std::size_t c = 0; c < channels; ++c) moments[c] = sums[c] / count;
+    each_valid(n, context, [&](std::size_t at) {
+      for (std::size_t c = 0; c < channels; ++c) {
+        const double d = static_cast<double>(x[at + c]) - moments[c];
+        squares[c] += d * d;
+      }
+    });
+    for (std::size_t c = 0; c < channels; ++c) moments[channels + c] = squares[c] / count;
+    return count;
+  }
+
+  template <class T>
+  static double moments_of(const T* x, std::size_t n, const LayerContext<T>& context,
+                           std::array<double, 2 * channels>& moments) {
+    return context.pass.training ? batch_moments(x, n, context, moments)
+                                 : BatchNormTimeLayer::running_moments(context.state, moments);
+  }
+
+  template <class T>
+  static void forward(const T* params, const T* x, T* y, T*, std::size_t n,
+                      const LayerContext<T>& context) {
+    std::array<double, 2 * channels> moments;
+    const double count = moments_of(x, n, context, moments);
+    if (context.pass.training) BatchNormTimeLayer::update_running(context.state, moments, count);
+    std::array<T, channels> scale, shift;
+    for (std::size_t c = 0; c < channels; ++c) {
+      const double mean = moments[c], var = moments[channels + c];
+      scale[c] = static_cast<T>(params[c] / std::sqrt(var + batch_norm_eps));
+      shift[c] = static_cast<T>(params[channels + c] - mean * scale[c]);
+    }
+    each_valid(n, context, [&](std::size_t at) {
+      for (std::size_t c = 0; c < channels; ++c)
+        y[at + c] = cpu::activate<A>(x[at + c] * scale[c] + shift[c]);
+    });
+    zero_padding(y, n, context);
+  }
+
+  template <class T>
+  static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
+                       T*, std::size_t n, bool accumulate, const LayerContext<T>& context) {
+    std::array<double, 2 * channels> moments;
+    const double count = moments_of(x, n, context, moments);
+    std::array<double, channels> inv_std;
+    for (std::size_t c = 0; c < channels; ++c)
+      inv_std[c] = 1.0 / std::sqrt(moments[channels + c] + batch_norm_eps);
+    // Per channel: sum(dy) (beta's gradient), then sum(dy * xhat) (gamma's),
+    // dy masked where the fused ReLU cut.
+    std::array<double, 2 * channels> sums{};
+    each_valid(n, context, [&](std::size_t at) {
+      for (std::size_t c = 0; c < channels; ++c) {
+        const double g = static_cast<double>(cpu::activate_grad<A>(dy[at + c], y[at + c]));
+        sums[c] += g;
+        sums[channels + c] += g * (static_cast<double>(x[at + c]) - moments[c]) * inv_std[c];
+      }
+    });
+    for (std::size_t c = 0; c < channels; ++c) {
+      dparams[c] = static_cast<T>(accumulate ? dparams[c] + sums[channels + c] : sums[channels + c]);
+      dparams[channels + c] = static_cast<T>(accumulate ? dparams[channels + c] + sums[c] : sums[c]);
+    }
+    if (dx == nullptr) return;
+    // Across replicas the input gradient's batch terms are the global batch's.
+    if (Sync && context.pass.training && context.pass.replicas != nullptr)
+      context.pass.replicas->sum(sums);
+    each_valid(n, context, [&](std::size_t at) {
+      for (std::size_t c = 0; c < channels; ++c) {
+        const double g = static_cast<double>(cpu::activate_grad<A>(dy[at + c], y[at + c]));
+        const double gamma = static_cast<double>(params[c]);
+        if (context.pass.training) {
+          const double xhat = (static_cast<double>(x[at + c]) - moments[c]) * inv_std[c];
+          dx[at + c] = static_cast<T>(gamma * inv_std[c] / count *
+                                      (count * g - sums[c] - xhat * sums[channels + c]));
+        } else {
+          dx[at + c] = static_cast<T>(gamma * inv_std[c] * g);
+        }
+      }
+    });
+    zero_padding(dx, n, context);
+  }
+};
+
 }  // namespace detail
 
 namespace detail {
@@ -251,13 +428,22 @@ struct batch_norm_kind<SyncBatchNorm1d> {
 template <class Spec>
 concept BatchNormSpec = detail::batch_norm_kind<Spec>::is;
 
+namespace detail {
+
+// BatchNorm1d over Frames x C is the form over time; every other input
+// goes to BatchNormLayer, whose rank check names what it takes.
+template <class Spec, class In, std::size_t Index, Act A>
+using batch_norm_layer_t = std::conditional_t<
+    batch_norm_kind<Spec>::rank == 1 && In::rank == 2,
+    BatchNormTimeLayer<Spec, In, Index, A, batch_norm_kind<Spec>::sync>,
+    BatchNormLayer<Spec, In, Index, batch_norm_kind<Spec>::rank, A, batch_norm_kind<Spec>::sync>>;
+
+}  // namespace detail
+
 template <BatchNormSpec Spec, class In, std::size_t Index>
-struct Bind<Spec, In, Index>
-    : detail::BatchNormLayer<Spec, In, Index, detail::batch_norm_kind<Spec>::rank, Act::identity,
-                             detail::batch_norm_kind<Spec>::sync> {};
+struct Bind<Spec, In, Index> : detail::batch_norm_layer_t<Spec, In, Index, Act::identity> {};
 template <BatchNormSpec Spec, class In, std::size_t Index>
-struct Bind<Fused<Spec, ReLU>, In, Index>
-    : detail::BatchNormLayer<Spec, In, Index, detail::batch_norm_kind<Spec>::rank, Act::relu,
-                             detail::batch_norm_kind<Spec>::sync> {};
+struct Bind<Fused<Spec, ReLU>, In, Index> : detail::batch_norm_layer_t<Spec, In, Index, Act::relu> {
+};
 
 }  // namespace loom
