@@ -11,13 +11,16 @@
 // nothing. A length that leaves no output frame is an Error naming the
 // sample, not a silent empty output (the loss after it could not score it).
 //
-// Forward, per chunk of samples: im2col into a row per (sample, output
-// frame) of C x K columns, then one GEMM straight into the output's layout
-// (rows = samples x frames, as Linear over positions) and the bias(+ReLU)
-// pass. Backward: dZ = act'(dY), then a weight GEMM and bias sum per sample
-// over its valid frames only, added in sample order, so a batch's parameter
-// gradients equal its samples' run one at a time and accumulated, bit for
-// bit; then dcol = dZ W and col2im for the input gradient.
+// Forward, per sample: im2col of its valid output frames (a row each, C x K
+// columns), one GEMM straight into the output's layout (Frames' x Out, as
+// Linear over positions) and the bias(+ReLU) pass. Backward, per sample:
+// dZ = act'(dY), the bias sum and weight GEMM, then dcol = dZ W and col2im.
+// One GEMM per sample and not one per chunk of samples (as Conv2d): OpenBLAS
+// rounds a row of an sgemm by the block of rows it falls in (Zen kernels,
+// 0.3.21: with K = 240, N = 256, every one of 64 samples of 50 rows came out
+// different alone and inside one GEMM over all 64), so only per-sample calls
+// make a sample's outputs and gradients independent of its batch, bit for
+// bit; and padded frames then cost no FLOPs.
 #pragma once
 
 #include <algorithm>
@@ -87,9 +90,9 @@ struct Conv1dLayer<Conv1d<Out, K, S, P, D>, In, Index, A>
   static constexpr std::size_t weight_count = Out * patch;
   static constexpr std::size_t bias_count = Out;
   static constexpr std::size_t param_count = weight_count + bias_count;
-  // Column matrix (reused for its gradient) + dZ, for one chunk of samples.
+  // One sample's column matrix (reused for its gradient) + its dZ.
   static constexpr std::size_t workspace = out_frames * (patch + Out);
-  static constexpr std::size_t chunk = cpu::conv_chunk_for(out_frames * patch);
+  static constexpr std::size_t chunk = 1;
   static constexpr std::size_t forward_flops = 2 * out_frames * Out * patch + out_frames * Out;
   // The input-gradient GEMM is skipped for the network's first layer.
   static constexpr std::size_t backward_flops =
@@ -130,51 +133,38 @@ struct Conv1dLayer<Conv1d<Out, K, S, P, D>, In, Index, A>
     return {in, out};
   }
 
-  // The rows of `samples` samples: row (s, t), column c K + k holds
-  // x[s, t S + k D - P, c], zero outside 0..length - 1; rows past the
-  // sample's output length are zero.
+  // Sample s's rows: row t, column c K + k holds x[t S + k D - P, c], zero
+  // outside 0..length - 1; rows at or past the output length are not made.
   template <class T>
-  static void im2col(const T* x, T* col, std::size_t first, std::size_t samples,
-                     const LayerContext<T>& context) {
-    for (std::size_t s = 0; s < samples; ++s) {
-      const Lengths length = lengths(context, first + s);
-      const T* sample = x + s * In::size;
-      T* rows = col + s * out_frames * patch;
-      std::fill(rows + length.out * patch, rows + out_frames * patch, T(0));
-      for (std::size_t t = 0; t < length.out; ++t) {
-        T* row = rows + t * patch;
-        for (std::size_t k = 0; k < K; ++k) {
-          // Signed: with padding the window may start before frame 0.
-          const long at = static_cast<long>(t * S + k * D) - static_cast<long>(P);
-          if (at < 0 || at >= static_cast<long>(length.in)) {
-            for (std::size_t c = 0; c < channels; ++c) row[c * K + k] = T(0);
-            continue;
-          }
-          const T* frame = sample + static_cast<std::size_t>(at) * channels;
-          for (std::size_t c = 0; c < channels; ++c) row[c * K + k] = frame[c];
+  static void im2col(const T* x, T* col, Lengths length) {
+    for (std::size_t t = 0; t < length.out; ++t) {
+      T* row = col + t * patch;
+      for (std::size_t k = 0; k < K; ++k) {
+        // Signed: with padding the window may start before frame 0.
+        const long at = static_cast<long>(t * S + k * D) - static_cast<long>(P);
+        if (at < 0 || at >= static_cast<long>(length.in)) {
+          for (std::size_t c = 0; c < channels; ++c) row[c * K + k] = T(0);
+          continue;
         }
+        const T* frame = x + static_cast<std::size_t>(at) * channels;
+        for (std::size_t c = 0; c < channels; ++c) row[c * K + k] = frame[c];
       }
     }
   }
 
-  // dx = col2im(dcol): each valid row's entries added back to the frames
-  // they came from, in (frame, tap) order; padding and frames at or past
-  // the length get nothing and stay zero.
+  // dx = col2im(dcol) for one sample: each row's entries added back to the
+  // frames they came from, in (frame, tap) order; padding and frames at or
+  // past the length get nothing and stay zero.
   template <class T>
-  static void col2im(const T* col, T* dx, std::size_t first, std::size_t samples,
-                     const LayerContext<T>& context) {
-    std::fill(dx, dx + samples * In::size, T(0));
-    for (std::size_t s = 0; s < samples; ++s) {
-      const Lengths length = lengths(context, first + s);
-      T* sample = dx + s * In::size;
-      for (std::size_t t = 0; t < length.out; ++t) {
-        const T* row = col + (s * out_frames + t) * patch;
-        for (std::size_t k = 0; k < K; ++k) {
-          const long at = static_cast<long>(t * S + k * D) - static_cast<long>(P);
-          if (at < 0 || at >= static_cast<long>(length.in)) continue;
-          T* frame = sample + static_cast<std::size_t>(at) * channels;
-          for (std::size_t c = 0; c < channels; ++c) frame[c] += row[c * K + k];
-        }
+  static void col2im(const T* col, T* dx, Lengths length) {
+    std::fill(dx, dx + In::size, T(0));
+    for (std::size_t t = 0; t < length.out; ++t) {
+      const T* row = col + t * patch;
+      for (std::size_t k = 0; k < K; ++k) {
+        const long at = static_cast<long>(t * S + k * D) - static_cast<long>(P);
+        if (at < 0 || at >= static_cast<long>(length.in)) continue;
+        T* frame = dx + static_cast<std::size_t>(at) * channels;
+        for (std::size_t c = 0; c < channels; ++c) frame[c] += row[c * K + k];
       }
     }
   }
@@ -182,57 +172,47 @@ struct Conv1dLayer<Conv1d<Out, K, S, P, D>, In, Index, A>
   template <class T>
   static void forward(const T* params, const T* x, T* y, T* work, std::size_t n,
                       const LayerContext<T>& context) {
-    for (std::size_t first = 0; first < n; first += chunk) {
-      const std::size_t samples = std::min(chunk, n - first);
-      T* col = work;
-      T* out = y + first * Conv1dLayer::output_shape::size;
-      im2col(x + first * In::size, col, first, samples, context);
-      cpu::gemm<T>(false, true, samples * out_frames, Out, patch, T(1), col, patch, params, patch,
-                   T(0), out, Out);
-      for (std::size_t s = 0; s < samples; ++s) {
-        const std::size_t valid = lengths(context, first + s).out;
-        T* rows = out + s * out_frames * Out;
-        cpu::bias_act_rows<A>(rows, params + weight_count, valid, Out);
-        std::fill(rows + valid * Out, rows + out_frames * Out, T(0));
-      }
+    constexpr std::size_t out_size = Conv1dLayer::output_shape::size;
+    for (std::size_t s = 0; s < n; ++s) {
+      const Lengths length = lengths(context, s);
+      T* out = y + s * out_size;
+      im2col(x + s * In::size, work, length);
+      cpu::gemm<T>(false, true, length.out, Out, patch, T(1), work, patch, params, patch, T(0),
+                   out, Out);
+      cpu::bias_act_rows<A>(out, params + weight_count, length.out, Out);
+      std::fill(out + length.out * Out, out + out_size, T(0));
     }
   }
 
-  // Per chunk: dZ = act'(dY) on valid rows, zero on the rest; then per
-  // sample, in order, db (+)= its column sums and dW (+)= dZ_s^T col_s over
-  // its valid rows. One GEMM per sample rather than one per chunk: its
-  // contribution is then added whole, in sample order, however the batch is
-  // split into chunks, micro-batches or single samples, and padded frames
-  // cost no FLOPs. dx (skipped for the first layer): dcol = dZ W, col2im.
+  // Per sample, in order: dZ = act'(dY) on its valid rows, db (+)= their
+  // column sums, dW (+)= dZ^T col, and (skipped for the first layer)
+  // dcol = dZ W, col2im. A sample's parameter gradient is thus added whole,
+  // in sample order, however the batch is split into micro-batches or
+  // single samples, and padded frames cost nothing.
   template <class T>
   static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
                        T* work, std::size_t n, bool accumulate, const LayerContext<T>& context) {
     constexpr std::size_t out_size = Conv1dLayer::output_shape::size;
+    T* col = work;
+    T* dz = work + out_frames * patch;
     T* dbias = dparams + weight_count;
-    for (std::size_t first = 0; first < n; first += chunk) {
-      const std::size_t samples = std::min(chunk, n - first);
-      T* col = work;
-      T* dz = work + samples * out_frames * patch;
-      im2col(x + first * In::size, col, first, samples, context);
-      for (std::size_t s = 0; s < samples; ++s) {
-        const std::size_t valid = lengths(context, first + s).out;
-        const std::size_t at = (first + s) * out_size;
-        T* rows = dz + s * out_frames * Out;
-        for (std::size_t i = 0; i < valid * Out; ++i)
-          rows[i] = cpu::activate_grad<A>(dy[at + i], y[at + i]);
-        std::fill(rows + valid * Out, rows + out_frames * Out, T(0));
-        const bool add = accumulate || first + s > 0;
-        std::array<T, Out> sums{};
-        for (std::size_t t = 0; t < valid; ++t)
-          for (std::size_t o = 0; o < Out; ++o) sums[o] += rows[t * Out + o];
-        for (std::size_t o = 0; o < Out; ++o) dbias[o] = add ? dbias[o] + sums[o] : sums[o];
-        cpu::gemm<T>(true, false, Out, patch, valid, T(1), rows, Out, col + s * out_frames * patch,
-                     patch, add ? T(1) : T(0), dparams, patch);
-      }
+    for (std::size_t s = 0; s < n; ++s) {
+      const Lengths length = lengths(context, s);
+      const bool add = accumulate || s > 0;
+      const std::size_t at = s * out_size;
+      for (std::size_t i = 0; i < length.out * Out; ++i)
+        dz[i] = cpu::activate_grad<A>(dy[at + i], y[at + i]);
+      std::array<T, Out> sums{};
+      for (std::size_t t = 0; t < length.out; ++t)
+        for (std::size_t o = 0; o < Out; ++o) sums[o] += dz[t * Out + o];
+      for (std::size_t o = 0; o < Out; ++o) dbias[o] = add ? dbias[o] + sums[o] : sums[o];
+      im2col(x + s * In::size, col, length);
+      cpu::gemm<T>(true, false, Out, patch, length.out, T(1), dz, Out, col, patch,
+                   add ? T(1) : T(0), dparams, patch);
       if (dx == nullptr) continue;
-      cpu::gemm<T>(false, false, samples * out_frames, patch, Out, T(1), dz, Out, params, patch,
-                   T(0), col, patch);
-      col2im(col, dx + first * In::size, first, samples, context);
+      cpu::gemm<T>(false, false, length.out, patch, Out, T(1), dz, Out, params, patch, T(0), col,
+                   patch);
+      col2im(col, dx + s * In::size, length);
     }
   }
 };
