@@ -57,12 +57,14 @@ struct Run {
     context.frames = lengths == nullptr ? nullptr : lengths->data();
     forward();
   }
-  void forward() { L::template forward<T>(params.data(), x.data(), y.data(), work.data(), n, context); }
+  void forward() {
+    L::template forward<T>(params.data(), x.data(), y.data(), work.data(), n, context);
+  }
   // dx and dparams for dy; dparams added to when `accumulate`.
   void backward(const std::vector<T>& dy, std::vector<T>& dx, std::vector<T>& dparams,
                 bool accumulate = false) {
-    L::template backward<T>(params.data(), x.data(), y.data(), dy.data(), dx.data(),
-                            dparams.data(), work.data(), n, accumulate, context);
+    L::template backward<T>(params.data(), x.data(), y.data(), dy.data(), dx.data(), dparams.data(),
+                            work.data(), n, accumulate, context);
   }
 };
 
@@ -163,8 +165,8 @@ std::vector<double> conv1d_reference(const Conv1dDims& d, const std::vector<doub
         double sum = bias[o];
         for (std::size_t c = 0; c < d.c; ++c)
           for (std::size_t k = 0; k < d.k; ++k) {
-            const long at = static_cast<long>(t * d.stride + k * d.dilation) -
-                            static_cast<long>(d.pad);
+            const long at =
+                static_cast<long>(t * d.stride + k * d.dilation) - static_cast<long>(d.pad);
             if (at < 0 || at >= static_cast<long>(length)) continue;
             sum += weight[(o * d.c + c) * d.k + k] *
                    x[(b * d.frames + static_cast<std::size_t>(at)) * d.c + c];
@@ -191,7 +193,8 @@ void check_conv1d(std::uint64_t seed) {
   REQUIRE(Plain::output_shape::dims[0] == d.out_frames(Frames));
   REQUIRE(Plain::output_shape::dims[1] == Out);
   // The shortest length with an output frame, the longest, and two between.
-  const std::size_t shortest = std::max<std::size_t>(1, D * (K - 1) + 1 - std::min(2 * P, D * (K - 1)));
+  const std::size_t shortest =
+      std::max<std::size_t>(1, D * (K - 1) + 1 - std::min(2 * P, D * (K - 1)));
   const Lengths lengths{static_cast<std::int32_t>(Frames - 1), static_cast<std::int32_t>(shortest),
                         static_cast<std::int32_t>(Frames),
                         static_cast<std::int32_t>((Frames + shortest) / 2)};
@@ -216,7 +219,8 @@ void check_conv1d(std::uint64_t seed) {
 
 }  // namespace
 
-TEST_CASE("sequence layers: Conv1d's output length is PyTorch's rule, for the shape and per sample") {
+TEST_CASE(
+    "sequence layers: Conv1d's output length is PyTorch's rule, for the shape and per sample") {
   // (11 + 2 x 1 - 2 x (3 - 1) - 1) / 2 + 1 = 5 frames of 4 channels.
   using L = Bind<Conv1d<4, 3, 2, 1, 2>, Shape<11, 6>, 1>;
   STATIC_REQUIRE(std::is_same_v<L::output_shape, Shape<5, 4>>);
@@ -241,7 +245,9 @@ TEST_CASE("sequence layers: Conv1d's output length is PyTorch's rule, for the sh
   STATIC_REQUIRE(Net::parameter_count == (16 * 8 * 3 + 16) + 2 * 16 + (11 * 16 + 11));
 }
 
-TEST_CASE("sequence layers: Conv1d forward matches direct convolution, backward matches finite differences") {
+TEST_CASE(
+    "sequence layers: Conv1d forward matches direct convolution, backward matches finite "
+    "differences") {
   SECTION("K 3, stride 1, no padding") { check_conv1d<4, 3, 1, 0, 1, 9, 3>(10); }
   SECTION("K 3, stride 2, padding 1") { check_conv1d<3, 3, 2, 1, 1, 10, 2>(20); }
   SECTION("K 2, dilation 3, padding 2") { check_conv1d<3, 2, 1, 2, 3, 8, 4>(30); }
@@ -249,7 +255,8 @@ TEST_CASE("sequence layers: Conv1d forward matches direct convolution, backward 
   SECTION("K 1") { check_conv1d<5, 1, 1, 0, 1, 6, 4>(50); }
 }
 
-TEST_CASE("sequence layers: a padded Conv1d batch equals its samples run one at a time, bit for bit") {
+TEST_CASE(
+    "sequence layers: a padded Conv1d batch equals its samples run one at a time, bit for bit") {
   // One sample at a time, each with its own length, accumulating the
   // parameter gradients as micro-batches do. Sizes at which one sgemm over
   // the whole batch's rows rounds them unlike one over a sample's (5 x 48
@@ -268,11 +275,14 @@ TEST_CASE("sequence layers: a padded Conv1d batch equals its samples run one at 
   std::vector<float> dparams_sum(L::param_count);
   for (std::size_t s = 0; s < n; ++s) {
     const Lengths own{lengths[s]};
-    Run<L, float> one(1, params, {x.begin() + static_cast<long>(s * in), x.begin() + static_cast<long>((s + 1) * in)},
-                      &own, training);
+    Run<L, float> one(
+        1, params,
+        {x.begin() + static_cast<long>(s * in), x.begin() + static_cast<long>((s + 1) * in)}, &own,
+        training);
     std::vector<float> dx1(in);
-    one.backward({dy.begin() + static_cast<long>(s * out), dy.begin() + static_cast<long>((s + 1) * out)},
-                 dx1, dparams_sum, s > 0);
+    one.backward(
+        {dy.begin() + static_cast<long>(s * out), dy.begin() + static_cast<long>((s + 1) * out)},
+        dx1, dparams_sum, s > 0);
     require_equal(std::vector<float>(batch.y.begin() + static_cast<long>(s * out),
                                      batch.y.begin() + static_cast<long>((s + 1) * out)),
                   one.y, "output of sample " + std::to_string(s));
@@ -316,7 +326,8 @@ TEST_CASE("sequence layers: NaN in Conv1d's padding changes no output and no gra
   require_zero_padding(dx_poisoned, 9, 3, lengths, "input gradient");
 }
 
-TEST_CASE("sequence layers: Conv1d refuses a length that leaves no output frame or exceeds its input") {
+TEST_CASE(
+    "sequence layers: Conv1d refuses a length that leaves no output frame or exceeds its input") {
   using L = Bind<Conv1d<2, 5>, Shape<10, 3>, 4>;
   const auto params = random_vector<double>(L::param_count, 80);
   const auto x = random_vector<double>(3 * 30, 81);
@@ -379,7 +390,8 @@ struct TwinReplicas : ReplicaSum {
 
 }  // namespace
 
-TEST_CASE("sequence layers: BatchNorm1d over Frames x C normalises per channel over the valid frames") {
+TEST_CASE(
+    "sequence layers: BatchNorm1d over Frames x C normalises per channel over the valid frames") {
   using L = Bind<BatchNorm1d, Shape<6, 3>, 1>;
   using WithRelu = Bind<Fused<BatchNorm1d, ReLU>, Shape<6, 3>, 1>;
   using Sync = Bind<SyncBatchNorm1d, Shape<6, 3>, 1>;
@@ -398,8 +410,7 @@ TEST_CASE("sequence layers: BatchNorm1d over Frames x C normalises per channel o
 
   for (const Lengths* l : {static_cast<const Lengths*>(nullptr), &lengths}) {
     const std::string what = l == nullptr ? " (every frame)" : " (with lengths)";
-    const auto expected =
-        batch_norm_reference(n, frames, channels, x, params, initial, l, true);
+    const auto expected = batch_norm_reference(n, frames, channels, x, params, initial, l, true);
     Run<L, double> run(n, params, x, l, training);
     require_close(run.y, expected, {1e-12, 1e-12}, "training forward" + what);
     require_close(Run<L, float>(n, params, x, l, training).y, expected, {1e-5, 1e-5},
@@ -424,8 +435,7 @@ TEST_CASE("sequence layers: BatchNorm1d over Frames x C normalises per channel o
       CHECK(std::abs(run.state[channels + c] - (0.9 + 0.1 * var * count / (count - 1))) < 1e-12);
     }
 
-    const auto evaluated =
-        batch_norm_reference(n, frames, channels, x, params, running, l, false);
+    const auto evaluated = batch_norm_reference(n, frames, channels, x, params, running, l, false);
     require_close(Run<L, double>(n, params, x, l, Pass{}, running).y, evaluated, {1e-12, 1e-12},
                   "evaluation forward" + what);
     require_close(Run<L, float>(n, params, x, l, Pass{}, running).y, evaluated, {1e-5, 1e-5},
@@ -438,7 +448,9 @@ TEST_CASE("sequence layers: BatchNorm1d over Frames x C normalises per channel o
   }
 }
 
-TEST_CASE("sequence layers: BatchNorm1d over padded frames equals the valid frames packed, bit for bit, whatever the padding holds") {
+TEST_CASE(
+    "sequence layers: BatchNorm1d over padded frames equals the valid frames packed, bit for bit, "
+    "whatever the padding holds") {
   // The same valid frames as a batch of C-vectors (the rank-1 BatchNorm1d,
   // one row per frame): both sum each channel over the frames in the same
   // order, so forward, running statistics and gradients agree exactly, with
@@ -467,7 +479,8 @@ TEST_CASE("sequence layers: BatchNorm1d over padded frames equals the valid fram
     for (std::size_t s = 0; s < n; ++s) {
       const auto begin = static_cast<long>(s * frames * channels);
       valid.insert(valid.end(), padded.begin() + begin,
-                   padded.begin() + begin + static_cast<long>(static_cast<std::size_t>(lengths[s]) * channels));
+                   padded.begin() + begin +
+                       static_cast<long>(static_cast<std::size_t>(lengths[s]) * channels));
     }
     return valid;
   };
@@ -488,24 +501,27 @@ TEST_CASE("sequence layers: BatchNorm1d over padded frames equals the valid fram
     require_zero_padding(dx, frames, channels, lengths, what + ": input gradient");
     require_equal(dparams, packed_dparams, what + ": parameter gradients");
   };
-  compare.operator()<Bind<BatchNorm1d, Shape<frames, channels>, 1>, Bind<BatchNorm1d, Shape<channels>, 1>>(
-      training, "training");
+  compare.operator()<Bind<BatchNorm1d, Shape<frames, channels>, 1>,
+                     Bind<BatchNorm1d, Shape<channels>, 1>>(training, "training");
   compare.operator()<Bind<Fused<BatchNorm1d, ReLU>, Shape<frames, channels>, 1>,
                      Bind<Fused<BatchNorm1d, ReLU>, Shape<channels>, 1>>(training, "fused ReLU");
   TwinReplicas twins;
   Pass synced = training;
   synced.replicas = &twins;
   compare.operator()<Bind<SyncBatchNorm1d, Shape<frames, channels>, 1>,
-                     Bind<SyncBatchNorm1d, Shape<channels>, 1>>(synced, "SyncBatchNorm1d, twin replicas");
+                     Bind<SyncBatchNorm1d, Shape<channels>, 1>>(synced,
+                                                                "SyncBatchNorm1d, twin replicas");
 }
 
-TEST_CASE("sequence layers: BatchNorm1d over time in training refuses a batch without a valid frame") {
+TEST_CASE(
+    "sequence layers: BatchNorm1d over time in training refuses a batch without a valid frame") {
   using L = Bind<BatchNorm1d, Shape<4, 2>, 3>;
   const Lengths empty{0, 0};
   const auto params = random_vector<double>(4, 150);
   const auto x = random_vector<double>(16, 151);
-  REQUIRE_THROWS_WITH((Run<L, float>(2, params, x, &empty, training)),
-                      Catch::Contains("(layer 3) in training: no sample of the batch has a valid frame"));
+  REQUIRE_THROWS_WITH(
+      (Run<L, float>(2, params, x, &empty, training)),
+      Catch::Contains("(layer 3) in training: no sample of the batch has a valid frame"));
   // In evaluation an empty sample is all padding: zeros out.
   Run<L, float> evaluated(2, params, x, &empty, Pass{});
   require_equal(evaluated.y, std::vector<float>(16, 0.0f), "evaluation output");

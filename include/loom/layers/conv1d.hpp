@@ -67,20 +67,21 @@ struct Conv1dLayer;
 template <std::size_t Out, std::size_t K, std::size_t S, std::size_t P, std::size_t D, class In,
           std::size_t Index, Act A>
 struct Conv1dLayer<Conv1d<Out, K, S, P, D>, In, Index, A>
-    : LayerBase<Conv1d<Out, K, S, P, D>, In,
-                Shape<std::max<std::size_t>(1, dilated_window_out(dim_or_one<In, 0>, K, S, P, D)),
-                      Out>,
-                Index> {
+    : LayerBase<
+          Conv1d<Out, K, S, P, D>, In,
+          Shape<std::max<std::size_t>(1, dilated_window_out(dim_or_one<In, 0>, K, S, P, D)), Out>,
+          Index> {
   using Spec = Conv1d<Out, K, S, P, D>;
   static constexpr std::size_t span = dilated_span(K, D);
   // The padded input, or the span after a rank error so that only that error shows.
   static constexpr std::size_t padded_frames = In::rank == 2 ? dim_or_one<In, 0> + 2 * P : span;
-  static constexpr bool checked = layer_argument_must_be_positive<Index, Spec, Out>::ok &&
-                                  layer_argument_must_be_positive<Index, Spec, K>::ok &&
-                                  layer_argument_must_be_positive<Index, Spec, S>::ok &&
-                                  layer_argument_must_be_positive<Index, Spec, D>::ok &&
-                                  layer_input_rank_mismatch<Index, Spec, 2, In::rank>::ok &&
-                                  layer_window_larger_than_input<Index, Spec, span, padded_frames>::ok;
+  static constexpr bool checked =
+      layer_argument_must_be_positive<Index, Spec, Out>::ok &&
+      layer_argument_must_be_positive<Index, Spec, K>::ok &&
+      layer_argument_must_be_positive<Index, Spec, S>::ok &&
+      layer_argument_must_be_positive<Index, Spec, D>::ok &&
+      layer_input_rank_mismatch<Index, Spec, 2, In::rank>::ok &&
+      layer_window_larger_than_input<Index, Spec, span, padded_frames>::ok;
 
   static constexpr std::size_t frames = dim_or_one<In, 0>;
   static constexpr std::size_t channels = dim_or_one<In, 1>;
@@ -177,8 +178,8 @@ struct Conv1dLayer<Conv1d<Out, K, S, P, D>, In, Index, A>
       const Lengths length = lengths(context, s);
       T* out = y + s * out_size;
       im2col(x + s * In::size, work, length);
-      cpu::gemm<T>(false, true, length.out, Out, patch, T(1), work, patch, params, patch, T(0),
-                   out, Out);
+      cpu::gemm<T>(false, true, length.out, Out, patch, T(1), work, patch, params, patch, T(0), out,
+                   Out);
       cpu::bias_act_rows<A>(out, params + weight_count, length.out, Out);
       std::fill(out + length.out * Out, out + out_size, T(0));
     }

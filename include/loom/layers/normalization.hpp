@@ -81,10 +81,15 @@ struct BatchNormBase : LayerBase<Spec, In, In, Index> {
     }
   }
 
-  // The running statistics, which evaluation normalises with; no batch count.
-  template <class T>
-  static double running_moments(const T* state, std::array<double, 2 * channels>& moments) {
-    for (std::size_t c = 0; c < 2 * channels; ++c) moments[c] = static_cast<double>(state[c]);
+  // The statistics a pass normalises with: the batch's in training (the
+  // form's batch_moments), the running ones in evaluation. Returns the
+  // batch's count per channel (training).
+  template <class Layer, class T>
+  static double moments_of(const T* x, std::size_t n, const LayerContext<T>& context,
+                           std::array<double, 2 * channels>& moments) {
+    if (context.pass.training) return Layer::batch_moments(x, n, context, moments);
+    for (std::size_t c = 0; c < 2 * channels; ++c)
+      moments[c] = static_cast<double>(context.state[c]);
     return 0;
   }
 
@@ -115,8 +120,9 @@ struct BatchNormLayer : BatchNormBase<Spec, In, Index, dim_or_one<In, 0>, A, Syn
   // double: two passes over this device's samples, or, across replicas, one
   // pass of sums added up over all of them. Returns the sample count.
   template <class T>
-  static double batch_moments(const T* x, std::size_t n, const Pass& pass,
+  static double batch_moments(const T* x, std::size_t n, const LayerContext<T>& context,
                               std::array<double, 2 * channels>& moments) {
+    const Pass& pass = context.pass;
     if (Sync && pass.replicas != nullptr) {
       std::array<double, 2 * channels + 1> sums{};
       for (std::size_t c = 0; c < channels; ++c)
@@ -159,20 +165,12 @@ struct BatchNormLayer : BatchNormBase<Spec, In, Index, dim_or_one<In, 0>, A, Syn
     return count;
   }
 
-  // The statistics a pass normalises with: the batch's in training, the
-  // running ones in evaluation. Returns the batch's sample count (training).
-  template <class T>
-  static double moments_of(const T* x, std::size_t n, const LayerContext<T>& context,
-                           std::array<double, 2 * channels>& moments) {
-    return context.pass.training ? batch_moments(x, n, context.pass, moments)
-                                 : BatchNormLayer::running_moments(context.state, moments);
-  }
-
   template <class T>
   static void forward(const T* params, const T* x, T* y, T*, std::size_t n,
                       const LayerContext<T>& context) {
     std::array<double, 2 * channels> moments;
-    const double count = moments_of(x, n, context, moments);
+    const double count =
+        BatchNormLayer::template moments_of<BatchNormLayer>(x, n, context, moments);
     if (context.pass.training) BatchNormLayer::update_running(context.state, moments, count);
     for (std::size_t c = 0; c < channels; ++c) {
       const double mean = moments[c], var = moments[channels + c];
@@ -190,7 +188,8 @@ struct BatchNormLayer : BatchNormBase<Spec, In, Index, dim_or_one<In, 0>, A, Syn
   static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
                        T*, std::size_t n, bool accumulate, const LayerContext<T>& context) {
     std::array<double, 2 * channels> moments;
-    const double count = moments_of(x, n, context, moments);
+    const double count =
+        BatchNormLayer::template moments_of<BatchNormLayer>(x, n, context, moments);
     // The gradient before the fused activation: dy masked where the ReLU cut.
     const auto grad = [&](std::size_t s, std::size_t c, std::size_t i) {
       const std::size_t at = s * In::size + c * plane + i;
@@ -286,7 +285,8 @@ struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync>
   static double batch_moments(const T* x, std::size_t n, const LayerContext<T>& context,
                               std::array<double, 2 * channels>& moments) {
     std::size_t valid_frames = 0;
-    for (std::size_t s = 0; s < n; ++s) valid_frames += sample_frames<Spec, Index, frames>(context, s);
+    for (std::size_t s = 0; s < n; ++s)
+      valid_frames += sample_frames<Spec, Index, frames>(context, s);
     if (Sync && context.pass.replicas != nullptr) {
       std::array<double, 2 * channels + 1> sums{};
       each_valid(n, context, [&](std::size_t at) {
@@ -302,8 +302,7 @@ struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync>
       check_count(count);
       for (std::size_t c = 0; c < channels; ++c) {
         moments[c] = sums[c] / count;
-        moments[channels + c] =
-            std::max(0.0, sums[channels + c] / count - moments[c] * moments[c]);
+        moments[channels + c] = std::max(0.0, sums[channels + c] / count - moments[c] * moments[c]);
       }
       return count;
     }
@@ -325,17 +324,11 @@ struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync>
   }
 
   template <class T>
-  static double moments_of(const T* x, std::size_t n, const LayerContext<T>& context,
-                           std::array<double, 2 * channels>& moments) {
-    return context.pass.training ? batch_moments(x, n, context, moments)
-                                 : BatchNormTimeLayer::running_moments(context.state, moments);
-  }
-
-  template <class T>
   static void forward(const T* params, const T* x, T* y, T*, std::size_t n,
                       const LayerContext<T>& context) {
     std::array<double, 2 * channels> moments;
-    const double count = moments_of(x, n, context, moments);
+    const double count =
+        BatchNormTimeLayer::template moments_of<BatchNormTimeLayer>(x, n, context, moments);
     if (context.pass.training) BatchNormTimeLayer::update_running(context.state, moments, count);
     std::array<T, channels> scale, shift;
     for (std::size_t c = 0; c < channels; ++c) {
@@ -351,10 +344,11 @@ struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync>
   }
 
   template <class T>
-  static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
-                       T*, std::size_t n, bool accumulate, const LayerContext<T>& context) {
+  static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams, T*,
+                       std::size_t n, bool accumulate, const LayerContext<T>& context) {
     std::array<double, 2 * channels> moments;
-    const double count = moments_of(x, n, context, moments);
+    const double count =
+        BatchNormTimeLayer::template moments_of<BatchNormTimeLayer>(x, n, context, moments);
     std::array<double, channels> inv_std;
     for (std::size_t c = 0; c < channels; ++c)
       inv_std[c] = 1.0 / std::sqrt(moments[channels + c] + batch_norm_eps);
@@ -369,8 +363,10 @@ struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync>
       }
     });
     for (std::size_t c = 0; c < channels; ++c) {
-      dparams[c] = static_cast<T>(accumulate ? dparams[c] + sums[channels + c] : sums[channels + c]);
-      dparams[channels + c] = static_cast<T>(accumulate ? dparams[channels + c] + sums[c] : sums[c]);
+      dparams[c] =
+          static_cast<T>(accumulate ? dparams[c] + sums[channels + c] : sums[channels + c]);
+      dparams[channels + c] =
+          static_cast<T>(accumulate ? dparams[channels + c] + sums[c] : sums[c]);
     }
     if (dx == nullptr) return;
     // Across replicas the input gradient's batch terms are the global batch's.
