@@ -93,8 +93,17 @@ struct BatchNormBase : LayerBase<Spec, In, In, Index> {
     return 0;
   }
 
-  // PyTorch's update after a training forward over `count` values per
-  // channel: momentum 0.1, the unbiased variance.
+  // A forward's moments_of, and in training PyTorch's update of the
+  // running statistics from them: momentum 0.1, the unbiased variance.
+  template <class Layer, class T>
+  static void forward_moments(const T* x, std::size_t n, const LayerContext<T>& context,
+                              std::array<double, 2 * channels>& moments) {
+    const double count = moments_of<Layer>(x, n, context, moments);
+    if (context.pass.training) update_running(context.state, moments, count);
+  }
+
+  // The running statistics' update after a training forward over `count`
+  // values per channel.
   template <class T>
   static void update_running(T* state, const std::array<double, 2 * channels>& moments,
                              double count) {
@@ -169,9 +178,7 @@ struct BatchNormLayer : BatchNormBase<Spec, In, Index, dim_or_one<In, 0>, A, Syn
   static void forward(const T* params, const T* x, T* y, T*, std::size_t n,
                       const LayerContext<T>& context) {
     std::array<double, 2 * channels> moments;
-    const double count =
-        BatchNormLayer::template moments_of<BatchNormLayer>(x, n, context, moments);
-    if (context.pass.training) BatchNormLayer::update_running(context.state, moments, count);
+    BatchNormLayer::template forward_moments<BatchNormLayer>(x, n, context, moments);
     for (std::size_t c = 0; c < channels; ++c) {
       const double mean = moments[c], var = moments[channels + c];
       const T scale = static_cast<T>(params[c] / std::sqrt(var + batch_norm_eps));
@@ -327,9 +334,7 @@ struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync>
   static void forward(const T* params, const T* x, T* y, T*, std::size_t n,
                       const LayerContext<T>& context) {
     std::array<double, 2 * channels> moments;
-    const double count =
-        BatchNormTimeLayer::template moments_of<BatchNormTimeLayer>(x, n, context, moments);
-    if (context.pass.training) BatchNormTimeLayer::update_running(context.state, moments, count);
+    BatchNormTimeLayer::template forward_moments<BatchNormTimeLayer>(x, n, context, moments);
     std::array<T, channels> scale, shift;
     for (std::size_t c = 0; c < channels; ++c) {
       const double mean = moments[c], var = moments[channels + c];
