@@ -30,6 +30,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <loom/core/file.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/rng.hpp>
 #include <loom/core/stop_signals.hpp>
@@ -460,15 +461,11 @@ void emit_corpus(const SpeechCorpus& corpus, Sink&& sink) {
   }
 }
 
-struct FileClose {
-  void operator()(std::FILE* file) const { std::fclose(file); }
-};
-
 // The corpus in a cache file whose key is `key`, or false with `note` saying
 // why not (absent, for other inputs, or corrupt: any doubt means a rebuild).
 inline bool read_feature_cache(const std::string& path, std::uint64_t key, SpeechCorpus& corpus,
                                std::string& note) {
-  const std::unique_ptr<std::FILE, FileClose> file(std::fopen(path.c_str(), "rb"));
+  const File file(std::fopen(path.c_str(), "rb"));
   if (!file) {
     note = "no cache file '" + path + "' (" + std::strerror(errno) + ")";
     return false;

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <loom/core/file.hpp>
 #include <loom/core/error.hpp>
 #include <loom/data/dataset.hpp>
 #include <memory>
@@ -40,10 +41,6 @@ inline constexpr const char* cifar_hint =
     "extract the binary version (cifar-10-binary.tar.gz, folder cifar-10-batches-bin) and pass "
     "that folder";
 
-struct FileClose {
-  void operator()(std::FILE* file) const { std::fclose(file); }
-};
-
 // Appends `path`'s records to `set` (labels checked, pixels normalised).
 inline void read_cifar_file(const std::string& path, const CifarNormalize& normalize,
                             Dataset& set) {
@@ -51,7 +48,7 @@ inline void read_cifar_file(const std::string& path, const CifarNormalize& norma
   if (!std::filesystem::exists(path, code))
     LOOM_FAIL("CIFAR-10 file '", path, "' not found; ", cifar_hint);
   errno = 0;
-  const std::unique_ptr<std::FILE, FileClose> file(std::fopen(path.c_str(), "rb"));
+  const File file(std::fopen(path.c_str(), "rb"));
   if (!file) LOOM_FAIL("cannot open CIFAR-10 file '", path, "': ", std::strerror(errno));
   std::vector<std::uint8_t> bytes;
   std::uint8_t buffer[1 << 16];

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include "../core/file.hpp"
 #include <loom/core/error.hpp>
 #include <loom/core/linkage.hpp>
 #include <loom/io/atomic_file.hpp>
@@ -111,10 +112,6 @@ inline std::string range_text(std::size_t begin, std::size_t end) {
   text += std::to_string(end);
   return text + ')';
 }
-
-struct FileClose {
-  void operator()(std::FILE* file) const { std::fclose(file); }
-};
 
 }  // namespace detail
 
@@ -263,7 +260,7 @@ LOOM_DECL SafetensorsFile SafetensorsFile::parse(std::span<const std::byte> byte
 }
 
 LOOM_DECL SafetensorsFile SafetensorsFile::read(const std::filesystem::path& path) {
-  const std::unique_ptr<std::FILE, detail::FileClose> file(std::fopen(path.c_str(), "rb"));
+  const File file(std::fopen(path.c_str(), "rb"));
   if (!file)
     LOOM_FAIL("cannot open safetensors file '", path.string(), "': ", std::strerror(errno),
               "; check the path");
