@@ -156,7 +156,7 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
                    "train on CIFAR-10 instead: the folder of its binary version "
                    "(cifar-10-batches-bin)")
         ->check(path_value());
-  app.add_option("--data", o.data_dir, "folder with the Fashion-MNIST IDX files (.gz or plain)")
+  app.add_option("--data", o.data_dir, o.data_help)
       ->check(path_value())
       ->capture_default_str();
   app.add_option("--train-samples", o.train_samples,

@@ -44,6 +44,12 @@ struct Options {
   std::size_t checkpoint_every = 0;
   std::string resume;   // load this checkpoint first and go on from where it stopped
   std::string metrics;  // JSON lines of every step and epoch
+  // Set by the example, not parsed: what --data holds and its samples are
+  // called, and the name of the loss's error rate where it has one.
+  std::string data_title = "Fashion-MNIST";
+  std::string data_help = "folder with the Fashion-MNIST IDX files (.gz or plain)";
+  std::string sample_word = "images";
+  std::string error_rate_name = "error rate";
 };
 
 // What parsing the command line came to: `status` 0 to go on (or, with

@@ -138,9 +138,9 @@ inline void describe_run(std::ostream& out, const char* title, const Options& o,
                          const std::string& policy, const std::vector<Device>& devices,
                          const comm::Comm& processes) {
   const bool cifar = data.train.channels == 3;
-  out << "loom " << title << " on " << (cifar ? "CIFAR-10" : "Fashion-MNIST") << ": "
-      << parameters << " parameters, " << data.train.count << " training and "
-      << data.test.count << " test images, " << policy;
+  out << "loom " << title << " on " << (cifar ? "CIFAR-10" : o.data_title) << ": " << parameters
+      << " parameters, " << data.train.count << " training and " << data.test.count << " test "
+      << o.sample_word << ", " << policy;
   if (processes)
     out << " over " << processes.size() << " processes, process " << processes.rank();
   out << " on";
@@ -198,6 +198,11 @@ inline void report_run(std::ostream& out, const Options& o, const EvalResult& la
   std::snprintf(line, sizeof line, "final test accuracy: %.2f%% (loss %.4f) after %d epoch(s), %.1f s\n",
                 100.0 * last.accuracy, last.loss, o.epochs, seconds);
   out << line;
+  if (last.error_rate) {
+    std::snprintf(line, sizeof line, "final test %s: %.2f%%\n", o.error_rate_name.c_str(),
+                  100.0 * *last.error_rate);
+    out << line;
+  }
 }
 
 // How the program was started (the command that resumes it), and the
@@ -252,7 +257,7 @@ void report_stop(std::ostream& out, const Options& o, const T& trainer,
 // Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
 // console under mpirun, a silent stream on the other ranks). Returns the
 // program's exit status: 0, or 128 + the signal that stopped the fit.
-template <class Net, class Policy>
+template <class Net, class Policy, class Loss>
 int train(const char* title, const Options& o, const data::Split& data,
           std::vector<Device> devices, comm::Comm processes, std::ostream& out,
           const Launch& launch) {
@@ -277,7 +282,7 @@ int train(const char* title, const Options& o, const data::Split& data,
   }
   describe_run(out, title, o, data, Net::parameter_count, policy.str(), devices, processes);
 
-  ExampleTrainer<Net, Policy> t(devices, optimizer_options(o), trainer, processes);
+  ExampleTrainer<Net, Policy, Loss> t(devices, optimizer_options(o), trainer, processes);
   try {
     if (!o.resume.empty()) {
       t.load(o.resume);
@@ -334,18 +339,18 @@ int train(const char* title, const Options& o, const data::Split& data,
 }
 
 // ModelSplit over `stages` devices or processes.
-template <class Net>
+template <class Net, class Loss>
 int train_split(const char* title, const Options& o, const data::Split& data, int stages,
                 std::vector<Device> devices, comm::Comm processes, std::ostream& out,
                 const Launch& launch) {
   LOOM_CHECK(stages >= 2 && stages <= 4, "--policy split takes 2 to 4 stages (--devices, or "
              "mpirun -np), not ", stages);
-  return train<Net, PipelinePolicy>(title, o, data, std::move(devices), std::move(processes), out,
-                                    launch);
+  return train<Net, PipelinePolicy, Loss>(title, o, data, std::move(devices),
+                                          std::move(processes), out, launch);
 }
 
 // Hybrid: --replicas pipelines over `ranks` devices or processes.
-template <class Net>
+template <class Net, class Loss>
 int train_hybrid(const char* title, const Options& o, const data::Split& data, int ranks,
                  std::vector<Device> devices, comm::Comm processes, std::ostream& out,
                  const Launch& launch) {
@@ -354,13 +359,13 @@ int train_hybrid(const char* title, const Options& o, const data::Split& data, i
              " devices (--devices, or mpirun -np) out as --replicas ", o.replicas,
              " x stages; this example builds pipelines of 2 to 4 stages: give --replicas R and "
              "R x 2, R x 3 or R x 4 devices");
-  return train<Net, PipelinePolicy>(title, o, data, std::move(devices), std::move(processes), out,
-                                    launch);
+  return train<Net, PipelinePolicy, Loss>(title, o, data, std::move(devices),
+                                          std::move(processes), out, launch);
 }
 
 // Trains Net under the policy --policy names, over the processes of mpirun
 // (`world`, each rank on `rank_devices`) or over this process's devices.
-template <class Net>
+template <class Net, class Loss>
 int run_policy(const char* title, const Options& o, const data::Split& data,
                const comm::Comm& world, const std::vector<Device>& rank_devices,
                const Launch& launch, std::ostream& out) {
@@ -370,13 +375,17 @@ int run_policy(const char* title, const Options& o, const data::Split& data,
     LOOM_CHECK(o.policy != "single", "--policy single under mpirun: start one process, or "
                "choose data or split");
     if (o.policy == "split")
-      return train_split<Net>(title, o, data, world.size(), rank_devices, world, out, launch);
+      return train_split<Net, Loss>(title, o, data, world.size(), rank_devices, world, out,
+                                    launch);
     if (o.policy == "hybrid")
-      return train_hybrid<Net>(title, o, data, world.size(), rank_devices, world, out, launch);
-    return train<Net, DataParallel<>>(title, o, data, rank_devices, world, out, launch);
+      return train_hybrid<Net, Loss>(title, o, data, world.size(), rank_devices, world, out,
+                                     launch);
+    return train<Net, DataParallel<>, Loss>(title, o, data, rank_devices, world, out, launch);
   }
   const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
-  const Device first = devices::all().front();
+  // Losses other than softmax cross-entropy train on CPU devices so far.
+  const Device first = std::is_same_v<Loss, SoftmaxCrossEntropy> ? devices::all().front()
+                                                                 : devices::cpu(1).front();
   if (policy == "split" || policy == "hybrid") {
     // A rank (stage) per CPU worker device, or the ranks spread over the
     // GPUs round-robin (several on one GPU run on streams of their own).
@@ -385,25 +394,30 @@ int run_policy(const char* title, const Options& o, const data::Split& data,
       const auto gpus = devices::gpus();
       for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = gpus[k % gpus.size()];
     }
-    if (policy == "split") return train_split<Net>(title, o, data, o.devices, ranks, {}, out, launch);
-    return train_hybrid<Net>(title, o, data, o.devices, ranks, {}, out, launch);
+    if (policy == "split")
+      return train_split<Net, Loss>(title, o, data, o.devices, ranks, {}, out, launch);
+    return train_hybrid<Net, Loss>(title, o, data, o.devices, ranks, {}, out, launch);
   }
   if (first.kind == Device::Kind::cuda) {
     LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
                ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,
                " ", launch.args.front());
-    return train<Net, SingleDevice>(title, o, data, {first}, {}, out, launch);
+    return train<Net, SingleDevice, Loss>(title, o, data, {first}, {}, out, launch);
   }
   if (policy == "single") {
     LOOM_CHECK(o.devices == 1, "--policy single runs on one device, not --devices ", o.devices);
-    return train<Net, SingleDevice>(title, o, data, {first}, {}, out, launch);
+    return train<Net, SingleDevice, Loss>(title, o, data, {first}, {}, out, launch);
   }
-  return train<Net, DataParallel<>>(title, o, data, devices::cpu(o.devices), {}, out, launch);
+  return train<Net, DataParallel<>, Loss>(title, o, data, devices::cpu(o.devices), {}, out,
+                                          launch);
 }
 
 // CifarNet: the network --cifar DIR trains on CIFAR-10 (void: no such option).
-template <class Net, class CifarNet = void>
-int example_main(int argc, char** argv, const char* title, Options o) {
+// `load`: the example's data from the parsed options (none: Fashion-MNIST
+// from --data), trained against Loss.
+using DataLoad = data::Split (*)(const Options&, std::ostream& out);
+template <class Net, class CifarNet = void, class Loss = SoftmaxCrossEntropy>
+int example_main(int argc, char** argv, const char* title, Options o, DataLoad load = nullptr) {
 #if defined(LOOM_WITH_MPI)
   // First: MPI may take its own arguments out of argv. Without mpirun this
   // is one rank of one.
@@ -471,7 +485,7 @@ int example_main(int argc, char** argv, const char* title, Options o) {
       if (o.test_samples > 0) data.test = data::head(data.test, o.test_samples);
       if (o.batch_size > data.train.count)
         out << "note: --batch-size " << o.batch_size << " is more than the " << data.train.count
-            << " training images: each step takes all " << data.train.count
+            << " training " << o.sample_word << ": each step takes all " << data.train.count
             << " (memory is planned for that)\n";
       return data;
     };
@@ -485,11 +499,12 @@ int example_main(int argc, char** argv, const char* title, Options o) {
 #endif
     if constexpr (!std::is_void_v<CifarNet>) {
       if (!o.cifar_dir.empty())
-        return run_policy<CifarNet>(title, o, limit(data::cifar10(o.cifar_dir)), world,
-                                    rank_devices, launch, out);
+        return run_policy<CifarNet, Loss>(title, o, limit(data::cifar10(o.cifar_dir)), world,
+                                          rank_devices, launch, out);
     }
-    return run_policy<Net>(title, o, limit(data::fashion_mnist(o.data_dir)), world, rank_devices,
-                           launch, out);
+    return run_policy<Net, Loss>(
+        title, o, limit(load != nullptr ? load(o, out) : data::fashion_mnist(o.data_dir)), world,
+        rank_devices, launch, out);
   } catch (const Error& error) {
     std::cerr << error.what() << '\n';
 #if defined(LOOM_WITH_MPI)

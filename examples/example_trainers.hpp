@@ -16,10 +16,10 @@ namespace loom::examples {
 // devices or processes given).
 using PipelinePolicy = Hybrid<replicas_from_devices, ModelSplit<Balanced<2, 3, 4>>>;
 
-// One trainer type per policy for both optimizers: AnyOptimizer runs the one
-// --optimizer names.
-template <class Net, class Policy>
-using ExampleTrainer = Trainer<Net, Policy, AnyOptimizer>;
+// One trainer type per policy (and loss) for both optimizers: AnyOptimizer
+// runs the one --optimizer names.
+template <class Net, class Policy, class Loss = SoftmaxCrossEntropy>
+using ExampleTrainer = Trainer<Net, Policy, AnyOptimizer, Loss>;
 
 // The examples' policies, listed once for both sides.
 template <class... Policies>
