@@ -30,6 +30,7 @@ enum class RngPurpose : std::uint64_t {
   dropout = 3,
   augment = 4,
   spec_augment = 5,  // data/audio.hpp's masks
+  bucket = 6,        // data/loader.hpp: the order of an epoch's bucketed batches
 };
 
 LOOM_HOST_DEVICE constexpr std::uint64_t stream_key(RngPurpose purpose, std::uint64_t index) {
