@@ -136,3 +136,98 @@ TEST_CASE("a loss is given the targets it trains against, or the fit is refused 
                       Catch::Contains("sample 7 has label 11 at position 0 of its target; "
                                       "expected 1..10 (0 is the blank)"));
 }
+
+namespace {
+
+// The garments' frames made long-tailed (most 4..12, a few up to 56: the
+// per-frame MLP reads every row, CTC only a sample's frames).
+const data::Dataset& skewed_sequences() {
+  static const data::Dataset set = [] {
+    data::Dataset s = sequences();
+    for (std::size_t i = 0; i < s.count; ++i) {
+      const double tail = 4.0 / std::pow(1.0 - uniform01(5, 0, i), 1.0 / 1.5);
+      s.frames[i] = static_cast<std::int32_t>(std::min(56.0, std::max(4.0, tail)));
+    }
+    return s;
+  }();
+  return set;
+}
+
+// Batches of 40 drawn from buckets of 2 batches: 5 steps an epoch, each
+// split 14, 13, 13 over 3 replicas, balanced by frames.
+const FitOptions bucketed{.epochs = 2, .batch_size = 40, .seed = 3, .bucket = 2};
+
+template <class Policy, class... Callbacks>
+Trained train_skewed(std::size_t devices, const FitOptions& options, const std::string& load = {},
+                     Callbacks... callbacks) {
+  auto workers = devices::cpu(devices);
+  for (auto& d : workers) d.threads = 1;
+  Trainer<Reader, Policy, SGD, CTCLoss> trainer(workers, sgd, {.seed = 11});
+  if (!load.empty()) trainer.load(load);
+  struct Last {
+    void on_epoch_end(const EpochInfo& epoch) { *out = epoch; }
+    EpochInfo* out;
+  };
+  Trained result;
+  trainer.fit(skewed_sequences(), options, Last{&result.last}, callbacks...);
+  REQUIRE(trainer.steps() == 10);
+  const auto w = trainer.model().parameters();
+  result.weights.assign(w.begin(), w.end());
+  result.eval = trainer.evaluate(skewed_sequences(), 50);
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "CTCLoss with batches bucketed by length: DataParallel over 3 reaches one device's weights") {
+  const Trained reference = train_skewed<SingleDevice>(1, bucketed);
+  const Trained dp = train_skewed<DataParallel<>>(3, bucketed);
+  test::require_close(dp.weights, reference.weights, {1e-6, 1e-4}, "DataParallel over 3, bucketed");
+  require_same_sums(dp, reference, "DataParallel over 3, bucketed");
+  // The buckets changed the batches: unbucketed, one device ends elsewhere.
+  FitOptions plain = bucketed;
+  plain.bucket = 0;
+  const Trained unbucketed = train_skewed<SingleDevice>(1, plain);
+  double differ = 0.0;
+  for (std::size_t i = 0; i < unbucketed.weights.size(); ++i)
+    differ = std::max(differ,
+                      static_cast<double>(std::abs(unbucketed.weights[i] - reference.weights[i])));
+  REQUIRE(differ > 1e-3);
+}
+
+TEST_CASE(
+    "CTCLoss with bucketed batches resumes mid-epoch on the same batches; another bucket is "
+    "refused") {
+  const Trained reference = train_skewed<SingleDevice>(1, bucketed);
+  // This process's own file (CTest may run other test programs at once).
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("loom-bucketed-" + std::to_string(::getpid()) + ".safetensors"))
+                        .string();
+  struct Remove {
+    std::string path;
+    ~Remove() { std::filesystem::remove(path); }
+  } remove{path};
+  // Saved after step 7: epoch 2, after its second batch.
+  train_skewed<SingleDevice>(
+      1, bucketed, {},
+      callbacks::Checkpoint(
+          {.path = path, .every_steps = 7, .every_epoch = false, .at_end = false}));
+  const Trained resumed = train_skewed<DataParallel<>>(3, bucketed, path);
+  test::require_close(resumed.weights, reference.weights, {1e-6, 1e-4}, "resumed over 3 replicas");
+  Trainer<Reader, SingleDevice, SGD, CTCLoss> other(devices::cpu(1), sgd);
+  other.load(path);
+  FitOptions wider = bucketed;
+  wider.bucket = 3;
+  REQUIRE_THROWS_WITH(other.fit(skewed_sequences(), wider),
+                      Catch::Contains("the loaded checkpoint stopped in a fit with bucket 2, but "
+                                      "this fit has 3"));
+  // Bucketing needs the samples' lengths.
+  data::Dataset flat = sequences();
+  flat.frames.clear();
+  Trainer<Reader, SingleDevice, SGD, CTCLoss> fresh(devices::cpu(1), sgd);
+  REQUIRE_THROWS_WITH(fresh.fit(flat, bucketed),
+                      Catch::Contains("fit: FitOptions::bucket is 2 but dataset "
+                                      "'fashion-mnist-train garment pairs' has no sample lengths "
+                                      "(Dataset::frames)"));
+}

@@ -55,6 +55,7 @@ struct FitIdentity {
   bool drop_last = false;
   std::size_t crop_padding = 0;
   bool horizontal_flip = false;
+  std::size_t bucket = 0;  // FitOptions::bucket: it orders the batches
 
   bool operator==(const FitIdentity&) const = default;
 };
@@ -193,6 +194,7 @@ LOOM_DECL void write_checkpoint(const std::filesystem::path& path, const Checkpo
     writer.set_metadata("fit.drop_last", f.drop_last ? "1" : "0");
     writer.set_metadata("fit.crop_padding", number_text(f.crop_padding));
     writer.set_metadata("fit.horizontal_flip", f.horizontal_flip ? "1" : "0");
+    writer.set_metadata("fit.bucket", number_text(f.bucket));
   }
   writer.write(path);
 }
@@ -349,6 +351,9 @@ LOOM_DECL CheckpointImage read_checkpoint(const std::filesystem::path& path,
     f.drop_last = parse_number<int>(file, "fit.drop_last", where) != 0;
     f.crop_padding = parse_number<std::size_t>(file, "fit.crop_padding", where);
     f.horizontal_flip = parse_number<int>(file, "fit.horizontal_flip", where) != 0;
+    // Written since FitOptions::bucket was added; before, no fit bucketed.
+    if (file.metadata().contains("fit.bucket"))
+      f.bucket = parse_number<std::size_t>(file, "fit.bucket", where);
     LOOM_CHECK(f.batch_size > 0 && f.accumulation_steps > 0 && f.samples > 0, "checkpoint '",
                where, "': its fit has batch size ", f.batch_size, ", ", f.accumulation_steps,
                " batches per step and ", f.samples, " samples; none may be 0");

@@ -129,6 +129,7 @@ LOOM_DECL std::optional<TrainingPosition> TrainerCore::resume_position(
           identity.crop_padding);
   differs("augment.horizontal_flip", "augment.horizontal_flip", saved->horizontal_flip,
           identity.horizontal_flip);
+  differs("bucket", "bucket", saved->bucket, identity.bucket);
   LOOM_CHECK(resume_->batches <= batches_per_epoch && resume_->epoch >= 1, "fit: the loaded "
              "checkpoint stopped after batch ", resume_->batches, " of epoch ", resume_->epoch,
              ", but its fit's epochs have ", batches_per_epoch, " batches; it is corrupt");

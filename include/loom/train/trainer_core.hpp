@@ -89,6 +89,15 @@ struct FitOptions {
   std::size_t accumulation_steps = 1;
   data::Augment augment{};  // random crops and flips of the training images
   bool drop_last = false;   // skip an epoch's last batch when it is short
+  // Batches of similar length, for data with Dataset::frames (speech): 0
+  // off, else batches per bucket (e.g. 50). Each epoch's shuffled order is
+  // cut into buckets of this many batches' samples, each sorted by frames
+  // and cut into batches, and the batches are shuffled; within a batch the
+  // samples are ordered so that a split over any replica count gives each
+  // about the same frames (data/loader.hpp). Still a function of (seed,
+  // epoch) alone: every process and policy draws the same batches, and a
+  // resumed fit must have the same bucket.
+  std::size_t bucket = 0;
   // Clip each step's gradients to this global norm, over every layer,
   // replica and stage (PyTorch's clip_grad_norm_); 0: never.
   float max_grad_norm = 0.0f;
@@ -577,6 +586,7 @@ LOOM_DECL void TrainerCore::describe_fit(Fingerprint& f, const data::Dataset& tr
       .add("fit.shuffle", options.shuffle)
       .add("fit.seed", options.seed)
       .add("fit.drop_last", options.drop_last)
+      .add("fit.bucket", options.bucket)
       .add("fit.augment.crop_padding", options.augment.crop_padding)
       .add("fit.augment.horizontal_flip", options.augment.horizontal_flip)
       .add("fit.max_grad_norm", options.max_grad_norm)
@@ -633,6 +643,10 @@ LOOM_DECL void TrainerCore::fit_with(const data::Dataset& train, const FitOption
   Fingerprint fingerprint;
   try {
     check_fit(train, options);
+    LOOM_CHECK(options.bucket == 0 || !train.frames.empty(), "fit: FitOptions::bucket is ",
+               options.bucket, " but dataset '", train.name,
+               "' has no sample lengths (Dataset::frames) to bucket its batches by; set "
+               "bucket 0, or give each sample its frames");
     describe_fit(fingerprint, train, options);
     const FitInfo preview{.epochs = options.epochs,
                           .steps_per_epoch = steps_per_epoch(train.count, options),
@@ -666,7 +680,8 @@ LOOM_DECL void TrainerCore::fit_with(const data::Dataset& train, const FitOption
        .shuffle = options.shuffle,
        .seed = options.seed,
        .drop_last = options.drop_last,
-       .augment = options.augment});
+       .augment = options.augment,
+       .bucket = options.bucket});
   const std::size_t k = options.accumulation_steps;
   const detail::FitPlan plan{
       .options = options,
@@ -679,7 +694,8 @@ LOOM_DECL void TrainerCore::fit_with(const data::Dataset& train, const FitOption
                    .shuffle = options.shuffle,
                    .drop_last = options.drop_last,
                    .crop_padding = options.augment.crop_padding,
-                   .horizontal_flip = options.augment.horizontal_flip},
+                   .horizontal_flip = options.augment.horizontal_flip,
+                   .bucket = options.bucket},
       .epoch_samples =
           options.drop_last ? loader.batches_per_epoch() * options.batch_size : train.count};
   // A batch larger than the data set is the data set: memory is planned
