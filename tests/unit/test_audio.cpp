@@ -393,8 +393,10 @@ namespace {
 SpeechCorpus corpus_of(const std::vector<std::size_t>& frames) {
   SpeechCorpus corpus{.name = "toy.tsv", .mels = 3, .utterances = {}, .skipped = 0};
   for (std::size_t u = 0; u < frames.size(); ++u) {
-    Utterance utterance{.path = "wav/" + std::to_string(u) + ".wav", .frames = frames[u],
-                        .features = {}, .labels = {}};
+    Utterance utterance{.path = "wav/" + std::to_string(u) + ".wav",
+                        .frames = frames[u],
+                        .features = {},
+                        .labels = {}};
     for (std::size_t t = 0; t < frames[u]; ++t)
       for (std::size_t m = 0; m < 3; ++m)
         utterance.features.push_back(static_cast<float>(100 * (u + 1) + t));
@@ -426,8 +428,9 @@ TEST_CASE("audio: speech_dataset pads each utterance to max_frames and keeps its
     for (std::size_t t = 0; t < 6; ++t)
       for (std::size_t m = 0; m < 3; ++m) {
         INFO("utterance " << u << ", frame " << t << ", mel " << m);
-        const float expected =
-            t < static_cast<std::size_t>(set.frames[u]) ? static_cast<float>(100 * (u + 1) + t) : 0.0f;
+        const float expected = t < static_cast<std::size_t>(set.frames[u])
+                                   ? static_cast<float>(100 * (u + 1) + t)
+                                   : 0.0f;
         CHECK(set.images[(u * 6 + t) * 3 + m] == expected);
       }
   CHECK_NOTHROW(check_targets(set));
