@@ -126,6 +126,14 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
                  "naming the step and layer) or skip it (CPU devices)")
       ->check(CLI::IsMember({"raise", "skip"}))
       ->capture_default_str();
+  if (o.sequences) {
+    app.add_option("--bucket", o.bucket,
+                   "batches per bucket of similar lengths (0: no bucketing)")
+        ->capture_default_str();
+    app.add_flag("--spec-augment", o.spec_augment,
+                 "SpecAugment's masks on the training features: 2 bands of up to 15 mels and 2 "
+                 "spans of up to 40 frames, drawn per (seed, epoch, utterance)");
+  }
   app.add_option("--accumulate", o.accumulation,
                  "batches per optimizer step (gradient accumulation)")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))

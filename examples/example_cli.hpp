@@ -39,6 +39,12 @@ struct Options {
   float clip_norm = 0.0f;
   std::string on_nonfinite = "raise";
   std::size_t accumulation = 1;
+  // Sequence examples (set by the example; their flags exist only then):
+  // batches bucketed by length, this many per bucket (0: off), and
+  // SpecAugment's masks on the training features.
+  bool sequences = false;
+  std::size_t bucket = 0;
+  bool spec_augment = false;
   std::string precision = "fp32";
   std::string checkpoint;  // save here after each epoch (and every --checkpoint-every steps)
   std::size_t checkpoint_every = 0;

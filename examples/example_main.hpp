@@ -174,11 +174,13 @@ inline AnyOptimizer::Options optimizer_options(const Options& o) {
 inline FitOptions fit_options(const Options& o, bool cifar) {
   data::Augment augment;
   if (o.augment) augment = {.crop_padding = cifar ? 4u : 2u, .horizontal_flip = true};
+  if (o.spec_augment) augment.spec = data::SpecAugmentOptions{};
   return {.epochs = o.epochs,
           .batch_size = o.batch_size,
           .seed = o.seed,
           .accumulation_steps = o.accumulation,
           .augment = augment,
+          .bucket = o.bucket,
           .max_grad_norm = o.clip_norm,
           .on_nonfinite = o.on_nonfinite == "skip" ? NonFinite::skip : NonFinite::raise};
 }

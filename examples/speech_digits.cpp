@@ -72,6 +72,8 @@ int main(int argc, char** argv) {
   defaults.lr = 0.002f;
   defaults.lr_schedule = "cosine";
   defaults.clip_norm = 5.0f;
+  defaults.sequences = true;
+  defaults.bucket = 20;  // batches of similar lengths: the GRU layers stop at a batch's longest
   return examples::example_main<DigitReader, void, CTCLoss>(argc, argv, "speech digits (CTC)",
                                                              defaults, load_digits);
 }

@@ -34,23 +34,35 @@ struct Trained {
   std::vector<float> weights;
   EpochInfo last;
   EvalResult eval;
+  std::uint64_t steps = 0;
 };
 
-template <class Policy>
-Trained train(std::size_t devices) {
+// Net under Policy on `devices` CPU workers (one thread each), SGD and CTC,
+// seeded by `seed`, optionally from a checkpoint: its weights, last epoch
+// and evaluation on `data` after fitting it.
+template <class Net, class Policy, class... Callbacks>
+Trained fit_ctc(std::size_t devices, std::uint64_t seed, const data::Dataset& data,
+                const FitOptions& options, const std::string& load, Callbacks&&... callbacks) {
   auto workers = devices::cpu(devices);
   for (auto& d : workers) d.threads = 1;
-  Trainer<Reader, Policy, SGD, CTCLoss> trainer(workers, sgd, {.seed = 11});
+  Trainer<Net, Policy, SGD, CTCLoss> trainer(workers, sgd, {.seed = seed});
+  if (!load.empty()) trainer.load(load);
   struct Last {
     void on_epoch_end(const EpochInfo& epoch) { *out = epoch; }
     EpochInfo* out;
   };
   Trained result;
-  trainer.fit(sequences(), fit, Last{&result.last});
+  trainer.fit(data, options, Last{&result.last}, callbacks...);
   const auto w = trainer.model().parameters();
   result.weights.assign(w.begin(), w.end());
-  result.eval = trainer.evaluate(sequences(), 50);
+  result.eval = trainer.evaluate(data, 50);
+  result.steps = trainer.steps();
   return result;
+}
+
+template <class Policy>
+Trained train(std::size_t devices) {
+  return fit_ctc<Reader, Policy>(devices, 11, sequences(), fit, {});
 }
 
 void require_same_sums(const Trained& got, const Trained& ref, const char* what) {
@@ -159,21 +171,10 @@ const FitOptions bucketed{.epochs = 2, .batch_size = 40, .seed = 3, .bucket = 2}
 
 template <class Policy, class... Callbacks>
 Trained train_skewed(std::size_t devices, const FitOptions& options, const std::string& load = {},
-                     Callbacks... callbacks) {
-  auto workers = devices::cpu(devices);
-  for (auto& d : workers) d.threads = 1;
-  Trainer<Reader, Policy, SGD, CTCLoss> trainer(workers, sgd, {.seed = 11});
-  if (!load.empty()) trainer.load(load);
-  struct Last {
-    void on_epoch_end(const EpochInfo& epoch) { *out = epoch; }
-    EpochInfo* out;
-  };
-  Trained result;
-  trainer.fit(skewed_sequences(), options, Last{&result.last}, callbacks...);
-  REQUIRE(trainer.steps() == 10);
-  const auto w = trainer.model().parameters();
-  result.weights.assign(w.begin(), w.end());
-  result.eval = trainer.evaluate(skewed_sequences(), 50);
+                     Callbacks&&... callbacks) {
+  Trained result =
+      fit_ctc<Reader, Policy>(devices, 11, skewed_sequences(), options, load, callbacks...);
+  REQUIRE(result.steps == 10);
   return result;
 }
 
@@ -230,4 +231,49 @@ TEST_CASE(
                       Catch::Contains("fit: FitOptions::bucket is 2 but dataset "
                                       "'fashion-mnist-train garment pairs' has no sample lengths "
                                       "(Dataset::frames)"));
+}
+
+namespace {
+
+// The speech example's architecture, small: a strided Conv1d front end
+// (56 frames become 28, each sample's length by the same rule), BatchNorm
+// over time, a bidirectional GRU and a Linear per frame into CTC. Its
+// BatchNorm is SyncBatchNorm1d, so that DataParallel's replicas normalise
+// over the global batch as one device does; a pipeline of one micro-batch
+// normalises the same batch. Hybrid's replicas each hold half: its model
+// has no BatchNorm.
+template <class Norm>
+using SpeechLike = Sequential<Input<56, 28>, Conv1d<16, 3, 2, 1>, Norm, ReLU, BiGRU<12>,
+                              Linear<11>>;
+using SpeechNet = SpeechLike<SyncBatchNorm1d>;
+using SpeechNetNoNorm = Sequential<Input<56, 28>, Conv1d<16, 3, 2, 1>, ReLU, BiGRU<12>, Linear<11>>;
+static_assert(SpeechNet::output_shape::dims[0] == 28);
+
+// SGD: the Conv1d's bias feeds BatchNorm, which cancels its gradient to
+// rounding noise that the sum's order decides and Adam would scale up to
+// whole steps.
+template <class Net, class Policy>
+Trained train_speech(std::size_t devices) {
+  Trained result = fit_ctc<Net, Policy>(
+      devices, 13, sequences(), {.epochs = 2, .batch_size = 40, .seed = 9, .bucket = 2}, {});
+  REQUIRE(result.steps == 10);
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("the speech model (Conv1d, BatchNorm over time, BiGRU, CTC) trains to one device's "
+          "weights under every policy") {
+  const test::Tolerance tolerance{1e-6, 1e-4};
+  const Trained one = train_speech<SpeechNet, SingleDevice>(1);
+  const auto dp = train_speech<SpeechNet, DataParallel<>>(3);
+  test::require_close(dp.weights, one.weights, tolerance, "DataParallel over 3");
+  require_same_sums(dp, one, "DataParallel over 3");
+  const auto split = train_speech<SpeechNet, ModelSplit<Balanced<2>, GPipe<1>>>(2);
+  test::require_close(split.weights, one.weights, tolerance, "ModelSplit over 2");
+  require_same_sums(split, one, "ModelSplit over 2");
+  const Trained plain = train_speech<SpeechNetNoNorm, SingleDevice>(1);
+  const auto hybrid = train_speech<SpeechNetNoNorm, Hybrid<2, ModelSplit<Balanced<2>, GPipe<2>>>>(4);
+  test::require_close(hybrid.weights, plain.weights, tolerance, "Hybrid 2 x 2");
+  require_same_sums(hybrid, plain, "Hybrid 2 x 2");
 }

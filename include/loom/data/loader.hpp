@@ -39,8 +39,11 @@
 #include <loom/core/rng.hpp>
 #include <loom/core/stop_signals.hpp>
 #include <loom/data/dataset.hpp>
+#include <loom/data/spec_augment.hpp>
 #include <mutex>
 #include <numeric>
+#include <optional>
+#include <span>
 #include <span>
 #include <thread>
 #include <utility>
@@ -51,11 +54,14 @@ namespace loom::data {
 // Seeded augmentation, applied by the loader thread as it gathers a batch:
 // a random crop of the image zero-padded by crop_padding pixels on every side
 // (zero is the data set's mean after normalisation), then a horizontal flip
-// with probability 1/2. Each sample's draw is a function of (seed, epoch,
-// sample index), so a run is reproducible under every policy.
+// with probability 1/2; or, for sequences of features (frames x features,
+// such as log-mel bands), SpecAugment's masks over each sample's valid
+// frames (`spec`). Each sample's draw is a function of (seed, epoch, sample
+// index), so a run is reproducible under every policy.
 struct Augment {
   std::size_t crop_padding = 0;
   bool horizontal_flip = false;
+  std::optional<SpecAugmentOptions> spec{};
   bool active() const { return crop_padding > 0 || horizontal_flip; }
 };
 
@@ -362,6 +368,15 @@ class Loader {
       if (options_.augment.active())
         augment_image(slot.images.data() + j * sample_size_, dataset_.channels, dataset_.height,
                       dataset_.width, options_.augment, options_.seed, epoch_, index, scratch_);
+      if (options_.augment.spec) {
+        // Its valid frames only: the padding stays zero.
+        const std::size_t rows = dataset_.channels * dataset_.height;
+        const std::size_t frames =
+            dataset_.frames.empty() ? rows : static_cast<std::size_t>(dataset_.frames[index]);
+        spec_augment(std::span<float>(slot.images.data() + j * sample_size_,
+                                      frames * dataset_.width),
+                     frames, dataset_.width, *options_.augment.spec, options_.seed, epoch_, index);
+      }
       gather_targets(index, j, slot);
     }
     slot.size = size;

@@ -87,7 +87,7 @@ struct FitOptions {
   // added up (and, with DataParallel, reduced once, on the last of them), so
   // a step sees batch_size * accumulation_steps samples; the loss is their mean.
   std::size_t accumulation_steps = 1;
-  data::Augment augment{};  // random crops and flips of the training images
+  data::Augment augment{};  // random crops and flips of the training images, or SpecAugment
   bool drop_last = false;   // skip an epoch's last batch when it is short
   // Batches of similar length, for data with Dataset::frames (speech): 0
   // off, else batches per bucket (e.g. 50). Each epoch's shuffled order is
@@ -558,6 +558,15 @@ class TrainerCore {
 };
 
 #if LOOM_IMPLEMENT
+
+// SpecAugment's settings as one fingerprint value ("off" without).
+inline std::string spec_text(const std::optional<data::SpecAugmentOptions>& spec) {
+  if (!spec) return "off";
+  return std::to_string(spec->frequency_masks) + "x" + std::to_string(spec->max_frequency_width) +
+         " bands, " + std::to_string(spec->time_masks) + "x" +
+         std::to_string(spec->max_time_width) + " frames, fill " + std::to_string(spec->fill);
+}
+
 LOOM_DECL void TrainerCore::describe_fit(Fingerprint& f, const data::Dataset& train,
                                          const FitOptions& options) const {
   describe_setup(f);
@@ -589,6 +598,7 @@ LOOM_DECL void TrainerCore::describe_fit(Fingerprint& f, const data::Dataset& tr
       .add("fit.bucket", options.bucket)
       .add("fit.augment.crop_padding", options.augment.crop_padding)
       .add("fit.augment.horizontal_flip", options.augment.horizontal_flip)
+      .add("fit.augment.spec", spec_text(options.augment.spec))
       .add("fit.max_grad_norm", options.max_grad_norm)
       .add("fit.on_nonfinite", options.on_nonfinite == NonFinite::raise ? "raise" : "skip")
       .add_data("data", train);
