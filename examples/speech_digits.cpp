@@ -14,22 +14,14 @@
 #include <string>
 
 #include "example_main.hpp"
+#include "speech_network.hpp"
 
 using namespace loom;
 
 namespace {
 
-// 4.48 s of frames: the longest utterance of scripts/make-digits-corpus's
-// default corpus is 4.37 s (7 digits at the slowest speed, with its silences).
-constexpr std::size_t max_frames = 448, mels = 80;
-constexpr std::size_t classes = 12;  // CTC's blank and zero, oh, one ... nine
-
-using DigitReader = Sequential<Input<max_frames, mels>,           //
-                               Conv1d<128, 5, 2, 2>, BatchNorm1d, ReLU,  //
-                               BiGRU<96>, BiGRU<96>,              //
-                               Linear<classes>>;
-static_assert(DigitReader::output_shape::dims[0] == max_frames / 2);
-static_assert(DigitReader::output_shape::dims[1] == classes);
+using examples::DigitReader;
+constexpr std::size_t max_frames = examples::speech_frames, classes = examples::speech_classes;
 
 std::string default_corpus() {
   const char* cache = std::getenv("XDG_CACHE_HOME");
