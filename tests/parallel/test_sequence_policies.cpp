@@ -198,7 +198,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "CTCLoss with bucketed batches resumes mid-epoch on the same batches; another bucket is "
+    "CTCLoss with bucketed batches resumes mid-epoch on the same batches, and another bucket is "
     "refused") {
   const Trained reference = train_skewed<SingleDevice>(1, bucketed);
   // This process's own file (CTest may run other test programs at once).
