@@ -16,6 +16,7 @@
 #include <loom/data/data.hpp>
 #include <loom/parallel/grid_engine.hpp>  // batch_share, as replicas split a batch
 #include <numeric>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -674,6 +675,49 @@ TEST_CASE("data: the CIFAR-10 reader reports missing, empty, cut-short and misla
   REQUIRE_THROWS_WITH(
       loom::data::read_cifar10({dir.file("bad.bin")}, "x", {.std = {0.2f, 0.0f, 0.2f}}),
       Contains("CifarNormalize channel 1") && Contains("std must be positive"));
+}
+
+TEST_CASE("data: SpecAugment masks each sample's valid frames as its seeded draw says") {
+  // 6 sequences of up to 50 frames of 8 features, 10..50 of them valid.
+  Dataset set;
+  set.name = "features";
+  set.count = 6;
+  set.height = 50;
+  set.width = 8;
+  set.labels = {0, 1, 2, 3, 4, 5};
+  set.frames = {10, 50, 23, 37, 12, 44};
+  set.images.assign(6 * 400, 0.0f);
+  for (std::size_t i = 0; i < 6; ++i)
+    for (std::size_t k = 0; k < static_cast<std::size_t>(set.frames[i]) * 8; ++k)
+      set.images[i * 400 + k] = static_cast<float>(1 + i * 400 + k);
+  const SpecAugmentOptions spec{.frequency_masks = 1, .max_frequency_width = 3,
+                                .time_masks = 2, .max_time_width = 5, .fill = -7.0f};
+  const LoaderOptions options{.batch_size = 4, .seed = 11, .augment = {.spec = spec}};
+  Loader loader(set, options);
+  const auto order = epoch_order(set.count, options, 1);
+  loader.start_epoch(1);
+  Batch batch;
+  std::size_t masked = 0;
+  while (loader.next(batch)) {
+    for (std::size_t j = 0; j < batch.size; ++j) {
+      const std::size_t index = order[batch.first + j];
+      const auto valid = static_cast<std::size_t>(set.frames[index]);
+      std::vector<float> expected(set.images.begin() + static_cast<std::ptrdiff_t>(index * 400),
+                                  set.images.begin() + static_cast<std::ptrdiff_t>(index * 400 + 400));
+      spec_augment(std::span<float>(expected.data(), valid * 8), valid, 8, spec, 11, 1, index);
+      const float* got = batch.images + j * 400;
+      REQUIRE(std::equal(got, got + 400, expected.begin()));
+      // The padding stays zero: no mask reaches past the sample's frames.
+      REQUIRE(std::all_of(got + valid * 8, got + 400, [](float v) { return v == 0.0f; }));
+      masked += static_cast<std::size_t>(std::count(got, got + 400, -7.0f));
+    }
+  }
+  CHECK(masked > 0);
+  // The draw is the sample's: another epoch masks elsewhere.
+  std::vector<float> a(set.images.begin() + 400, set.images.begin() + 800), b = a;
+  spec_augment(std::span<float>(a), 50, 8, spec, 11, 1, 1);
+  spec_augment(std::span<float>(b), 50, 8, spec, 11, 2, 1);
+  CHECK(a != b);
 }
 
 TEST_CASE("data: augmentation crops and flips each sample as its seeded draw says") {
