@@ -19,7 +19,7 @@
 #include <concepts>
 #include <cstddef>
 
-#include "../backend/cpu/softmax_xent.hpp"
+#include "../backend/cpu/loss_sums.hpp"
 #include "../core/targets.hpp"
 
 namespace loom {

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../backend/cpu/softmax_xent.hpp"
+#include "../backend/cpu/loss_sums.hpp"
 #include "../core/precision.hpp"
 #include "../data/dataset.hpp"
 #include "../layers/layer.hpp"

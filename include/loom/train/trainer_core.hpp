@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "../backend/cpu/softmax_xent.hpp"
+#include "../backend/cpu/loss_sums.hpp"
 #include "../core/targets.hpp"
 #include "../core/device.hpp"
 #include "../core/error.hpp"

@@ -8,20 +8,9 @@
 #include <cstdint>
 
 #include "../../core/error.hpp"
+#include "loss_sums.hpp"
 
 namespace loom::cpu {
-
-// What a loss sums over samples; the trainer divides by the samples for the
-// means it reports.
-struct LossSums {
-  double loss = 0.0;        // sum over the samples of each one's loss (here -log p[label])
-  std::size_t correct = 0;  // samples predicted exactly (here: arg-max is the label, first max wins)
-  // An error rate's sums where the loss defines one (CTC: edits of the
-  // greedy decoding, and the reference labels); references 0: none.
-  double errors = 0.0;
-  double references = 0.0;
-  bool overflowed = false;  // a training step's: its scaled gradients overflowed, it was skipped
-};
 
 // dlogits = (softmax(logits) - onehot(label)) * grad_scale when dlogits is not
 // null. grad_scale is 1 / (global batch), so replicas and micro-batches that
