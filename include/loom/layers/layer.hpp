@@ -88,8 +88,9 @@ struct layer_input_rank_mismatch {
   static_assert(ExpectedRank == ActualRank,
                 "loom shape error: the layer's input has the wrong number of dimensions "
                 "(template arguments: layer index, layer, expected rank, actual rank). "
-                "Conv2d and pooling take C x H x W; Linear takes a flat vector: insert Flatten "
-                "before it; GRU and LSTM take Steps x Features: insert Reshape<Steps, Features>");
+                "Conv2d and pooling take C x H x W; Linear takes a flat vector, or Positions x "
+                "Features (per position): on C x H x W insert Flatten before it; Conv1d, GRU and "
+                "LSTM take Frames x Features: insert Reshape<Frames, Features>");
   static constexpr bool ok = ExpectedRank == ActualRank;
 };
 
