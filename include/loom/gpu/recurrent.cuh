@@ -7,7 +7,10 @@
 // step_back_at, b_hh's column sums, and GEMMs adding into dW_hh and
 // d(loss)/d(h_t-1); then one GEMM for dW_ih (its epilogue sums b_ih's
 // gradient) and one for dx. Gradients are overwritten, never accumulated
-// across calls, and every sum runs in a fixed order (no atomics).
+// across calls, and every sum runs in a fixed order (no atomics). It runs a
+// GRU or LSTM inside a Residual block (model.cuh); one direction only, and
+// every sample over all the steps: a call with per-sample lengths is
+// refused (cudnn_rnn.cuh's runner, used outside blocks, has both).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -103,8 +106,9 @@ __global__ void add_column_sums(const T* m, std::size_t rows, std::size_t cols, 
 template <class L>
 class RecurrentRunner {
   static_assert(!L::spec::bidirectional,
-                "loom: a bidirectional GRU or LSTM (BiGRU, BiLSTM, Bidirectional = true) runs on "
-                "the CPU only so far; train this network on CPU devices");
+                "loom: a bidirectional GRU or LSTM (BiGRU, BiLSTM, Bidirectional = true) inside a "
+                "Residual block runs on the CPU only; on the GPU put it outside the block (it "
+                "then runs on cuDNN) or train this network on CPU devices");
  public:
   RecurrentRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
                   bool allow_tf32)
@@ -143,6 +147,7 @@ class RecurrentRunner {
   }
 
   void forward(const detail::LayerCall& c) {
+    refuse_frames(c);
     const Work w = carve(c);
     GemmArgs input = gemm_args(c.x, c.weights + L::w_ih, w.gates_x, w, c);
     input.bias = c.bias + ih_bias;
@@ -167,6 +172,7 @@ class RecurrentRunner {
   }
 
   void backward(const detail::LayerCall& c) {
+    refuse_frames(c);
     const Work w = carve(c);
     float* dh = w.dh;
     float* dh_prev = w.dh_prev;
@@ -243,6 +249,18 @@ class RecurrentRunner {
   std::size_t gates_h_bytes() const { return DeviceArena::padded_bytes<float>(batch_ * GH); }
   std::size_t state_bytes() const { return DeviceArena::padded_bytes<float>(batch_ * H); }
   std::size_t work_bytes() const { return fixed_bytes(batch_); }
+
+  // The kernels run every sample over all the steps; with per-sample
+  // lengths they would compute other numbers than the CPU layer, so the
+  // call stops instead.
+  static void refuse_frames(const detail::LayerCall& c) {
+    LOOM_CHECK(c.frames == nullptr && c.host_frames == nullptr, "RecurrentRunner<", L::kind,
+               "> (layer ", L::index, "): per-sample lengths (a batch with frames) reach a ",
+               L::Cell::name, " inside a Residual block, whose GPU runner runs every sample "
+               "over all ", steps, " steps; put the ", L::Cell::name,
+               " outside the block (cuDNN's runner honours lengths), give every sample all its "
+               "frames, or train on CPU devices");
+  }
 
   Work carve(const detail::LayerCall& c) const {
     LOOM_CHECK(c.scratch_bytes >= scratch_bytes(), "RecurrentRunner<", L::kind, "> (layer ",
