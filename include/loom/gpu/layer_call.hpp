@@ -80,6 +80,12 @@ struct LayerCall {
   // What a Residual block rounds its inner layers' outputs and gradients
   // to (the owner rounds its own layers').
   Precision precision = Precision::fp32;
+  // Sequences (loom::Pass::frames): each of the n samples' valid frames at
+  // this layer's input, in device memory, and the same numbers on the host
+  // for libraries that take lengths in a descriptor (cuDNN's RNN). Both null
+  // when every sample has all its frames.
+  const std::int32_t* frames = nullptr;
+  const std::int32_t* host_frames = nullptr;
 };
 
 }  // namespace detail
