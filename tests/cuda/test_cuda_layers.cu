@@ -2,12 +2,14 @@
 // on the same seeded inputs: Tanh, Sigmoid, GELU, GlobalAvgPool, Dropout
 // (masks equal to the bit, also when replayed from a CUDA graph with a new
 // step) and (Sync)BatchNorm 2d/1d with and without the fused ReLU, in
-// training and evaluation. Where no GPU is present every test reports
-// skipped (77).
+// training and evaluation; BatchNorm1d over time and Conv1d (gpu/conv1d.cuh)
+// on padded batches of sequences with their own lengths and NaN in the
+// padding. Where no GPU is present every test reports skipped (77).
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <loom/backend/cuda/graph.hpp>
+#include <loom/gpu/conv1d.cuh>
 #include <loom/gpu/layers.cuh>
 #include <loom/layers/layers.hpp>
 #include <sstream>
@@ -233,12 +235,15 @@ struct BatchNormResult {
 template <class L>
 BatchNormResult cpu_batch_norm(const std::vector<float>& params, std::vector<float> state,
                                const std::vector<float>& x, const std::vector<float>& dy,
-                               std::size_t n, bool training) {
+                               std::size_t n, bool training,
+                               const std::vector<std::int32_t>& lengths) {
   BatchNormResult r{std::vector<float>(x.size()),
                     {},
                     std::vector<float>(x.size()),
                     std::vector<float>(params.size(), -99.0f)};
-  const loom::LayerContext<float> context{.pass = {.training = training}, .state = state.data()};
+  const loom::LayerContext<float> context{.pass = {.training = training},
+                                          .state = state.data(),
+                                          .frames = lengths.empty() ? nullptr : lengths.data()};
   loom::detail::run_forward<L, float>(params.data(), x.data(), r.y.data(), nullptr, n, context);
   loom::detail::run_backward<L, float>(params.data(), x.data(), r.y.data(), dy.data(), r.dx.data(),
                                        r.dparams.data(), nullptr, n, false, context);
@@ -249,11 +254,18 @@ BatchNormResult cpu_batch_norm(const std::vector<float>& params, std::vector<flo
 template <class L>
 BatchNormResult gpu_batch_norm(const std::vector<float>& params, const std::vector<float>& state,
                                const std::vector<float>& x, const std::vector<float>& dy,
-                               std::size_t n, bool training, loom::comm::NcclComm* replicas) {
+                               std::size_t n, bool training, loom::comm::NcclComm* replicas,
+                               const std::vector<std::int32_t>& lengths) {
   constexpr std::size_t channels = L::channels;
   gpu::DeviceContext context;
   gpu::BatchNormRunner<L> runner(context, n, 0, false);
   Call c(x, x.size(), dy, context.stream.get());
+  // A one-entry buffer when there are no lengths (a DeviceBuffer of 0 has none).
+  auto d_lengths = test::to_device(lengths.empty() ? std::vector<std::int32_t>{0} : lengths);
+  if (!lengths.empty()) {
+    c.call.frames = d_lengths.data();
+    c.call.host_frames = lengths.data();
+  }
   auto d_params = test::to_device(params);
   auto d_state = test::to_device(state);
   // Poisoned, so that backward must overwrite the parameter gradients.
@@ -276,8 +288,32 @@ BatchNormResult gpu_batch_norm(const std::vector<float>& params, const std::vect
           test::to_host(d_dparams)};
 }
 
+// NaN in every element of a padded frame of a time-major batch (n x
+// Frames x C): a layer that reads padding, or lets it reach a sum, fails.
+void poison_time_padding(std::vector<float>& v, const std::vector<std::int32_t>& lengths,
+                    std::size_t frames, std::size_t width) {
+  for (std::size_t s = 0; s < lengths.size(); ++s)
+    for (std::size_t t = static_cast<std::size_t>(lengths[s]); t < frames; ++t)
+      for (std::size_t c = 0; c < width; ++c)
+        v[(s * frames + t) * width + c] = std::numeric_limits<float>::quiet_NaN();
+}
+
+// Every element of a padded frame exactly zero, as the CPU layers write it.
+void require_zero_time_padding(const std::vector<float>& v, const std::vector<std::int32_t>& lengths,
+                          std::size_t frames, std::size_t width, const std::string& what) {
+  for (std::size_t s = 0; s < lengths.size(); ++s)
+    for (std::size_t t = static_cast<std::size_t>(lengths[s]); t < frames; ++t)
+      for (std::size_t c = 0; c < width; ++c) {
+        INFO(what << ": sample " << s << ", frame " << t << ", channel " << c);
+        REQUIRE(v[(s * frames + t) * width + c] == 0.0f);
+      }
+}
+
+// lengths (over time only): each sample's valid frames, n of them; the
+// padding of x and dy holds NaN.
 template <class L>
-void check_batch_norm(std::size_t n, std::uint64_t seed, bool synced = false) {
+void check_batch_norm(std::size_t n, std::uint64_t seed, bool synced = false,
+                      const std::vector<std::int32_t>& lengths = {}) {
   constexpr std::size_t channels = L::channels;
   auto params = test::random_vector<float>(2 * channels, seed, 0.5, 1.5);  // gamma
   const auto beta = test::random_vector<float>(channels, seed + 1, -0.5, 0.5);
@@ -286,17 +322,26 @@ void check_batch_norm(std::size_t n, std::uint64_t seed, bool synced = false) {
   const auto running_var = test::random_vector<float>(channels, seed + 3, 0.5, 1.5);
   std::copy(running_var.begin(), running_var.end(), state.begin() + channels);
   // Off-centre inputs: a mean of ~1 against a spread of ~2.
-  const auto x = test::random_vector<float>(n * L::input_shape::size, seed + 4, -1.0, 3.0);
-  const auto dy = test::random_vector<float>(x.size(), seed + 5);
+  auto x = test::random_vector<float>(n * L::input_shape::size, seed + 4, -1.0, 3.0);
+  auto dy = test::random_vector<float>(x.size(), seed + 5);
+  if (!lengths.empty()) {
+    REQUIRE(lengths.size() == n);
+    poison_time_padding(x, lengths, L::input_shape::dims[0], channels);
+    poison_time_padding(dy, lengths, L::input_shape::dims[0], channels);
+  }
 
   std::vector<loom::comm::NcclComm> ranks;
   if (synced) ranks = loom::comm::NcclComm::create_local({0});
   for (const bool training : {true, false}) {
     INFO("batch " << n << (training ? ", training" : ", evaluation")
                   << (synced ? ", all-reduced over one rank" : ""));
-    const auto ref = cpu_batch_norm<L>(params, state, x, dy, n, training);
-    const auto got =
-        gpu_batch_norm<L>(params, state, x, dy, n, training, synced ? &ranks[0] : nullptr);
+    const auto ref = cpu_batch_norm<L>(params, state, x, dy, n, training, lengths);
+    const auto got = gpu_batch_norm<L>(params, state, x, dy, n, training,
+                                       synced ? &ranks[0] : nullptr, lengths);
+    if (!lengths.empty()) {
+      require_zero_time_padding(got.y, lengths, L::input_shape::dims[0], channels, "BatchNorm y");
+      require_zero_time_padding(got.dx, lengths, L::input_shape::dims[0], channels, "BatchNorm dx");
+    }
     if (training) {
       // The moments' double sums add in another order: at most an ulp of
       // float apart after rounding (1e-5 relative leaves 100x room).
@@ -342,4 +387,143 @@ TEST_CASE("cuda layers: SyncBatchNorm all-reduced over one rank equals BatchNorm
   }
   // Without replicas a SyncBatchNorm is a BatchNorm.
   check_batch_norm<Bind<loom::SyncBatchNorm2d, Shape<16, 28, 28>, 3>>(8, 63);
+}
+
+TEST_CASE(
+    "cuda layers: BatchNorm1d over time, with and without ReLU, takes statistics over the valid "
+    "frames as the CPU layer does") {
+  // Lengths from 0 to all 20 frames, NaN in the padding; C = 48 with
+  // n * Frames = 6 x 20 (one chunk per channel) and C = 5 at 300 x 20 (two).
+  const std::vector<std::int32_t> six{20, 13, 0, 1, 7, 20};
+  check_batch_norm<Bind<loom::BatchNorm1d, Shape<20, 48>, 2>>(6, 70, false, six);
+  check_batch_norm<Bind<loom::Fused<loom::BatchNorm1d, loom::ReLU>, Shape<20, 48>, 2>>(6, 71, false,
+                                                                                       six);
+  std::vector<std::int32_t> many(300);
+  for (std::size_t s = 0; s < many.size(); ++s) many[s] = static_cast<std::int32_t>(s * 7 % 21);
+  check_batch_norm<Bind<loom::Fused<loom::BatchNorm1d, loom::ReLU>, Shape<20, 5>, 4>>(300, 72,
+                                                                                      false, many);
+  // Every frame valid, lengths or not: the layer over time without padding.
+  check_batch_norm<Bind<loom::BatchNorm1d, Shape<20, 48>, 2>>(3, 73, false,
+                                                               std::vector<std::int32_t>(3, 20));
+  check_batch_norm<Bind<loom::BatchNorm1d, Shape<20, 48>, 2>>(3, 74);
+}
+
+TEST_CASE("cuda layers: SyncBatchNorm1d over time all-reduced over one rank equals BatchNorm") {
+  // The valid-frame count is all-reduced with the sums.
+  check_batch_norm<Bind<loom::SyncBatchNorm1d, Shape<20, 48>, 2>>(6, 75, true,
+                                                                  {20, 13, 0, 1, 7, 20});
+  check_batch_norm<Bind<loom::Fused<loom::SyncBatchNorm1d, loom::ReLU>, Shape<20, 48>, 2>>(
+      4, 76, true, {3, 20, 11, 19});
+}
+
+namespace {
+
+struct Conv1dResult {
+  std::vector<float> y, dx, dparams;
+};
+
+// Conv1d layer L on n = lengths.size() samples (lengths empty: all frames
+// valid, no lengths given) from seeded weights, a nonzero bias and inputs
+// with NaN in the padding: the CPU layer's y, dx and parameter gradients,
+// and the runner's.
+template <class L>
+void check_conv1d(std::size_t n, const std::vector<std::int32_t>& lengths, std::uint64_t seed) {
+  constexpr std::size_t in = L::input_shape::size, out = L::output_shape::size;
+  constexpr std::size_t out_frames = L::output_shape::dims[0], out_channels = L::spec::out_channels;
+  INFO(loom::detail::type_label<typename L::spec>() << " over " << L::frames << " x "
+                                                     << L::channels << ", n " << n
+                                                     << (lengths.empty() ? ", no lengths" : ""));
+  std::vector<float> params(L::param_count);
+  L::init(params.data(), seed, false);
+  const auto bias = test::random_vector<float>(out_channels, seed + 1, -0.5, 0.5);
+  std::copy(bias.begin(), bias.end(), params.begin() + L::weight_count);
+  auto x = test::random_vector<float>(n * in, seed + 2);
+  auto dy = test::random_vector<float>(n * out, seed + 3);
+  std::vector<std::int32_t> out_lengths;
+  for (const auto length : lengths)
+    out_lengths.push_back(static_cast<std::int32_t>(L::frames_out(static_cast<std::size_t>(length))));
+  if (!lengths.empty()) {
+    REQUIRE(lengths.size() == n);
+    poison_time_padding(x, lengths, L::frames, L::channels);
+    poison_time_padding(dy, out_lengths, out_frames, out_channels);
+  }
+
+  Conv1dResult ref{std::vector<float>(n * out), std::vector<float>(n * in),
+                   std::vector<float>(L::param_count)};
+  std::vector<float> work(L::workspace);
+  const loom::LayerContext<float> context{.frames = lengths.empty() ? nullptr : lengths.data()};
+  loom::detail::run_forward<L, float>(params.data(), x.data(), ref.y.data(), work.data(), n,
+                                      context);
+  loom::detail::run_backward<L, float>(params.data(), x.data(), ref.y.data(), dy.data(),
+                                       ref.dx.data(), ref.dparams.data(), work.data(), n, false,
+                                       context);
+
+  gpu::DeviceContext device;
+  gpu::Conv1dRunner<L> runner(device, n, std::size_t{32} << 20, false);
+  Call c(x, n * out, dy, device.stream.get());
+  auto d_weights = test::to_device(
+      std::vector<float>(params.begin(), params.begin() + L::weight_count));
+  auto d_bias = test::to_device(std::vector<float>(params.begin() + L::weight_count, params.end()));
+  // Poisoned, so that backward must overwrite the parameter gradients.
+  auto d_dweights = test::to_device(std::vector<float>(L::weight_count, -99.0f));
+  auto d_dbias = test::to_device(std::vector<float>(L::param_count - L::weight_count, -99.0f));
+  auto d_lengths = test::to_device(lengths.empty() ? std::vector<std::int32_t>{0} : lengths);
+  // One spare byte: a runner must not ask for less than it uses.
+  gpu::DeviceBuffer<unsigned char> scratch(runner.scratch_bytes() + 1, "test scratch");
+  c.call.weights = d_weights.data();
+  c.call.bias = d_bias.data();
+  c.call.dweights = d_dweights.data();
+  c.call.dbias = d_dbias.data();
+  c.call.scratch = scratch.data();
+  c.call.scratch_bytes = scratch.size();
+  if (!lengths.empty()) {
+    c.call.frames = d_lengths.data();
+    c.call.host_frames = lengths.data();
+  }
+  runner.forward(c.call);
+  runner.backward(c.call);
+  device.stream.synchronize();
+  Conv1dResult got{test::to_host(c.y), test::to_host(c.dx), test::to_host(d_dweights)};
+  const auto dbias = test::to_host(d_dbias);
+  got.dparams.insert(got.dparams.end(), dbias.begin(), dbias.end());
+
+  if (!lengths.empty()) {
+    require_zero_time_padding(got.y, out_lengths, out_frames, out_channels, "Conv1d y");
+    require_zero_time_padding(got.dx, lengths, L::frames, L::channels, "Conv1d dx");
+  }
+  // FP32 without TF32 on both sides, the same products summed in another
+  // order (cuBLASLt's split of C x K = 15 to 40 terms, the weight GEMM over
+  // the whole batch where the CPU adds sample by sample, up to 600 rows, and
+  // FMA contraction): a few ulps of the largest terms, which cancellation
+  // in mixed-sign sums leaves large against a small result; 1e-5 absolute
+  // covers that at |values| of order 1 to 10 and any padding or NaN leak
+  // (O(0.1) at least, or NaN) still fails.
+  test::require_close(got.y, ref.y, {1e-5, 1e-4}, "Conv1d y");
+  test::require_close(got.dx, ref.dx, {1e-5, 1e-4}, "Conv1d dx");
+  test::require_close(got.dparams, ref.dparams, {1e-5, 1e-4}, "Conv1d dweight, dbias");
+}
+
+}  // namespace
+
+TEST_CASE("cuda layers: Conv1d, with and without ReLU, equals the CPU layer on padded sequences") {
+  // Same padding (K 3, P 1): lengths down to one frame and 0 padding rows.
+  using Same = Bind<loom::Conv1d<6, 3, 1, 1>, Shape<20, 5>, 2>;
+  using SameRelu = Bind<loom::Fused<loom::Conv1d<6, 3, 1, 1>, loom::ReLU>, Shape<20, 5>, 2>;
+  // Stride 2, dilation 2, padding 2 (span 9): lengths from 5, the shortest
+  // with an output frame; taps that skip frames and windows past both ends.
+  using Strided = Bind<loom::Conv1d<7, 5, 2, 2, 2>, Shape<23, 8>, 3>;
+  using StridedRelu = Bind<loom::Fused<loom::Conv1d<7, 5, 2, 2, 2>, loom::ReLU>, Shape<23, 8>, 3>;
+  const std::vector<std::int32_t> same{20, 13, 1, 7, 20, 2};
+  const std::vector<std::int32_t> strided{23, 9, 5, 16, 12, 23, 6};
+  check_conv1d<Same>(same.size(), same, 80);
+  check_conv1d<SameRelu>(same.size(), same, 81);
+  check_conv1d<Strided>(strided.size(), strided, 82);
+  check_conv1d<StridedRelu>(strided.size(), strided, 83);
+  // No lengths: every frame of every sample.
+  check_conv1d<SameRelu>(4, {}, 84);
+  check_conv1d<Strided>(3, {}, 85);
+  // A larger batch: 100 samples of lengths 5 to 23.
+  std::vector<std::int32_t> many(100);
+  for (std::size_t s = 0; s < many.size(); ++s) many[s] = static_cast<std::int32_t>(5 + s * 7 % 19);
+  check_conv1d<StridedRelu>(many.size(), many, 86);
 }

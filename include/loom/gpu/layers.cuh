@@ -1,5 +1,6 @@
 // CUDA runners for the layers that have no cuBLAS/cuDNN op: Tanh, Sigmoid,
-// GELU, GlobalAvgPool, Dropout and (Sync)BatchNorm, each computing what its
+// GELU, GlobalAvgPool, Dropout and (Sync)BatchNorm (over channels of
+// N x C x plane, or over time: N x Frames x C), each computing what its
 // CPU layer computes. Rules shared by all: work is only enqueued on the
 // call's stream (a step may be captured in a CUDA graph), backward
 // overwrites the parameter gradients, and every reduction adds in a fixed
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
 #include "../backend/cpu/epilogue.hpp"
@@ -77,6 +79,27 @@ __global__ void dropout_apply(const T* in, T* out, std::size_t count, const Devi
     out[at] = in[at] * (L::keep(seed, key, first_sample + at / size, at % size) ? scale : T(0));
 }
 
+// Which elements a BatchNorm reads and writes: over time, frame t of
+// sample s when t < frames[s] (rows: frames per sample, width: channels);
+// without lengths (frames null) every element. Padding is never read, so a
+// NaN written there changes nothing.
+struct FrameMask {
+  const std::int32_t* frames = nullptr;
+  std::size_t rows = 1, width = 1;
+  __device__ bool valid(std::size_t at) const {
+    if (frames == nullptr) return true;
+    const std::size_t row = at / width;
+    return row % rows < static_cast<std::size_t>(frames[row / rows]);
+  }
+  // The values per channel of n samples: the valid frames, or `full`.
+  __device__ double count(std::size_t n, double full) const {
+    if (frames == nullptr) return full;
+    double total = 0;
+    for (std::size_t s = 0; s < n; ++s) total += static_cast<double>(frames[s]);
+    return total;
+  }
+};
+
 // Two per-channel sums carried through one block reduction.
 struct SumPair {
   double a = 0, b = 0;
@@ -127,11 +150,14 @@ __device__ inline SumPair channel_total(const SumPair* partials, std::size_t c,
 }
 
 // The terms summed: x and x^2, x's squared deviation from the mean, and the
-// gradient before the fused activation with its product with xhat.
+// gradient before the fused activation with its product with xhat; zero
+// (nothing read) where the mask leaves an element out.
 // stats: mean [C], variance [C], count; inv_std [C].
 struct SumSquares {
   const float* x;
+  FrameMask mask;
   __device__ SumPair operator()(std::size_t, std::size_t at) const {
+    if (!mask.valid(at)) return {};
     const double v = static_cast<double>(x[at]);
     return {v, v * v};
   }
@@ -139,7 +165,9 @@ struct SumSquares {
 struct SquaredDeviation {
   const float* x;
   const double* stats;
+  FrameMask mask;
   __device__ SumPair operator()(std::size_t c, std::size_t at) const {
+    if (!mask.valid(at)) return {};
     const double d = static_cast<double>(x[at]) - stats[c];
     return {d * d, 0.0};
   }
@@ -151,7 +179,9 @@ struct GradientTerms {
   const float* dy;
   const double* stats;
   const double* inv_std;
+  FrameMask mask;
   __device__ SumPair operator()(std::size_t c, std::size_t at) const {
+    if (!mask.valid(at)) return {};
     const double g = static_cast<double>(cpu::activate_grad<A>(dy[at], y[at]));
     return {g, g * (static_cast<double>(x[at]) - stats[c]) * inv_std[c]};
   }
@@ -169,11 +199,14 @@ __device__ inline std::size_t channel_index() {
   return static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
 
-// Unsynchronised training, first pass: the mean.
+// Unsynchronised training, first pass: the mean over the `full` values
+// per channel of n samples, or over their valid frames (read here: a
+// replayed graph takes each step's lengths).
 __global__ void batch_norm_mean(const SumPair* partials, std::size_t chunks, std::size_t channels,
-                                double count, double* stats) {
+                                FrameMask mask, std::size_t n, double full, double* stats) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
+  const double count = mask.count(n, full);
   stats[c] = channel_total(partials, c, chunks).a / count;
   if (c == 0) stats[2 * channels] = count;
 }
@@ -190,13 +223,13 @@ __global__ void batch_norm_variance(const SumPair* partials, std::size_t chunks,
 
 // Synchronised training: this replica's sums and count, to be all-reduced.
 __global__ void batch_norm_sums(const SumPair* partials, std::size_t chunks, std::size_t channels,
-                                double count, double* stats) {
+                                FrameMask mask, std::size_t n, double full, double* stats) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
   const SumPair total = channel_total(partials, c, chunks);
   stats[c] = total.a;
   stats[channels + c] = total.b;
-  if (c == 0) stats[2 * channels] = count;
+  if (c == 0) stats[2 * channels] = mask.count(n, full);
 }
 
 // The all-reduced sums become the moments, in place.
@@ -249,14 +282,16 @@ __global__ void batch_norm_scale_shift(const float* gamma, const float* beta, fl
       __dsub_rn(static_cast<double>(beta[c]), __dmul_rn(mean, static_cast<double>(s))));
 }
 
+// Padding (outside the mask) is written as zero, as on the CPU.
 template <Act A>
 __global__ void batch_norm_apply(const float* x, float* y, const float* scale, const float* shift,
-                                 std::size_t count, std::size_t channels, std::size_t plane) {
+                                 std::size_t count, std::size_t channels, std::size_t plane,
+                                 FrameMask mask) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride) {
     const std::size_t c = i / plane % channels;
-    y[i] = cpu::activate<A>(__fadd_rn(__fmul_rn(x[i], scale[c]), shift[c]));
+    y[i] = mask.valid(i) ? cpu::activate<A>(__fadd_rn(__fmul_rn(x[i], scale[c]), shift[c])) : 0.0f;
   }
 }
 
@@ -274,17 +309,21 @@ __global__ void batch_norm_gradient_sums(const SumPair* partials, std::size_t ch
 }
 
 // The CPU's formula: in training the batch statistics depend on every x,
-// which adds the mean's and the variance's terms.
+// which adds the mean's and the variance's terms. Padding gets zero.
 template <Act A>
 __global__ void batch_norm_input_gradient(const float* gamma, const float* x, const float* y,
                                           const float* dy, float* dx, bool training,
                                           const double* stats, const double* inv_std,
                                           const double* sums, std::size_t count,
-                                          std::size_t channels, std::size_t plane) {
+                                          std::size_t channels, std::size_t plane, FrameMask mask) {
   const double batch = stats[2 * channels];
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride) {
+    if (!mask.valid(i)) {
+      dx[i] = 0.0f;
+      continue;
+    }
     const std::size_t c = i / plane % channels;
     const double g = static_cast<double>(cpu::activate_grad<A>(dy[i], y[i]));
     const double scale = static_cast<double>(gamma[c]) * inv_std[c];
@@ -387,8 +426,32 @@ class DropoutRunner {
   std::size_t count_;
 };
 
+template <class L>
+constexpr bool batch_norm_over_time() {
+  return L::kind == "batchnorm_time";
+}
+// Where a channel's elements lie: `plane` in a row (1 over time), and
+// per_sample of them in one sample.
+template <class L>
+constexpr std::size_t batch_norm_plane() {
+  if constexpr (batch_norm_over_time<L>())
+    return 1;
+  else
+    return L::plane;
+}
+template <class L>
+constexpr std::size_t batch_norm_per_sample() {
+  if constexpr (batch_norm_over_time<L>())
+    return L::frames;
+  else
+    return L::plane;
+}
+
 // BatchNorm2d/1d and SyncBatchNorm2d/1d, with the fused ReLU when there is
-// one. Device layout: weights = gamma [C], bias = beta [C], state = running
+// one, over channels of N x C x plane ("batchnorm") or over time, N x Frames
+// x C ("batchnorm_time": plane 1, the rows of a channel being the samples'
+// frames), where only each sample's valid frames (LayerCall::frames, read
+// on the device) count, and padding is written as zero. Device layout: weights = gamma [C], bias = beta [C], state = running
 // mean [C] then running variance [C]. Moments are computed in double as on
 // the CPU: two passes (mean, then squared deviations) on one replica, one
 // pass of sums all-reduced over the replicas for SyncBatchNorm in training.
@@ -405,7 +468,7 @@ class BatchNormRunner {
  public:
   BatchNormRunner(DeviceContext&, std::size_t batch, std::size_t, bool)
       : batch_(batch),
-        count_(batch * L::plane),
+        count_(batch * per_sample),
         chunks_(
             std::clamp<std::size_t>((count_ + chunk_elements - 1) / chunk_elements, 1, max_chunks)),
         per_chunk_((count_ + chunks_ - 1) / chunks_) {}
@@ -426,15 +489,16 @@ class BatchNormRunner {
     const std::size_t count = batch_ * L::input_shape::size;
     if (count == 0) return;
     kernels::batch_norm_apply<L::activation><<<grid_blocks(count), block_threads, 0, c.stream>>>(
-        c.x, c.y, s.scale, s.shift, count, channels, L::plane);
+        c.x, c.y, s.scale, s.shift, count, channels, plane, mask(c));
     LOOM_CUDA_LAUNCH_CHECK("batch_norm_apply");
   }
 
   void backward(const detail::LayerCall& c) {
     const Scratch s = carve(c);
     moments(c, s);
-    launch_partials(kernels::GradientTerms<L::activation>{c.x, c.y, c.dy, s.stats, s.inv_std},
-                    s.partials, c.stream);
+    launch_partials(
+        kernels::GradientTerms<L::activation>{c.x, c.y, c.dy, s.stats, s.inv_std, mask(c)},
+        s.partials, c.stream);
     kernels::batch_norm_gradient_sums<<<channel_blocks(), block_threads, 0, c.stream>>>(
         s.partials, chunks_, channels, s.sums, c.dweights, c.dbias);
     LOOM_CUDA_LAUNCH_CHECK("batch_norm_gradient_sums");
@@ -448,12 +512,15 @@ class BatchNormRunner {
     kernels::batch_norm_input_gradient<L::activation>
         <<<grid_blocks(count), block_threads, 0, c.stream>>>(c.weights, c.x, c.y, c.dy, c.dx,
                                                              c.training, s.stats, s.inv_std, s.sums,
-                                                             count, channels, L::plane);
+                                                             count, channels, plane, mask(c));
     LOOM_CUDA_LAUNCH_CHECK("batch_norm_input_gradient");
   }
 
  private:
   static constexpr std::size_t channels = L::channels;
+  static constexpr bool over_time = batch_norm_over_time<L>();
+  static constexpr std::size_t plane = batch_norm_plane<L>();
+  static constexpr std::size_t per_sample = batch_norm_per_sample<L>();
   // 256 threads x 16 elements per block; caps the per-channel kernel's
   // serial sum of partials. Not yet tuned on a GPU.
   static constexpr std::size_t chunk_elements = 16 * block_threads;
@@ -486,6 +553,13 @@ class BatchNormRunner {
     return s;
   }
 
+  static kernels::FrameMask mask(const detail::LayerCall& c) {
+    if constexpr (over_time)
+      return {c.frames, L::frames, channels};
+    else
+      return {};
+  }
+
   static bool synced(const detail::LayerCall& c) {
     return L::syncs && c.training && c.replicas != nullptr;
   }
@@ -498,7 +572,7 @@ class BatchNormRunner {
   void launch_partials(const Term& term, kernels::SumPair* partials, cudaStream_t stream) const {
     kernels::channel_partials<block_threads, Term>
         <<<static_cast<unsigned>(channels * chunks_), block_threads, 0, stream>>>(
-            term, channels, L::plane, count_, chunks_, per_chunk_, partials);
+            term, channels, plane, count_, chunks_, per_chunk_, partials);
     LOOM_CUDA_LAUNCH_CHECK("channel_partials");
   }
 
@@ -511,11 +585,12 @@ class BatchNormRunner {
       LOOM_CUDA_LAUNCH_CHECK("batch_norm_running_moments");
       return;
     }
-    const double count = static_cast<double>(count_);
+    // Without lengths every element of the batch counts.
+    const double full = static_cast<double>(count_);
     if (synced(c)) {
-      launch_partials(kernels::SumSquares{c.x}, s.partials, c.stream);
+      launch_partials(kernels::SumSquares{c.x, mask(c)}, s.partials, c.stream);
       kernels::batch_norm_sums<<<channel_blocks(), block_threads, 0, c.stream>>>(
-          s.partials, chunks_, channels, count, s.stats);
+          s.partials, chunks_, channels, mask(c), batch_, full, s.stats);
       LOOM_CUDA_LAUNCH_CHECK("batch_norm_sums");
       c.replicas->all_reduce_async(s.stats, 2 * channels + 1, comm::ReduceOp::sum, c.stream);
       kernels::batch_norm_sync_moments<<<channel_blocks(), block_threads, 0, c.stream>>>(
@@ -523,18 +598,18 @@ class BatchNormRunner {
       LOOM_CUDA_LAUNCH_CHECK("batch_norm_sync_moments");
       return;
     }
-    launch_partials(kernels::SumSquares{c.x}, s.partials, c.stream);
+    launch_partials(kernels::SumSquares{c.x, mask(c)}, s.partials, c.stream);
     kernels::batch_norm_mean<<<channel_blocks(), block_threads, 0, c.stream>>>(
-        s.partials, chunks_, channels, count, s.stats);
+        s.partials, chunks_, channels, mask(c), batch_, full, s.stats);
     LOOM_CUDA_LAUNCH_CHECK("batch_norm_mean");
-    launch_partials(kernels::SquaredDeviation{c.x, s.stats}, s.partials, c.stream);
+    launch_partials(kernels::SquaredDeviation{c.x, s.stats, mask(c)}, s.partials, c.stream);
     kernels::batch_norm_variance<<<channel_blocks(), block_threads, 0, c.stream>>>(
         s.partials, chunks_, channels, s.stats, s.inv_std);
     LOOM_CUDA_LAUNCH_CHECK("batch_norm_variance");
   }
 
   std::size_t batch_;
-  std::size_t count_;  // elements per channel: n x plane
+  std::size_t count_;  // elements per channel: n x plane, or n x Frames over time
   std::size_t chunks_;
   std::size_t per_chunk_;
 };
