@@ -147,6 +147,117 @@ TEST_CASE("cuda model: GRU, LSTM, Tanh, Sigmoid and BatchNorm1d follow the CPU")
   contextual_follows_cpu<RowRnn>({64, 64, 9, 64}, true);
 }
 
+namespace {
+
+// A speech front end's shape: Conv1d (stride 2) over Frames x Features,
+// BatchNorm1d over time fused with its ReLU, Linear per position; the
+// softmax over all 12 x 6 outputs stands in for a sequence loss.
+using Conv1dSeq = Sequential<Input<24, 10>, Conv1d<12, 5, 2, 2>, BatchNorm1d, ReLU, Linear<6>>;
+
+// Training steps of Conv1dSeq with the given lengths per step (empty: no
+// lengths) on the CPU and the GPU from the same weights, NaN in every
+// padded input frame; then an evaluation with the last step's lengths.
+void sequences_follow_cpu(const std::vector<std::vector<std::int32_t>>& steps,
+                          std::size_t batch, bool graphs) {
+  using Net = Conv1dSeq;
+  constexpr std::size_t frames = 24, features = 10, sample = frames * features;
+  constexpr std::size_t classes = Net::output_shape::size;
+  const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
+  Model<Net, float> cpu_model(7, batch);
+  SGD::State<float> cpu_sgd(sgd, Net::parameter_count);
+  gpu::DeviceModel<Net> gpu_model(Model<Net, float>(7), batch, sgd, {.graphs = graphs});
+  const auto batch_of = [&](const std::vector<std::int32_t>& lengths, std::size_t n,
+                            std::uint64_t seed) {
+    auto x = test::random_vector<float>(n * sample, seed);
+    for (std::size_t s = 0; s < lengths.size(); ++s)
+      for (std::size_t i = static_cast<std::size_t>(lengths[s]) * features; i < sample; ++i)
+        x[s * sample + i] = std::numeric_limits<float>::quiet_NaN();
+    return x;
+  };
+  const auto labels_of = [&](std::size_t n, std::uint64_t seed) {
+    std::vector<std::int32_t> labels(n);
+    for (std::size_t s = 0; s < n; ++s)
+      labels[s] = static_cast<std::int32_t>((s * 37 + seed * 11) % classes);
+    return labels;
+  };
+  for (std::size_t step = 0; step < steps.size(); ++step) {
+    const auto& lengths = steps[step];
+    const std::size_t n = lengths.empty() ? batch : lengths.size();
+    const std::int32_t* frames_of = lengths.empty() ? nullptr : lengths.data();
+    INFO("step " << step << " of " << n << " samples" << (lengths.empty() ? ", no lengths" : ""));
+    const auto x = batch_of(lengths, n, 100 + step);
+    const auto labels = labels_of(n, step);
+    const float* logits =
+        cpu_model.forward(x.data(), n, 0, {.training = true, .frames = frames_of});
+    const auto cpu_sums = SoftmaxCrossEntropy::evaluate<float>(
+        logits, labels.data(), n, classes, n, cpu_model.output_gradient());
+    cpu_model.backward();
+    cpu_sgd.step(cpu_model.parameters(), cpu_model.gradients());
+
+    auto d_x = test::to_device(x);
+    auto d_labels = test::to_device(labels);
+    gpu_model.set_frames(frames_of, n);
+    const auto gpu_sums = gpu_model.train_step(d_x.data(), d_labels.data(), n);
+    // FP32 sums in another order: the loss to 1e-4 relative (a NaN from
+    // the padding fails it).
+    REQUIRE(gpu_sums.loss == Approx(cpu_sums.loss).epsilon(1e-4));
+  }
+  Model<Net, float> from_gpu(0);
+  gpu_model.copy_parameters_to(from_gpu);
+  // As the other networks' steps: FP32 rounding carried through a few SGD steps.
+  test::require_close(from_gpu.parameters(), cpu_model.parameters(), {1e-5, 1e-3},
+                      "weights after the steps");
+  test::require_close(from_gpu.state(), cpu_model.state(), {1e-5, 1e-4},
+                      "running statistics after the steps");
+
+  const auto& lengths = steps.front();
+  const std::size_t n = lengths.size();
+  const auto x = batch_of(lengths, n, 99);
+  const auto labels = labels_of(n, 99);
+  const float* logits = cpu_model.forward(x.data(), n, 0, {.frames = lengths.data()});
+  const auto cpu_eval =
+      SoftmaxCrossEntropy::evaluate<float>(logits, labels.data(), n, classes, n, nullptr);
+  auto d_x = test::to_device(x);
+  auto d_labels = test::to_device(labels);
+  gpu_model.set_frames(lengths.data(), n);
+  const auto gpu_eval = gpu_model.evaluate(d_x.data(), d_labels.data(), n);
+  REQUIRE(gpu_eval.loss == Approx(cpu_eval.loss).epsilon(1e-4));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda model: Conv1d, BatchNorm1d over time and Linear per position follow the CPU on "
+    "sequences with lengths") {
+  // Two steps of 8 with other lengths (the second replays the first's graph,
+  // which must read the new lengths), a short batch, a step without lengths.
+  const std::vector<std::vector<std::int32_t>> steps{{24, 17, 5, 11, 24, 9, 3, 20},
+                                                     {8, 24, 24, 1, 13, 6, 19, 22},
+                                                     {24, 2, 15, 7, 10},
+                                                     {}};
+  for (const bool graphs : {true, false}) {
+    INFO((graphs ? "graphs" : "direct launches"));
+    sequences_follow_cpu(steps, 8, graphs);
+  }
+}
+
+TEST_CASE("cuda model: lengths a sequence network cannot take are a loom::Error") {
+  gpu::DeviceModel<Conv1dSeq> model(Model<Conv1dSeq, float>(1), 4, {.lr = 0.01f});
+  const std::vector<std::int32_t> too_long{24, 25};
+  REQUIRE_THROWS_WITH(model.set_frames(too_long.data(), 2),
+                      Catch::Contains("sample 1 of the batch has length 25, outside 0..24"));
+  // Padded by 2 at both ends, 0 frames leave the window of 5 no output frame.
+  const std::vector<std::int32_t> empty{24, 0};
+  REQUIRE_THROWS_WITH(model.set_frames(empty.data(), 2),
+                      Catch::Contains("sample 1 of the batch has 0 frames"));
+  const std::vector<std::int32_t> two{24, 20};
+  model.set_frames(two.data(), 2);
+  auto images = test::to_device(std::vector<float>(3 * 240, 0.5f));
+  auto labels = test::to_device(std::vector<std::int32_t>{0, 1, 2});
+  REQUIRE_THROWS_WITH(model.train_step(images.data(), labels.data(), 3),
+                      Catch::Contains("a step of 3 samples but set_frames gave the lengths of 2"));
+}
+
 TEST_CASE("cuda model: three LeNet training steps equal the CPU backend's") {
   Model<LeNet, float> cpu_model(0);
   const auto gpu = train_both(cpu_model, {64, 64, 64}, {});

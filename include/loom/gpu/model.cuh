@@ -15,7 +15,10 @@
 // GEMM alone, with no elementwise or bias kernel. Conv2d is cuDNN (fused
 // conv+bias+ReLU where it offers it); pooling, standalone activations, the
 // loss and the optimizer updates (SGD, Adam, AdamW; clipping by global norm)
-// are loom's kernels.
+// are loom's kernels. Sequences: a batch's lengths (set_frames, the CPU's
+// Pass::frames) are mapped through the layers on the host and written to
+// the device before each step; Conv1d (conv1d.cuh), BatchNorm over time
+// (layers.cuh) and the recurrent runners read them there.
 //
 // A step (forward, loss, backward, update) only enqueues work: it is captured
 // as a CUDA graph the first time a (kind, batch size, input slot) is seen and
@@ -78,6 +81,7 @@
 #include "../optim/sgd.hpp"
 #include "../parallel/buckets.hpp"
 #include "../parallel/step_protocol.hpp"
+#include "conv1d.cuh"
 #include "cudnn_rnn.cuh"
 #include "layer_call.hpp"
 #include "layers.cuh"
@@ -340,8 +344,10 @@ constexpr auto kernel_runner_of() {
     return std::type_identity<GlobalAvgPoolRunner<L>>{};
   else if constexpr (L::kind == "dropout")
     return std::type_identity<DropoutRunner<L>>{};
-  else if constexpr (L::kind == "batchnorm")
+  else if constexpr (L::kind == "batchnorm" || L::kind == "batchnorm_time")
     return std::type_identity<BatchNormRunner<L>>{};
+  else if constexpr (L::kind == "conv1d")
+    return std::type_identity<Conv1dRunner<L>>{};
   else if constexpr ((L::kind == "gru" || L::kind == "lstm") && InBlock)
     return std::type_identity<RecurrentRunner<L>>{};
   else if constexpr (L::kind == "gru" || L::kind == "lstm")
@@ -920,6 +926,74 @@ class DeviceLayers {
   }
   // Whether a layer of the range reads the pass (Dropout, BatchNorm).
   bool contextual() const { return contextual_; }
+
+  // Sequences (loom::Pass::frames): each of n samples' frames at the
+  // network's input for slot's forwards and backwards from now on (null:
+  // every sample has all its frames), checked as the CPU layers check them
+  // and mapped through every layer that changes them up to the range's end
+  // (ChangesFrames, as the CPU Model maps them). Every layer's input
+  // lengths are written to the slot's device table, enqueued: a step
+  // captured in a graph reads the table at replay, so it takes the lengths
+  // written before it. The copy is from pageable memory, whose source is
+  // read on return (as set_pass's), so the host table may change after.
+  void set_frames(std::size_t slot, const std::int32_t* frames, std::size_t n) {
+    Slot& s = slots_[slot];
+    s.frames_count = 0;
+    if (frames == nullptr) return;
+    check_batch(n);
+    constexpr std::size_t input_frames = type_at_t<0, executed>::input_shape::dims[0];
+    for (std::size_t k = 0; k < n; ++k)
+      LOOM_CHECK(frames[k] >= 0 && static_cast<std::size_t>(frames[k]) <= input_frames,
+                 "sample ", k, " of the batch has length ", frames[k], ", outside 0..",
+                 input_frames, " (the frames the network's input holds); check the lengths the "
+                 "batch carries");
+    std::copy(frames, frames + n, s.host_frames.begin());
+    static_for<layer_count>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if constexpr (ChangesFrames<L>) {
+        if (i >= range_.last) return;
+        const std::int32_t* in = s.host_frames.data() + frames_rules_before[i] * max_batch_;
+        std::int32_t* out = s.host_frames.data() + (frames_rules_before[i] + 1) * max_batch_;
+        for (std::size_t k = 0; k < n; ++k) {
+          out[k] = static_cast<std::int32_t>(L::frames_out(static_cast<std::size_t>(in[k])));
+          // The CPU's Conv1d refuses a sample it leaves without a frame.
+          if constexpr (L::kind == "conv1d")
+            LOOM_CHECK(out[k] > 0, ::loom::detail::type_label<typename L::spec>(), " (layer ", L::index,
+                       "): sample ", k, " of the batch has ", in[k], " frames; padded by ",
+                       L::spec::pad, " at both ends that is shorter than the ", L::span,
+                       " frames the window spans, so it has no output frame; leave such short "
+                       "sequences out of the data or use a smaller kernel, dilation or more "
+                       "padding");
+        }
+      }
+    });
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(s.frames, s.host_frames.data(),
+                                    s.host_frames.size() * sizeof(std::int32_t),
+                                    cudaMemcpyHostToDevice, stream()));
+    s.frames_count = n;
+  }
+  // How many samples' lengths slot holds (0: none, every frame valid).
+  std::size_t frames_count(std::size_t slot) const { return slots_[slot].frames_count; }
+  // Before a training step of n samples with lengths: a BatchNorm over time
+  // needs a valid frame to take statistics from, as the CPU's refuses
+  // (across replicas the other ranks' frames count too: not checked here).
+  void check_training_frames(std::size_t slot, std::size_t n) const {
+    const Slot& s = slots_[slot];
+    if (s.frames_count == 0) return;
+    each([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if constexpr (L::kind == "batchnorm_time") {
+        if (L::syncs && replicas_ != nullptr) return;
+        const std::int32_t* at = s.host_frames.data() + frames_rules_before[i] * max_batch_;
+        std::size_t valid = 0;
+        for (std::size_t k = 0; k < n; ++k) valid += static_cast<std::size_t>(at[k]);
+        LOOM_CHECK(valid > 0, ::loom::detail::type_label<typename L::spec>(), " (layer ", L::index,
+                   ") in training: no sample of the batch has a valid frame (every length is "
+                   "0), so there are no statistics to normalise with; leave empty sequences out "
+                   "of the data");
+      }
+    });
+  }
   // SyncBatchNorm sums its statistics over these ranks (null: one device).
   void set_replicas(comm::NcclComm* replicas) { replicas_ = replicas; }
 
@@ -1027,7 +1101,25 @@ class DeviceLayers {
     std::array<float*, layer_count> saved{};
     DevicePass* pass = nullptr;
     bool training = false;  // of its last forward, which its backward follows
+    // Sequences: the samples' lengths at the network's input, then after
+    // each layer that changes them (frames_rules_before's order), max_batch
+    // each, on the device and on the host; frames_count: the samples they
+    // hold (0: no lengths).
+    std::int32_t* frames = nullptr;
+    std::vector<std::int32_t> host_frames;
+    std::size_t frames_count = 0;
   };
+
+  // Per executed layer: how many layers before it change the samples'
+  // lengths, so which row of a slot's table it reads (net/model.hpp's rule).
+  static constexpr std::array<std::size_t, layer_count + 1> frames_rules_before = [] {
+    std::array<std::size_t, layer_count + 1> before{};
+    static_for<layer_count>([&](auto i) {
+      before[i + 1] = before[i] + (ChangesFrames<type_at_t<i, executed>> ? 1 : 0);
+    });
+    return before;
+  }();
+  static constexpr std::size_t frames_rows = frames_rules_before[layer_count] + 1;
 
   static LayerRange checked(LayerRange range) {
     LOOM_CHECK(range.first < range.last && range.last <= layer_count, "DeviceLayers: layers [",
@@ -1061,6 +1153,8 @@ class DeviceLayers {
     if (sends_) take(input_gradient_, max_batch_ * in_size_);
     for (auto& s : slots_) {
       take(s.pass, 1);
+      take(s.frames, frames_rows * max_batch_);
+      s.host_frames.assign(frames_rows * max_batch_, 0);
       each([&](auto i) {
         using L = type_at_t<i, executed>;
         if constexpr (!L::in_place) take(s.outputs[i], max_batch_ * L::output_shape::size);
@@ -1122,6 +1216,11 @@ class DeviceLayers {
     c.scratch_bytes = plans_.scratch_bytes();
     c.stream = stream();
     c.precision = precision_;
+    if (s.frames_count > 0) {
+      const std::size_t row = frames_rules_before[I] * max_batch_;
+      c.frames = s.frames + row;
+      c.host_frames = s.host_frames.data() + row;
+    }
     return c;
   }
 
@@ -1339,6 +1438,14 @@ class DeviceModel {
                                     cudaMemcpyHostToDevice, stream()));
   }
 
+  // Sequences: each sample's frames at the network's input (loom::Pass::
+  // frames) for the steps enqueued after this, until the next call: n of
+  // them, of which a step of m <= n samples reads the first m; null: every
+  // sample has all its frames. Checked and mapped through the layers here
+  // (DeviceLayers::set_frames), written to the device enqueued: a replayed
+  // graph reads the lengths of its own step.
+  void set_frames(const std::int32_t* frames, std::size_t n) { layers_.set_frames(0, frames, n); }
+
   // Waits for the stream and copies the weights and running statistics
   // into `host` (same network).
   void copy_parameters_to(Model<Net, float>& host) {
@@ -1473,8 +1580,10 @@ class DeviceModel {
     bool last = true;         // the step's last batch: reduce and update
     int slot = 0;
     bool clip = false;        // clip the gradients by global norm before the update
-    using Key = std::tuple<bool, std::size_t, std::size_t, std::size_t, bool, bool, int, bool>;
-    Key key() const { return {train, n, global, group, accumulate, last, slot, clip}; }
+    bool frames = false;      // the samples have lengths (the layers mask their padding)
+    using Key =
+        std::tuple<bool, std::size_t, std::size_t, std::size_t, bool, bool, int, bool, bool>;
+    Key key() const { return {train, n, global, group, accumulate, last, slot, clip, frames}; }
   };
 
   void step(const StepShape& s) {
@@ -1493,6 +1602,12 @@ class DeviceModel {
                    comm->size(), " (the last batch of an epoch included)");
     if (s.n > 0) layers_.prepare(s.n);
     StepShape shape = s;
+    shape.frames = layers_.frames_count(0) > 0;
+    if (shape.frames && s.n > 0) {
+      LOOM_CHECK(s.n <= layers_.frames_count(0), "DeviceModel: a step of ", s.n,
+                 " samples but set_frames gave the lengths of ", layers_.frames_count(0));
+      if (s.train) layers_.check_training_frames(0, s.n);
+    }
     const bool updates = s.train && s.last;
     if (updates) {
       shape.clip = max_norm_ > 0.0f;

@@ -592,6 +592,14 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
 
   std::size_t max_batch() const { return max_batch_; }
   bool all_local() const override { return true; }
+
+  // The stages' layers would take every frame as valid (their slots get no
+  // lengths, DeviceLayers::set_frames): refused rather than computing other
+  // numbers than the CPU.
+  void check_no_lengths(bool lengths) const {
+    LOOM_CHECK(!lengths, name_, " on GPUs does not take sequences with lengths (Targets::frames) "
+               "yet; train such a network on one GPU or with DataParallel, or on CPUs");
+  }
   std::size_t local_stages() const { return ranks_; }
 
   cpu::LossSums micro_step(const float* images, const Targets& targets, std::size_t n,
@@ -603,6 +611,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
                precision_name(precision_));
     LOOM_CHECK(n <= max_batch_, name_, ": a batch of ", n, " samples; planned for ",
                max_batch_);
+    check_no_lengths(targets.frames != nullptr);
     crew_.run({.kind = JobKind::train,
                .images = images,
                .labels = targets.labels,
@@ -685,6 +694,7 @@ class PipelineEngine final : public ::loom::detail::SplitEngine<Net> {
                          Precision precision = Precision::fp32) override {
     LOOM_CHECK(precision == precision_, name_, " on GPUs: a ", precision_name(precision),
                " evaluation; the stages were made for ", precision_name(precision_));
+    check_no_lengths(!dataset.frames.empty());
     crew_.run({.kind = JobKind::evaluate, .n = std::min(batch, max_batch_), .dataset = &dataset});
     const LossTotals t = total();
     if (t.halted == halt_bad_label)

@@ -167,9 +167,10 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
   // input slot and enqueues a step on it; returns the slot (the same on all).
   // A training batch belongs to an optimizer step over group_n samples (see
   // FitOptions::accumulation_steps).
-  int enqueue_gpu_step(Trainer& t, const float* images, const std::int32_t* labels, std::size_t n,
-                       bool train, std::size_t group_n = 0, bool accumulate = false,
-                       bool last = true) {
+  // `frames`: the samples' lengths (Targets::frames), or null.
+  int enqueue_gpu_step(Trainer& t, const float* images, const std::int32_t* labels,
+                       const std::int32_t* frames, std::size_t n, bool train,
+                       std::size_t group_n = 0, bool accumulate = false, bool last = true) {
     int slot = 0;
     const std::size_t sample = Net::input_shape::size;
     // Dropout's step, as run_batch counts it on CPUs.
@@ -182,6 +183,8 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
       const auto staged = replica.stager->stage(images + share.first * sample,
                                                 labels + share.first, share.count);
       replica.stager->ready(staged, model.stream());
+      model.set_frames(frames != nullptr && share.count > 0 ? frames + share.first : nullptr,
+                       share.count);
       if (train) {
         model.set_pass({.seed = t.options_.seed, .step = batch_number, .first_sample = share.first});
         model.train_micro_step(staged.slot, share.count, n, group_n == 0 ? n : group_n,
@@ -264,8 +267,8 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
         replica.use();
         replica.model->set_lr(t.optimizer_.options().lr);
       }
-      const int slot = enqueue_gpu_step(t, batch.images, batch.labels, batch.size, true,
-                                        group_samples, accumulate, last);
+      const int slot = enqueue_gpu_step(t, batch.images, batch.labels, batch.targets.frames,
+                                        batch.size, true, group_samples, accumulate, last);
       // Read before a later batch could reuse the slot: run_fit reads a
       // step once the next step's first batch is enqueued, on the other slot.
       if (last) pending_slots_.push_back(slot);
@@ -392,6 +395,9 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
         const auto staged = replica.stager->stage(dataset.images.data() + first * sample,
                                                   dataset.labels.data() + first, n);
         replica.stager->ready(staged, replica.model->stream());
+        replica.model->set_frames(dataset.frames.empty() || n == 0 ? nullptr
+                                                                   : dataset.frames.data() + first,
+                                  n);
         replica.model->evaluate_step(staged.slot, n, global);
         replica.stager->consumed(staged, replica.model->stream());
         last = staged.slot;
