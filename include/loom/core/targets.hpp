@@ -11,17 +11,26 @@ namespace loom {
 enum class TargetKind {
   class_label,     // one class per sample (SoftmaxCrossEntropy)
   label_sequence,  // a sequence of labels per sample, with its length (CTCLoss)
+  // One class per output position (PositionCrossEntropy): max_target (the
+  // output's positions) labels per sample in Targets::sequences, no
+  // lengths; a label < 0 is ignored.
+  class_per_position,
 };
 
 inline constexpr const char* target_kind_name(TargetKind kind) {
-  return kind == TargetKind::class_label ? "one class per sample"
-                                         : "a label sequence per sample";
+  switch (kind) {
+    case TargetKind::class_label: return "one class per sample";
+    case TargetKind::label_sequence: return "a label sequence per sample";
+    case TargetKind::class_per_position: return "one class per position";
+  }
+  return "?";
 }
 
 struct Targets {
   const std::int32_t* labels = nullptr;  // class_label: one per sample
   // label_sequence: max_target labels per sample (the unused ones padding)
-  // and each sample's length.
+  // and each sample's length; class_per_position: max_target labels per
+  // sample, one per output position, and no lengths.
   const std::int32_t* sequences = nullptr;
   const std::int32_t* sequence_lengths = nullptr;
   std::size_t max_target = 0;

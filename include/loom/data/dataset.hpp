@@ -25,16 +25,22 @@ struct Dataset {
   std::vector<float> images;  // count * sample_size(), NCHW, normalised
   std::vector<std::int32_t> labels;  // one class per sample; empty for label sequences
   // A label sequence per sample (CTCLoss): max_target labels each, padded
-  // with 0 past its length; max_target 0 when the data has classes instead.
+  // with 0 past its length; or, with no target_lengths, a class per output
+  // position (PositionCrossEntropy: max_target = the output's positions, a
+  // label < 0 ignored); max_target 0 when the data has classes instead.
   std::size_t max_target = 0;
   std::vector<std::int32_t> targets;         // count * max_target
-  std::vector<std::int32_t> target_lengths;  // count, each 1..max_target
+  std::vector<std::int32_t> target_lengths;  // count, each 1..max_target; empty: per position
   // Each sample's run-time length of its time dimension (rows, padded with
   // zeros past it); empty: every sample has all of them.
   std::vector<std::int32_t> frames;
 
   std::size_t sample_size() const { return channels * height * width; }
   bool has_sequences() const { return max_target > 0; }
+  TargetKind target_kind() const {
+    if (!has_sequences()) return TargetKind::class_label;
+    return target_lengths.empty() ? TargetKind::class_per_position : TargetKind::label_sequence;
+  }
 };
 
 // The whole data set's targets, from its first sample.
@@ -50,14 +56,26 @@ inline Targets targets_of(const Dataset& set) {
 
 // Its arrays hold what count says, a label sequence per sample when it has
 // them (each of length 1..max_target, labels 1..classes-1: 0 is CTC's
-// blank) and one class per sample when not; frames, when given, are
+// blank), a class per position (each < classes; < 0 ignored), or one class
+// per sample; frames, when given, are
 // 1..(its rows: channels x height). Names the first sample that is wrong.
 inline void check_targets(const Dataset& set) {
   const std::string where = "dataset '" + set.name + "'";
   LOOM_CHECK(set.images.size() == set.count * set.sample_size(), where, " declares ", set.count,
              " samples of ", set.sample_size(), " values but holds ", set.images.size(),
              " image values");
-  if (set.has_sequences()) {
+  if (set.target_kind() == TargetKind::class_per_position) {
+    LOOM_CHECK(set.targets.size() == set.count * set.max_target, where, " has ",
+               set.targets.size(), " target labels for ", set.count, " samples of ",
+               set.max_target, " positions; expected ", set.count * set.max_target);
+    for (std::size_t i = 0; i < set.count; ++i)
+      for (std::size_t p = 0; p < set.max_target; ++p) {
+        const std::int32_t label = set.targets[i * set.max_target + p];
+        LOOM_CHECK(label < static_cast<std::int32_t>(set.classes), where, ": sample ", i,
+                   " has label ", label, " at position ", p, "; expected 0..", set.classes - 1,
+                   " for ", set.classes, " classes (or < 0: ignored)");
+      }
+  } else if (set.has_sequences()) {
     LOOM_CHECK(set.targets.size() == set.count * set.max_target &&
                    set.target_lengths.size() == set.count,
                where, " has ", set.targets.size(), " target labels and ",

@@ -225,7 +225,7 @@ class Loader {
       slot.images.resize(max_batch_ * sample_size_);
       if (dataset.has_sequences()) {
         slot.sequences.resize(max_batch_ * dataset.max_target);
-        slot.sequence_lengths.resize(max_batch_);
+        slot.sequence_lengths.resize(dataset.target_lengths.empty() ? 0 : max_batch_);
       } else {
         slot.labels.resize(max_batch_);
       }
@@ -309,7 +309,8 @@ class Loader {
     out.targets.labels = out.labels;
     if (!slot.sequences.empty()) {
       out.targets.sequences = slot.sequences.data();
-      out.targets.sequence_lengths = slot.sequence_lengths.data();
+      out.targets.sequence_lengths =
+          slot.sequence_lengths.empty() ? nullptr : slot.sequence_lengths.data();
       out.targets.max_target = dataset_.max_target;
     }
     if (!slot.frames.empty()) out.targets.frames = slot.frames.data();
@@ -388,7 +389,7 @@ class Loader {
       const std::size_t width = dataset_.max_target;
       std::copy_n(dataset_.targets.begin() + static_cast<std::ptrdiff_t>(index * width), width,
                   slot.sequences.begin() + static_cast<std::ptrdiff_t>(j * width));
-      slot.sequence_lengths[j] = dataset_.target_lengths[index];
+      if (!slot.sequence_lengths.empty()) slot.sequence_lengths[j] = dataset_.target_lengths[index];
     } else {
       const std::int32_t label = dataset_.labels[index];
       LOOM_CHECK(label >= 0 && static_cast<std::size_t>(label) < dataset_.classes, "dataset '",

@@ -79,6 +79,7 @@ struct CTC {
                                    dlogits, zero_infinity, 0);
     Sums sums;
     sums.loss = ctc.loss;
+    sums.denominator = static_cast<double>(n);
     cpu::greedy_decode(logits, n, max_frames, classes, frames, decoded);
     for (std::size_t i = 0; i < n; ++i) {
       const std::span<const std::int32_t> reference(

@@ -9,11 +9,18 @@
 //                        numerator, the exact predictions, an error rate's
 //                        edits and references), and when doutputs is given
 //                        the gradient of the summed loss times grad_scale;
-//   error_rate           the name of its error rate, or nullptr.
-// Its mean is over samples: the engines scale each micro-batch's gradient
-// by 1 / (the global batch's samples), so every policy reproduces one
-// device. (CTCLoss divides each sample's loss by its target length first,
-// as PyTorch's reduction='mean'.)
+//   error_rate           the name of its error rate, or nullptr;
+//   denominator          what its mean is over (Denominator; samples when
+//                        it does not say), counted by compute in
+//                        LossSums::denominator.
+// A per-sample loss's mean is over samples: the engines scale each
+// micro-batch's gradient by 1 / (the global batch's samples), as always.
+// (CTCLoss divides each sample's loss by its target length first, as
+// PyTorch's reduction='mean'.) Any other denominator is known only once the
+// whole optimizer step is seen: the engines compute its micro-batches'
+// gradients unscaled, sum the denominator over the accumulated batches and
+// the grid, and divide the gradients by it before the step's update, so
+// every policy reproduces one device for per-position means too.
 #pragma once
 
 #include <concepts>
@@ -23,6 +30,28 @@
 #include "../core/targets.hpp"
 
 namespace loom {
+
+// What a loss's mean divides by: the global batch's samples, its counted
+// output positions (PositionCrossEntropy), or its target labels.
+enum class Denominator { samples, positions, labels };
+
+inline constexpr const char* denominator_name(Denominator d) {
+  switch (d) {
+    case Denominator::samples: return "samples";
+    case Denominator::positions: return "positions";
+    case Denominator::labels: return "labels";
+  }
+  return "?";
+}
+
+// A loss's Denominator: its own, or samples when it names none.
+template <class L>
+inline constexpr Denominator denominator_of = [] {
+  if constexpr (requires { L::denominator; })
+    return static_cast<Denominator>(L::denominator);
+  else
+    return Denominator::samples;
+}();
 
 template <class L>
 concept LossType = requires {
@@ -39,6 +68,7 @@ class LossOps {
   virtual ~LossOps() = default;
   virtual const char* name() const = 0;
   virtual TargetKind target() const = 0;
+  virtual Denominator denominator() const = 0;
   virtual cpu::LossSums compute(const float* outputs, std::size_t n, const Targets& targets,
                                 float grad_scale, float* doutputs) const = 0;
 };
@@ -48,6 +78,7 @@ class LossOpsOf final : public LossOps {
  public:
   const char* name() const override { return Loss::name; }
   TargetKind target() const override { return Loss::target; }
+  Denominator denominator() const override { return denominator_of<Loss>; }
   cpu::LossSums compute(const float* outputs, std::size_t n, const Targets& targets,
                         float grad_scale, float* doutputs) const override {
     return Loss::template compute<Out, float>(outputs, n, targets, grad_scale, doutputs);

@@ -27,14 +27,19 @@ struct SoftmaxCrossEntropy {
   static Sums evaluate(const T* logits, const std::int32_t* labels, std::size_t batch,
                        std::size_t classes, std::size_t global_batch, T* dlogits,
                        float loss_scale = 1.0f) {
-    return cpu::softmax_xent(logits, labels, batch, classes,
-                             static_cast<T>(loss_scale) / static_cast<T>(global_batch), dlogits);
+    auto sums = cpu::softmax_xent(logits, labels, batch, classes,
+                                  static_cast<T>(loss_scale) / static_cast<T>(global_batch),
+                                  dlogits);
+    sums.denominator = static_cast<double>(batch);
+    return sums;
   }
 
   template <class Out, class T>
   static Sums compute(const T* logits, std::size_t n, const Targets& targets, T grad_scale,
                       T* dlogits) {
-    return cpu::softmax_xent(logits, targets.labels, n, Out::size, grad_scale, dlogits);
+    auto sums = cpu::softmax_xent(logits, targets.labels, n, Out::size, grad_scale, dlogits);
+    sums.denominator = static_cast<double>(n);
+    return sums;
   }
 };
 

@@ -7,8 +7,9 @@
 //
 // Exactness: a rank holding n_r of a global batch of N samples scales its
 // loss gradient by 1/N (not 1/n_r), so the summed gradient is the global
-// mean whatever the split, and a rank with no samples adds zeros. Initial
-// weights are rank 0's.
+// mean whatever the split, and a rank with no samples adds zeros. (A loss
+// over positions divides by the step's positions summed over the ranks:
+// grid_engine.hpp.) Initial weights are rank 0's.
 //
 // Overlap: backward reports each layer as it finishes; a gradient bucket
 // (slices of the flat gradient buffer in reverse layer order, as BucketPlan

@@ -9,7 +9,10 @@
 // Exactness: every micro-batch's loss gradient is scaled by 1/(global
 // batch), and each stage adds its micro-batches' gradients, so a step's
 // gradient is the batch mean, as on one device; a rank with no samples adds
-// zeros. The copies of a stage take copy 0's weights at the start and its
+// zeros. A loss whose mean is over something else (Denominator::positions)
+// has its gradients summed unscaled and divided, on every rank, by the
+// step's denominator summed over its batches and the grid before the step's
+// update (see train()). The copies of a stage take copy 0's weights at the start and its
 // running statistics before each step (as PyTorch's
 // DistributedDataParallel broadcasts its buffers).
 //
@@ -137,7 +140,8 @@ cpu::LossSums loss_sums(const std::array<double, N>& stats) {
   return {.loss = stats[0],
           .correct = static_cast<std::size_t>(stats[1]),
           .errors = stats[2],
-          .references = stats[3]};
+          .references = stats[3],
+          .denominator = stats[5]};
 }
 
 // One stage's network and optimizer state behind a type-erased face, so the
@@ -396,7 +400,8 @@ class GridEngine {
   bool all_local() const { return ranks_.size() == grid_.replicas * stages_; }
 
   // One batch of an optimizer step. group_samples: the samples of all the
-  // step's batches (the loss is their mean); accumulate: add to the
+  // step's batches (a per-sample loss is their mean; another loss's
+  // denominator is summed over the batches); accumulate: add to the
   // gradients of earlier batches; last: reduce and update. Returns the
   // step's global loss and correct-count sums when `last`; a non-finite
   // loss or gradient skips the update on every rank (the caller checks
@@ -509,8 +514,9 @@ class GridEngine {
     std::size_t capacity = 0, in_flight = 0, peak_in_flight = 0;
     std::size_t next_bucket = 0;  // the next gradient bucket to reduce this step
     // The loss's sums (loss, correct, errors, references: cpu::LossSums),
-    // and (training) how many stages' gradients are not finite.
-    std::array<double, 5> stats{};
+    // (training) how many stages' gradients are not finite, and the loss's
+    // denominator.
+    std::array<double, 6> stats{};
     std::vector<double> squares;  // clipping's, per layer with parameters (kept: no allocation)
     double busy = 0.0;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
@@ -536,6 +542,7 @@ class GridEngine {
     r.stats[1] += static_cast<double>(sums.correct);
     r.stats[2] += sums.errors;
     r.stats[3] += sums.references;
+    r.stats[5] += sums.denominator;
   }
 
   // A failing rank wakes every group it belongs to, so no rank waits for it.
@@ -967,6 +974,12 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
   }
   r.net->set_precision(job.settings.precision);
   bool accumulate = job.accumulate;
+  // A per-sample loss's gradient is scaled by 1/(the step's samples) as it
+  // is made; any other denominator's total is known only at the step's end.
+  const bool per_sample = net_.loss->denominator() == Denominator::samples;
+  const float grad_scale =
+      per_sample ? job.settings.loss_scale / static_cast<float>(job.group_samples)
+                 : job.settings.loss_scale;
   // Several replicas: the step's last backward hands each bucket to the
   // reducer as soon as its layers are done. SyncBatchNorm's backward
   // calls collectives of its own: the buckets then wait for the
@@ -1013,7 +1026,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
       if (last(r)) {
         const auto sums = net_.loss->compute(
             r.outputs[slot], piece.count, loss_targets(r, job.targets, first_sample, slot),
-            job.settings.loss_scale / static_cast<float>(job.group_samples), dy);
+            grad_scale, dy);
         add_sums(r, sums);
         if (!std::isfinite(sums.loss) && !r.fault)
           r.fault = r.net->find_nonfinite_output(slot, first(r));
@@ -1052,6 +1065,20 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
   const bool fp16 = job.settings.precision == Precision::fp16;
   r.stats[4] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
   r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+  if (!per_sample) {
+    // The step's denominator over every batch and rank: each stage's
+    // summed gradients become the mean's before fp16's unscale, clipping
+    // and the update, on every rank alike. A step with nothing counted
+    // (no position anywhere) has no mean: every rank skips its update and
+    // puts its running statistics back; its sums report a denominator of 0.
+    const double total = r.stats[5];
+    if (total == 0.0) {
+      r.net->restore_state();
+      return;
+    }
+    const auto inverse = static_cast<float>(1.0 / total);
+    for (float& g : r.net->gradients()) g *= inverse;
+  }
   RankExecutor executor{*this, r, micro};
   r.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
 }

@@ -9,7 +9,8 @@
 // Exactness: every micro-batch's loss gradient is scaled by 1/(global
 // batch), and each stage adds its micro-batches' gradients, so a step's
 // gradient is the batch mean, as on one device (summed in another order:
-// equal to rounding). Stage k's weights are the slice of the whole
+// equal to rounding); a loss over positions divides by the step's positions
+// instead (grid_engine.hpp). Stage k's weights are the slice of the whole
 // network's flat buffer from stage_parameter_offset, initialised from the
 // whole network's seeded weights.
 //

@@ -39,6 +39,9 @@ struct TrainingPosition {
   std::size_t steps = 0;    // of the epoch, optimizer steps taken
   bool ended = false;       // the epoch's end (and its callbacks) reached
   double loss_sum = 0.0;
+  // What loss_sum and correct divide by: the samples of the steps taken
+  // (a per-sample loss), or their counted positions (PositionCrossEntropy).
+  double denominator = 0.0;
   std::size_t correct = 0;
   double errors = 0.0, references = 0.0;  // the loss's error rate, where it has one
   std::size_t samples = 0;
@@ -178,6 +181,9 @@ LOOM_DECL void write_checkpoint(const std::filesystem::path& path, const Checkpo
   writer.set_metadata("position.ended", p.ended ? "1" : "0");
   writer.set_metadata("position.loss_sum", number_text(p.loss_sum));
   writer.set_metadata("position.correct", number_text(p.correct));
+  // Only where it is not the samples: older checkpoints, which lack it, load alike.
+  if (p.denominator != static_cast<double>(p.samples))
+    writer.set_metadata("position.denominator", number_text(p.denominator));
   if (p.references > 0) {
     writer.set_metadata("position.errors", number_text(p.errors));
     writer.set_metadata("position.references", number_text(p.references));
@@ -235,8 +241,12 @@ LOOM_DECL void check_position(const TrainingPosition& p, const FitIdentity& f,
       p.samples != samples)
     corrupt("position.samples", p.samples, "position.batches ", p.batches, " of fit.batch_size ",
             f.batch_size, " hold ", samples, " of the epoch's ", epoch_samples);
-  if (p.correct > p.samples)
+  if (p.denominator == static_cast<double>(p.samples) && p.correct > p.samples)
     corrupt("position.correct", p.correct, "only position.samples ", p.samples, " were seen");
+  if (!(p.denominator >= 0.0) || !std::isfinite(p.denominator) ||
+      static_cast<double>(p.correct) > p.denominator)
+    corrupt("position.denominator", p.denominator,
+            "a count is finite, >= 0 and at least position.correct ", p.correct);
   if (!(p.loss_sum >= 0.0) || !std::isfinite(p.loss_sum))
     corrupt("position.loss_sum", p.loss_sum, "a sum of cross-entropies is finite and >= 0");
   if (!(p.seconds >= 0.0) || !std::isfinite(p.seconds))
@@ -337,6 +347,9 @@ LOOM_DECL CheckpointImage read_checkpoint(const std::filesystem::path& path,
     p.references = parse_number<double>(file, "position.references", where);
   }
   p.samples = parse_number<std::size_t>(file, "position.samples", where);
+  p.denominator = file.metadata().contains("position.denominator")
+                      ? parse_number<double>(file, "position.denominator", where)
+                      : static_cast<double>(p.samples);
   p.seconds = parse_number<double>(file, "position.seconds", where);
   LOOM_CHECK(image.lr >= 0.0f && image.base_lr > 0.0f, "checkpoint '", where,
              "': learning rates ", image.lr, " (now) and ", image.base_lr,

@@ -24,6 +24,7 @@
 #include "../layers/layer.hpp"
 #include "../loss/ctc.hpp"
 #include "../loss/loss.hpp"
+#include "../loss/position_cross_entropy.hpp"
 #include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "../optim/adam.hpp"
@@ -99,6 +100,7 @@ class Trainer : public detail::TrainerCore {
         devices_(std::move(devices)),
         model_(trainer_options.seed),
         optimizer_(options, Net::parameter_count) {
+    loss_denominator_ = denominator_of<Loss>;
     if constexpr (Policy::devices_needed == 0)
       LOOM_CHECK(!devices_.empty(), Policy::name,
                  " needs at least one device; pass devices::all() or devices::cpu(n)");
@@ -208,8 +210,13 @@ class Trainer : public detail::TrainerCore {
     }
     EvalResult result;
     result.samples = dataset.count;
-    result.loss = sums.loss / static_cast<double>(dataset.count);
-    result.accuracy = static_cast<double>(sums.correct) / static_cast<double>(dataset.count);
+    // A per-sample loss divides by the data set's samples (the GPU's sums
+    // carry no denominator).
+    result.denominator = denominator_of<Loss> == Denominator::samples
+                             ? static_cast<double>(dataset.count)
+                             : sums.denominator;
+    result.loss = mean_over(sums.loss, result.denominator);
+    result.accuracy = mean_over(static_cast<double>(sums.correct), result.denominator);
     result.error_rate = error_rate_of(sums.errors, sums.references);
     return result;
   }
@@ -345,6 +352,7 @@ class Trainer : public detail::TrainerCore {
   void describe_setup(Fingerprint& f) const override {
     f.add("network", detail::type_label<Net>())
         .add("loss", Loss::name)
+        .add("loss denominator", denominator_name(denominator_of<Loss>))
         .add("policy", detail::type_label<Policy>())
         .add("device kind", devices_.front().kind == Device::Kind::cpu ? "cpu" : "cuda")
         .add("devices per process", devices_.size())

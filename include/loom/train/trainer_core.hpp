@@ -26,6 +26,7 @@
 
 #include "../backend/cpu/loss_sums.hpp"
 #include "../core/targets.hpp"
+#include "../loss/loss.hpp"
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../core/linkage.hpp"
@@ -106,13 +107,21 @@ struct FitOptions {
 };
 
 struct EvalResult {
-  double loss = 0.0;      // the loss's mean over the samples
-  double accuracy = 0.0;  // fraction in [0, 1] predicted exactly (CTCLoss: whole sequences)
+  double loss = 0.0;  // the loss's mean over its denominator (samples; PositionCrossEntropy: positions)
+  // Fraction in [0, 1] predicted exactly (CTCLoss: whole sequences;
+  // PositionCrossEntropy: counted positions).
+  double accuracy = 0.0;
   std::size_t samples = 0;
+  double denominator = 0.0;  // what loss and accuracy divide by: samples, or counted positions
   // Where the loss defines one (CTCLoss: label edits over reference labels),
   // a fraction in [0, 1] or above.
   std::optional<double> error_rate{};
 };
+
+// A mean over a denominator; 0 when nothing was counted.
+inline double mean_over(double sum, double denominator) {
+  return denominator > 0.0 ? sum / denominator : 0.0;
+}
 
 // errors / references, or none when the loss counts no references.
 inline std::optional<double> error_rate_of(double errors, double references) {
@@ -427,8 +436,7 @@ class TrainerCore {
                "> to take any sample of ", input_size, " values");
     LOOM_CHECK(dataset.classes <= classes, what, ": dataset '", dataset.name, "' has ",
                dataset.classes, " classes but the network outputs ", classes, " scores");
-    const TargetKind has =
-        dataset.has_sequences() ? TargetKind::label_sequence : TargetKind::class_label;
+    const TargetKind has = dataset.target_kind();
     LOOM_CHECK(has == target, what, ": dataset '", dataset.name, "' has ",
                target_kind_name(has), " but the trainer's loss, ", loss, ", trains against ",
                target_kind_name(target));
@@ -546,6 +554,10 @@ class TrainerCore {
   // Across MPI processes: each one's device by rank, once a fit gathered them.
   std::vector<std::string> process_devices_;
   TrainingPosition position_;
+  // What the loss's mean divides by (the Trainer's loss sets it): a
+  // per-sample loss's step reports divide by the step's samples, as they
+  // always have (the GPU executor's sums carry no denominator).
+  Denominator loss_denominator_ = Denominator::samples;
   std::optional<FitIdentity> fit_;  // the last fit's, for a checkpoint
   // A loaded checkpoint's position, which the next fit() goes on from.
   std::optional<TrainingPosition> resume_;
@@ -750,10 +762,8 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
     StepInfo step{.epoch = epoch, .epochs = options.epochs, .steps = info.steps_per_epoch};
     step.step = position_.steps;
     step.samples = position_.samples;
-    // Samples of the epoch's skipped non-finite steps: not in its loss and
-    // accuracy. (Counted from this fit's start: a resumed epoch's earlier
-    // skips are not known.)
-    std::size_t skipped_samples = 0;
+    // The epoch's skipped non-finite steps are not in its loss and accuracy:
+    // their denominators are not in position_.denominator.
     // A step counts once it is reported: the position and Dropout's
     // counter never stand in the middle of one.
     struct Ran {
@@ -764,25 +774,26 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
       gpu_unreported_ -= ran.batches;
       position_.batches += ran.batches;
       steps_ += 1;
-      step.skipped = sums->overflowed || !nonfinite_.empty();
+      const double denominator = loss_denominator_ == Denominator::samples
+                                     ? static_cast<double>(ran.samples)
+                                     : sums->denominator;
+      // A step with no counted position (the engine skipped its update).
+      step.skipped = sums->overflowed || !nonfinite_.empty() || denominator == 0.0;
       step.nonfinite = nonfinite_;
       step.step_samples = ran.samples;
       step.samples += ran.samples;
       if (nonfinite_.empty()) {
         position_.loss_sum += sums->loss;
+        position_.denominator += denominator;
         position_.correct += sums->correct;
         position_.errors += sums->errors;
         position_.references += sums->references;
-      } else {
-        skipped_samples += ran.samples;
       }
-      step.step_loss = sums->loss / static_cast<double>(ran.samples);
-      step.step_accuracy = static_cast<double>(sums->correct) / static_cast<double>(ran.samples);
+      step.step_loss = mean_over(sums->loss, denominator);
+      step.step_accuracy = mean_over(static_cast<double>(sums->correct), denominator);
       step.step += 1;
-      const auto counted =
-          static_cast<double>(std::max<std::size_t>(1, step.samples - skipped_samples));
-      step.loss = position_.loss_sum / counted;
-      step.accuracy = static_cast<double>(position_.correct) / counted;
+      step.loss = mean_over(position_.loss_sum, position_.denominator);
+      step.accuracy = mean_over(static_cast<double>(position_.correct), position_.denominator);
       step.error_rate = error_rate_of(position_.errors, position_.references);
       step.seconds = seconds_since(start);
       position_.steps = step.step;
@@ -842,12 +853,10 @@ LOOM_DECL void TrainerCore::run_fit(data::Loader& loader, const FitPlan& plan, F
     // cannot gather (it is not collective) and returns these.
     epoch_done();
     position_.ended = true;
-    const std::size_t counted = position_.samples - std::min(skipped_samples, position_.samples);
     [[maybe_unused]] const EpochInfo done{
         epoch,        options.epochs,
-        counted > 0 ? position_.loss_sum / static_cast<double>(counted) : 0.0,
-        counted > 0 ? static_cast<double>(position_.correct) / static_cast<double>(counted)
-                    : 0.0,
+        mean_over(position_.loss_sum, position_.denominator),
+        mean_over(static_cast<double>(position_.correct), position_.denominator),
         position_.samples, seconds_since(start),
         error_rate_of(position_.errors, position_.references)};
     events.epoch_end(done);
