@@ -37,15 +37,16 @@ struct Trained {
   std::uint64_t steps = 0;
 };
 
-// Net under Policy on `devices` CPU workers (one thread each), SGD and CTC,
-// seeded by `seed`, optionally from a checkpoint: its weights, last epoch
-// and evaluation on `data` after fitting it.
-template <class Net, class Policy, class... Callbacks>
-Trained fit_ctc(std::size_t devices, std::uint64_t seed, const data::Dataset& data,
-                const FitOptions& options, const std::string& load, Callbacks&&... callbacks) {
+// Net under Policy on `devices` CPU workers (one thread each), SGD and the
+// loss (CTC unless named), seeded by `seed`, optionally from a checkpoint:
+// its weights, last epoch and evaluation on `data` after fitting it.
+template <class Net, class Policy, class Loss = CTCLoss, class... Callbacks>
+Trained fit_sequences(std::size_t devices, std::uint64_t seed, const data::Dataset& data,
+                      const FitOptions& options, const std::string& load,
+                      Callbacks&&... callbacks) {
   auto workers = devices::cpu(devices);
   for (auto& d : workers) d.threads = 1;
-  Trainer<Net, Policy, SGD, CTCLoss> trainer(workers, sgd, {.seed = seed});
+  Trainer<Net, Policy, SGD, Loss> trainer(workers, sgd, {.seed = seed});
   if (!load.empty()) trainer.load(load);
   struct Last {
     void on_epoch_end(const EpochInfo& epoch) { *out = epoch; }
@@ -62,7 +63,7 @@ Trained fit_ctc(std::size_t devices, std::uint64_t seed, const data::Dataset& da
 
 template <class Policy>
 Trained train(std::size_t devices) {
-  return fit_ctc<Reader, Policy>(devices, 11, sequences(), fit, {});
+  return fit_sequences<Reader, Policy>(devices, 11, sequences(), fit, {});
 }
 
 void require_same_sums(const Trained& got, const Trained& ref, const char* what) {
@@ -173,7 +174,7 @@ template <class Policy, class... Callbacks>
 Trained train_skewed(std::size_t devices, const FitOptions& options, const std::string& load = {},
                      Callbacks&&... callbacks) {
   Trained result =
-      fit_ctc<Reader, Policy>(devices, 11, skewed_sequences(), options, load, callbacks...);
+      fit_sequences<Reader, Policy>(devices, 11, skewed_sequences(), options, load, callbacks...);
   REQUIRE(result.steps == 10);
   return result;
 }
@@ -254,7 +255,7 @@ static_assert(SpeechNet::output_shape::dims[0] == 28);
 // whole steps.
 template <class Net, class Policy>
 Trained train_speech(std::size_t devices) {
-  Trained result = fit_ctc<Net, Policy>(
+  Trained result = fit_sequences<Net, Policy>(
       devices, 13, sequences(), {.epochs = 2, .batch_size = 40, .seed = 9, .bucket = 2}, {});
   REQUIRE(result.steps == 10);
   return result;
@@ -276,4 +277,111 @@ TEST_CASE("the speech model (Conv1d, BatchNorm over time, BiGRU, CTC) trains to 
   const auto hybrid = train_speech<SpeechNetNoNorm, Hybrid<2, ModelSplit<Balanced<2>, GPipe<2>>>>(4);
   test::require_close(hybrid.weights, plain.weights, tolerance, "Hybrid 2 x 2");
   require_same_sums(hybrid, plain, "Hybrid 2 x 2");
+}
+
+namespace {
+
+// A class per position from the same garments: row t of garment g is
+// labelled with g's class (every fifth row ignored, -1), past a sample's
+// frames nothing counts. The first 100 samples are cut to 6 frames, so
+// batches of 20 in order (no shuffle) hold about 100 or about 700 counted
+// positions: a step's micro-batches and replicas count very differently.
+const data::Dataset& garment_rows() {
+  static const data::Dataset set = [] {
+    const data::Dataset& pairs = sequences();
+    data::Dataset s = pairs;
+    s.name = "garment rows";
+    s.classes = 10;
+    s.target_lengths.clear();
+    s.max_target = 56;
+    s.targets.assign(s.count * 56, -1);
+    for (std::size_t i = 0; i < s.count; ++i) {
+      if (i < 100) s.frames[i] = 6;
+      for (std::size_t t = 0; t < 56; ++t)
+        if (t % 5 != 4 && static_cast<std::int32_t>(t) < s.frames[i])
+          s.targets[i * 56 + t] = pairs.targets[i * 2 + t / 28] - 1;
+    }
+    return s;
+  }();
+  return set;
+}
+
+double counted_positions(const data::Dataset& set, std::size_t first, std::size_t count) {
+  double counted = 0.0;
+  for (std::size_t i = first; i < first + count; ++i)
+    for (std::size_t t = 0; t < static_cast<std::size_t>(set.frames[i]); ++t)
+      counted += set.targets[i * set.max_target + t] >= 0 ? 1.0 : 0.0;
+  return counted;
+}
+
+using RowReader = Sequential<Input<56, 28>, Linear<24>, ReLU, Linear<10>>;
+
+// Steps of 40 samples: one batch of 40, or two of 20 added up.
+template <class Policy>
+Trained train_rows(std::size_t devices, std::size_t batch) {
+  const FitOptions options{.epochs = 2,
+                           .batch_size = batch,
+                           .shuffle = false,
+                           .accumulation_steps = 40 / batch};
+  Trained result = fit_sequences<RowReader, Policy, PositionCrossEntropy>(
+      devices, 5, garment_rows(), options, {});
+  REQUIRE(result.steps == 10);
+  return result;
+}
+
+void require_same_means(const Trained& got, const Trained& ref, const char* what) {
+  INFO(what);
+  REQUIRE(got.last.loss == Approx(ref.last.loss).epsilon(1e-6));
+  REQUIRE(got.last.accuracy == ref.last.accuracy);
+  REQUIRE(got.eval.loss == Approx(ref.eval.loss).epsilon(1e-6));
+  REQUIRE(got.eval.denominator == ref.eval.denominator);
+}
+
+}  // namespace
+
+TEST_CASE("PositionCrossEntropy: the mean over a step's counted positions reproduces one device "
+          "under accumulation, DataParallel, ModelSplit and Hybrid") {
+  const data::Dataset& rows = garment_rows();
+  // The micro-batches of one step count very differently: a loss divided
+  // by each micro-batch's (or each replica's) own positions would weigh the
+  // short samples' positions about 7 times as much, and every comparison
+  // below would fail by far more than its tolerance.
+  REQUIRE(counted_positions(rows, 80, 20) * 5 < counted_positions(rows, 100, 20));
+  const Trained reference = train_rows<SingleDevice>(1, 40);
+  REQUIRE(reference.eval.denominator == counted_positions(rows, 0, rows.count));
+  // Rows of garments (many blank), 2 epochs: well above chance (0.1).
+  REQUIRE(reference.eval.accuracy > 0.18);
+  // Sums of the same gradients in other orders: fp32 rounding over 10 SGD steps.
+  const test::Tolerance tolerance{1e-6, 1e-4};
+  const auto accumulated = train_rows<SingleDevice>(1, 20);
+  test::require_close(accumulated.weights, reference.weights, tolerance, "one device, 2 x 20");
+  require_same_means(accumulated, reference, "one device, 2 x 20");
+  const auto dp = train_rows<DataParallel<>>(3, 20);
+  test::require_close(dp.weights, reference.weights, tolerance, "DataParallel over 3, 2 x 20");
+  require_same_means(dp, reference, "DataParallel over 3, 2 x 20");
+  const auto split = train_rows<ModelSplit<Balanced<2>, OneFOneB<4>>>(2, 20);
+  test::require_close(split.weights, reference.weights, tolerance, "ModelSplit over 2, 2 x 20");
+  require_same_means(split, reference, "ModelSplit over 2, 2 x 20");
+  const auto hybrid = train_rows<Hybrid<2, ModelSplit<Balanced<2>, GPipe<2>>>>(4, 20);
+  test::require_close(hybrid.weights, reference.weights, tolerance, "Hybrid 2 x 2, 2 x 20");
+  require_same_means(hybrid, reference, "Hybrid 2 x 2, 2 x 20");
+}
+
+TEST_CASE("PositionCrossEntropy: a step with no counted position updates nothing, on every "
+          "policy") {
+  data::Dataset rows = data::head(garment_rows(), 40);
+  std::ranges::fill(rows.targets, -1);
+  Trainer<RowReader, DataParallel<>, SGD, PositionCrossEntropy> trainer(devices::cpu(2), sgd,
+                                                                       {.seed = 5});
+  const auto before = trainer.model().parameters();
+  const std::vector<float> initial(before.begin(), before.end());
+  struct Steps {
+    void on_step(const StepInfo& step) { skipped->push_back(step.skipped); }
+    std::vector<bool>* skipped;
+  };
+  std::vector<bool> skipped;
+  trainer.fit(rows, {.epochs = 1, .batch_size = 20, .shuffle = false}, Steps{&skipped});
+  REQUIRE(skipped == std::vector<bool>{true, true});
+  const auto after = trainer.model().parameters();
+  REQUIRE(std::vector<float>(after.begin(), after.end()) == initial);
 }
