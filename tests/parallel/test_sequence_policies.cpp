@@ -385,3 +385,25 @@ TEST_CASE("PositionCrossEntropy: a step with no counted position updates nothing
   const auto after = trainer.model().parameters();
   REQUIRE(std::vector<float>(after.begin(), after.end()) == initial);
 }
+
+TEST_CASE("PositionCrossEntropy resumes mid-epoch from a checkpoint with the epoch's positions") {
+  const Trained reference = train_rows<SingleDevice>(1, 40);
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("loom-positions-" + std::to_string(::getpid()) + ".safetensors"))
+                        .string();
+  struct Remove {
+    std::string path;
+    ~Remove() { std::filesystem::remove(path); }
+  } remove{path};
+  const FitOptions options{.epochs = 2, .batch_size = 40, .shuffle = false};
+  // Saved after step 7: epoch 2, after its second step. The resumed epoch's
+  // loss divides the saved sums by the saved positions (not its samples).
+  fit_sequences<RowReader, SingleDevice, PositionCrossEntropy>(
+      1, 5, garment_rows(), options, {},
+      callbacks::Checkpoint(
+          {.path = path, .every_steps = 7, .every_epoch = false, .at_end = false}));
+  const Trained resumed = fit_sequences<RowReader, DataParallel<>, PositionCrossEntropy>(
+      3, 5, garment_rows(), options, path);
+  test::require_close(resumed.weights, reference.weights, {1e-6, 1e-4}, "resumed over 3");
+  require_same_means(resumed, reference, "resumed over 3");
+}
