@@ -153,13 +153,17 @@ namespace {
 // BatchNorm1d over time fused with its ReLU, Linear per position; the
 // softmax over all 12 x 6 outputs stands in for a sequence loss.
 using Conv1dSeq = Sequential<Input<24, 10>, Conv1d<12, 5, 2, 2>, BatchNorm1d, ReLU, Linear<6>>;
+// The same with a GRU over the convolution's frames: cuDNN's RNN takes the
+// lengths from the host, so its steps with lengths run uncaptured.
+using Conv1dGru =
+    Sequential<Input<24, 10>, Conv1d<12, 5, 2, 2>, BatchNorm1d, ReLU, GRU<9, true>, Linear<6>>;
 
-// Training steps of Conv1dSeq with the given lengths per step (empty: no
+// Training steps of Net (Conv1dSeq or Conv1dGru) with the given lengths per step (empty: no
 // lengths) on the CPU and the GPU from the same weights, NaN in every
 // padded input frame; then an evaluation with the last step's lengths.
+template <class Net>
 void sequences_follow_cpu(const std::vector<std::vector<std::int32_t>>& steps,
                           std::size_t batch, bool graphs) {
-  using Net = Conv1dSeq;
   constexpr std::size_t frames = 24, features = 10, sample = frames * features;
   constexpr std::size_t classes = Net::output_shape::size;
   const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
@@ -227,8 +231,8 @@ void sequences_follow_cpu(const std::vector<std::vector<std::int32_t>>& steps,
 }  // namespace
 
 TEST_CASE(
-    "cuda model: Conv1d, BatchNorm1d over time and Linear per position follow the CPU on "
-    "sequences with lengths") {
+    "cuda model: Conv1d, BatchNorm1d over time, a GRU and Linear per position follow the CPU "
+    "on sequences with lengths") {
   // Two steps of 8 with other lengths (the second replays the first's graph,
   // which must read the new lengths), a short batch, a step without lengths.
   const std::vector<std::vector<std::int32_t>> steps{{24, 17, 5, 11, 24, 9, 3, 20},
@@ -237,7 +241,8 @@ TEST_CASE(
                                                      {}};
   for (const bool graphs : {true, false}) {
     INFO((graphs ? "graphs" : "direct launches"));
-    sequences_follow_cpu(steps, 8, graphs);
+    sequences_follow_cpu<Conv1dSeq>(steps, 8, graphs);
+    sequences_follow_cpu<Conv1dGru>(steps, 8, graphs);
   }
 }
 

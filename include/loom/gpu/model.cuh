@@ -360,6 +360,12 @@ constexpr auto kernel_runner_of() {
 template <class L, bool InBlock>
 using kernel_runner_t = typename decltype(kernel_runner_of<L, InBlock>())::type;
 
+// A runner that plans its launches from the host's lengths (cuDNN's RNN):
+// a call with lengths may not be captured (its capturable(call)).
+template <class L>
+concept plans_from_host_lengths =
+    requires(const LayerCall& c) { kernel_runner_t<L, false>::capturable(c); };
+
 // How one executed layer runs on the GPU for one batch size, in its `role`.
 // `library_limit` caps the workspace its cuBLASLt and cuDNN algorithms may
 // ask for.
@@ -1121,6 +1127,18 @@ class DeviceLayers {
   }();
   static constexpr std::size_t frames_rows = frames_rules_before[layer_count] + 1;
 
+ public:
+  // Whether a step whose batch has lengths must run uncaptured: some layer's
+  // runner plans from the host lengths (plans_from_host_lengths).
+  static constexpr bool lengths_on_host = [] {
+    bool any = false;
+    static_for<layer_count>([&](auto i) {
+      any = any || detail::plans_from_host_lengths<type_at_t<i, executed>>;
+    });
+    return any;
+  }();
+
+ private:
   static LayerRange checked(LayerRange range) {
     LOOM_CHECK(range.first < range.last && range.last <= layer_count, "DeviceLayers: layers [",
                range.first, ", ", range.last, ") of a network of ", layer_count,
@@ -1613,7 +1631,12 @@ class DeviceModel {
       shape.clip = max_norm_ > 0.0f;
       stage_update(updates_ + 1);
     }
-    graphs_.run(shape.key(), stream(), [&](cudaStream_t) { enqueue_step(shape); });
+    // cuDNN's RNN takes lengths in descriptors set from the host at each
+    // call: a replay would run the captured batch's lengths (cudnn_rnn.cuh).
+    if (shape.frames && DeviceLayers<Net>::lengths_on_host)
+      enqueue_step(shape);
+    else
+      graphs_.run(shape.key(), stream(), [&](cudaStream_t) { enqueue_step(shape); });
     if (updates) updates_ += 1;  // counted once enqueued (a failed capture takes none)
     done_[s.slot].record(stream());
   }
