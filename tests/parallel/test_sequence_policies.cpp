@@ -66,6 +66,19 @@ Trained train(std::size_t devices) {
   return fit_sequences<Reader, Policy>(devices, 11, sequences(), fit, {});
 }
 
+// A checkpoint file of this process's own (CTest may run other test
+// programs at once), removed at the scope's end.
+struct TempCheckpoint {
+  explicit TempCheckpoint(const std::string& stem)
+      : path((std::filesystem::temp_directory_path() /
+              ("loom-" + stem + "-" + std::to_string(::getpid()) + ".safetensors"))
+                 .string()) {}
+  TempCheckpoint(const TempCheckpoint&) = delete;
+  TempCheckpoint& operator=(const TempCheckpoint&) = delete;
+  ~TempCheckpoint() { std::filesystem::remove(path); }
+  std::string path;
+};
+
 void require_same_sums(const Trained& got, const Trained& ref, const char* what) {
   INFO(what);
   REQUIRE(got.last.loss == Approx(ref.last.loss).epsilon(1e-6));
@@ -202,14 +215,8 @@ TEST_CASE(
     "CTCLoss with bucketed batches resumes mid-epoch on the same batches, and another bucket is "
     "refused") {
   const Trained reference = train_skewed<SingleDevice>(1, bucketed);
-  // This process's own file (CTest may run other test programs at once).
-  const auto path = (std::filesystem::temp_directory_path() /
-                     ("loom-bucketed-" + std::to_string(::getpid()) + ".safetensors"))
-                        .string();
-  struct Remove {
-    std::string path;
-    ~Remove() { std::filesystem::remove(path); }
-  } remove{path};
+  const TempCheckpoint file("bucketed");
+  const std::string& path = file.path;
   // Saved after step 7: epoch 2, after its second batch.
   train_skewed<SingleDevice>(
       1, bucketed, {},
@@ -388,13 +395,8 @@ TEST_CASE("PositionCrossEntropy: a step with no counted position updates nothing
 
 TEST_CASE("PositionCrossEntropy resumes mid-epoch from a checkpoint with the epoch's positions") {
   const Trained reference = train_rows<SingleDevice>(1, 40);
-  const auto path = (std::filesystem::temp_directory_path() /
-                     ("loom-positions-" + std::to_string(::getpid()) + ".safetensors"))
-                        .string();
-  struct Remove {
-    std::string path;
-    ~Remove() { std::filesystem::remove(path); }
-  } remove{path};
+  const TempCheckpoint file("positions");
+  const std::string& path = file.path;
   const FitOptions options{.epochs = 2, .batch_size = 40, .shuffle = false};
   // Saved after step 7: epoch 2, after its second step. The resumed epoch's
   // loss divides the saved sums by the saved positions (not its samples).
