@@ -256,9 +256,9 @@ template <class Spec, class In, std::size_t Index, Act A, bool Sync>
 struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync> {
   static constexpr std::size_t frames = In::dims[0];
   static constexpr std::size_t channels = In::dims[1];
-  // Not "batchnorm": the GPU's BatchNormRunner lays channels out as
-  // N x C x plane, so a network with this form stops at the GPU's "No CUDA
-  // runner" message rather than normalising the wrong elements.
+  // Not "batchnorm": channels are the inner dimension here (N x Frames x
+  // C), and only the valid frames count; the GPU's BatchNormRunner takes
+  // this layout, with a frame mask, by this kind.
   static constexpr std::string_view kind = "batchnorm_time";
 
   // Calls visit(offset of the frame's C values) for every valid frame,

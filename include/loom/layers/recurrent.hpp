@@ -242,8 +242,9 @@ struct RecurrentLayer
   static constexpr std::size_t direction_params = b_hh + GH;
   static constexpr std::size_t param_count = directions * direction_params;
   // Where the GPU model splits the parameters into its weight and bias
-  // blocks: before the first bias. Bidirectional layers run on the CPU only
-  // (the GPU runners refuse them), so no second split is needed.
+  // blocks: before the first bias. A bidirectional layer's reverse tensors
+  // fall in the bias block, where cuDNN's runner (gpu/cudnn_rnn.cuh) finds
+  // them; the per-step runner inside a Residual block refuses that form.
   static constexpr std::size_t weight_count = b_ih;
   static constexpr std::size_t bias_count = param_count - weight_count;
 
