@@ -9,6 +9,10 @@ LOOM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The Python packages serve the interop tests and scripts/plot_metrics.py
 # (safetensors, which Debian 12 lacks, comes from PyPI into a venv; see
 # tests/interop/run_torch_interop.sh).
+# A one-node Slurm cluster for tests/dist/srun_cluster.sh (srun's mpi/pmix
+# plugin, which Debian's Open MPI needs, is in slurm-client's dependency
+# slurm-wlm-basic-plugins).
+LOOM_SLURM_PACKAGES=(slurmctld slurmd slurm-client munge)
 LOOM_DEBIAN_PACKAGES=(
   cmake ninja-build g++ clang libclang-rt-14-dev zlib1g-dev
   libopenblas-dev catch2 nlohmann-json3-dev libcli11-dev
@@ -16,6 +20,7 @@ LOOM_DEBIAN_PACKAGES=(
   dataset-fashion-mnist
   python3-torch python3-matplotlib python3-venv
   espeak-ng libsndfile1-dev libkissfft-dev libsamplerate0-dev python3-torchaudio
+  "${LOOM_SLURM_PACKAGES[@]}"
 )
 
 # loom_install_packages PACKAGE...: installs whichever of the Debian packages
