@@ -75,7 +75,8 @@ stop_cluster() {
   exit "$status"
 }
 trap stop_cluster EXIT
-trap 'exit 143' TERM INT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 # Ports of this run's own (CTest may run another cluster at the same time,
 # and the defaults 6817/6818 may belong to a real Slurm on this machine).
@@ -109,6 +110,9 @@ ReturnToService=2
 NodeName=loomnode NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=$ranks State=UNKNOWN
 PartitionName=loom Nodes=loomnode Default=YES MaxTime=INFINITE State=UP
 EOF
+# Run inside a job of a real cluster, srun would join that job (SLURM_JOB_ID
+# and the rest): this cluster's commands see none of it.
+unset "${!SLURM_@}"
 export SLURM_CONF="$dir/slurm.conf"
 
 # A key of this cluster's own, readable by root only (munged refuses others).
@@ -139,4 +143,7 @@ done
   skip "the Slurm node did not become idle within 60 s (sinfo says '${state:-nothing}'); the logs are below"
 
 echo "loom: one-node Slurm cluster up in $dir; srun --mpi=pmix -n $ranks $*" >&2
-srun --mpi=pmix -n "$ranks" "$@"
+# In the background, so that a signal to this script runs its traps (and
+# cancels the job) at once rather than when srun ends.
+srun --mpi=pmix -n "$ranks" "$@" &
+wait $!
