@@ -3,6 +3,14 @@
 // against; `Comm` holds any communicator behind one type, so a Trainer can
 // take an in-process, MPI or NCCL group alike.
 //
+// The calls: all_reduce (sum or average, in place), broadcast from a root,
+// send/recv between a pair, barrier, split into subgroups, cancel, and the
+// two halves of an all-reduce that sharded state needs: reduce_scatter
+// (every rank gives size() * n elements and gets the reduction of its slice
+// of n: rank r the r-th) and all_gather (every rank gives n elements and gets
+// all ranks' n, rank r's at slice r). Their n must be the same on every rank;
+// the input and output buffers must not overlap.
+//
 // Every call is collective over the group (send/recv: over the pair) and
 // blocks until this rank's part is done. A failure is a loom::Error naming
 // the operation and the rank; a rank that fails calls cancel() so that the
@@ -160,6 +168,10 @@ concept Communicator =
       c.all_reduce(f, op);
       c.all_reduce(d, op);
       c.all_reduce(u, op);
+      c.reduce_scatter(std::span<const float>(f), f, op);
+      c.reduce_scatter(std::span<const double>(d), d, op);
+      c.all_gather(std::span<const float>(f), f);
+      c.all_gather(std::span<const double>(d), d);
       c.broadcast(f, peer);
       c.broadcast(u, peer);
       c.send(std::span<const float>(f), peer);
@@ -209,6 +221,20 @@ class Comm {
     else
       static_assert(std::same_as<T, float>, "Comm::all_reduce: float, double or uint64_t");
   }
+  // Rank r gets in `out` (n elements) the reduction of every rank's slice r
+  // of `data` (size() * n elements).
+  template <Element T>
+  void reduce_scatter(std::span<const T> data, std::span<T> out, ReduceOp op) {
+    static_assert(carried<T>, "Comm::reduce_scatter: float, double or uint64_t");
+    self_->reduce_scatter(data, out, op);
+  }
+  // Every rank gets in `all` (size() * n elements) rank r's `mine` (n) at
+  // slice r.
+  template <Element T>
+  void all_gather(std::span<const T> mine, std::span<T> all) {
+    static_assert(carried<T>, "Comm::all_gather: float, double or uint64_t");
+    self_->all_gather(mine, all);
+  }
   void broadcast(std::span<float> data, int root) { self_->broadcast_f(data, root); }
   void broadcast(std::span<std::uint64_t> data, int root) { self_->broadcast_u(data, root); }
   void send(std::span<const float> data, int peer) { self_->send(data, peer); }
@@ -226,6 +252,15 @@ class Comm {
     virtual void all_reduce_f(std::span<float>, ReduceOp) = 0;
     virtual void all_reduce_d(std::span<double>, ReduceOp) = 0;
     virtual void all_reduce_u(std::span<std::uint64_t>, ReduceOp) = 0;
+    // Overloads rather than a name per type: the templates above pick by
+    // the span's type without a branch per call.
+    virtual void reduce_scatter(std::span<const float>, std::span<float>, ReduceOp) = 0;
+    virtual void reduce_scatter(std::span<const double>, std::span<double>, ReduceOp) = 0;
+    virtual void reduce_scatter(std::span<const std::uint64_t>, std::span<std::uint64_t>,
+                                ReduceOp) = 0;
+    virtual void all_gather(std::span<const float>, std::span<float>) = 0;
+    virtual void all_gather(std::span<const double>, std::span<double>) = 0;
+    virtual void all_gather(std::span<const std::uint64_t>, std::span<std::uint64_t>) = 0;
     virtual void broadcast_f(std::span<float>, int) = 0;
     virtual void broadcast_u(std::span<std::uint64_t>, int) = 0;
     virtual void send(std::span<const float>, int) = 0;
@@ -246,6 +281,25 @@ class Comm {
     void all_reduce_u(std::span<std::uint64_t> d, ReduceOp op) override {
       comm.all_reduce(d, op);
     }
+    void reduce_scatter(std::span<const float> d, std::span<float> out, ReduceOp op) override {
+      comm.reduce_scatter(d, out, op);
+    }
+    void reduce_scatter(std::span<const double> d, std::span<double> out, ReduceOp op) override {
+      comm.reduce_scatter(d, out, op);
+    }
+    void reduce_scatter(std::span<const std::uint64_t> d, std::span<std::uint64_t> out,
+                        ReduceOp op) override {
+      comm.reduce_scatter(d, out, op);
+    }
+    void all_gather(std::span<const float> d, std::span<float> all) override {
+      comm.all_gather(d, all);
+    }
+    void all_gather(std::span<const double> d, std::span<double> all) override {
+      comm.all_gather(d, all);
+    }
+    void all_gather(std::span<const std::uint64_t> d, std::span<std::uint64_t> all) override {
+      comm.all_gather(d, all);
+    }
     void broadcast_f(std::span<float> d, int root) override { comm.broadcast(d, root); }
     void broadcast_u(std::span<std::uint64_t> d, int root) override { comm.broadcast(d, root); }
     void send(std::span<const float> d, int peer) override { comm.send(d, peer); }
@@ -259,6 +313,11 @@ class Comm {
   };
 
   explicit Comm(std::shared_ptr<Concept> self) : self_(std::move(self)) {}
+
+  // The element types Comm forwards (as all_reduce does): not int32.
+  template <class T>
+  static constexpr bool carried =
+      std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, std::uint64_t>;
 
   std::shared_ptr<Concept> self_;
 };

@@ -3,8 +3,10 @@
 // in all_reduce, rank r reduces the r-th slice of every rank's buffer in rank
 // order 0, 1, ..., n-1 and writes the result back to all of them, so the
 // result is the same bits on every rank and in every run, whatever the
-// threads' timing. A second barrier ends the call, after which no rank's
-// buffer is touched by another.
+// threads' timing. reduce_scatter is the same sum, each rank reducing its
+// own slice into its `out`; in all_gather each rank copies every rank's
+// `mine` into its own `all`. A second barrier ends the call, after which no
+// rank's buffer is touched by another.
 //
 // A call that waits longer than the group's timeout (LOOM_COLLECTIVE_TIMEOUT,
 // as between processes) for ranks that never come raises a loom::Error that
@@ -55,6 +57,10 @@ class LocalGroup {
     const char* op = nullptr;
     int root = 0;   // broadcast root, or split color
     int key = 0;    // split key
+    // reduce_scatter's and all_gather's n, the elements of one rank's slice
+    // (then `count` is the whole buffer's size() * n, and `data` what the
+    // other ranks read: reduce_scatter's data, all_gather's mine).
+    std::size_t part = 0;
   };
 
   int size() const { return size_; }
@@ -266,12 +272,32 @@ class LocalComm {
     const std::size_t begin = n * static_cast<std::size_t>(rank_) / ranks;
     const std::size_t end = n * static_cast<std::size_t>(rank_ + 1) / ranks;
     for (std::size_t j = begin; j < end; ++j) {
-      T total = static_cast<const T*>(slots[0].data)[j];
-      for (std::size_t r = 1; r < ranks; ++r) total += static_cast<const T*>(slots[r].data)[j];
-      if (op == ReduceOp::average) total /= static_cast<T>(ranks);
+      const T total = reduce_at<T>(slots, j, op);
       for (std::size_t r = 0; r < ranks; ++r) static_cast<T*>(slots[r].data)[j] = total;
     }
     group_->wait_all(rank_, "all_reduce");
+  }
+
+  // Rank r reduces slice r of every rank's `data` into its own `out`, in rank
+  // order: the same bits as all_reduce gives there.
+  template <Element T>
+  void reduce_scatter(std::span<const T> data, std::span<T> out, ReduceOp op) {
+    const auto& slots = meet_parts(data.data(), data.size(), out.size(), element_name<T>(),
+                                   "reduce_scatter", "data", "out");
+    const std::size_t begin = out.size() * static_cast<std::size_t>(rank_);
+    for (std::size_t j = 0; j < out.size(); ++j) out[j] = reduce_at<T>(slots, begin + j, op);
+    group_->wait_all(rank_, "reduce_scatter");
+  }
+
+  // Each rank copies every rank's `mine` into its own `all`.
+  template <Element T>
+  void all_gather(std::span<const T> mine, std::span<T> all) {
+    const auto& slots = meet_parts(mine.data(), all.size(), mine.size(), element_name<T>(),
+                                   "all_gather", "all", "mine");
+    if (!mine.empty())
+      for (std::size_t r = 0; r < slots.size(); ++r)
+        std::memcpy(all.data() + r * mine.size(), slots[r].data, mine.size_bytes());
+    group_->wait_all(rank_, "all_gather");
   }
 
   template <Element T>
@@ -352,6 +378,45 @@ class LocalComm {
                  other.type, " but this rank ", mine.count, " ", mine.type,
                  "; every rank must pass a buffer of the same type and length");
     }
+  }
+
+  // Element j of every rank's buffer reduced in rank order 0, 1, ..., n-1.
+  template <class T>
+  static T reduce_at(const std::vector<Slot>& slots, std::size_t j, ReduceOp op) {
+    T total = static_cast<const T*>(slots[0].data)[j];
+    for (std::size_t r = 1; r < slots.size(); ++r) total += static_cast<const T*>(slots[r].data)[j];
+    if (op == ReduceOp::average) total /= static_cast<T>(slots.size());
+    return total;
+  }
+
+  // Meets the group for reduce_scatter or all_gather, publishing `shared`
+  // (what the others read), the whole buffer's size and the part's (n), and
+  // checks every rank's sizes, not only this one's: a rank that passed wrong
+  // sizes would otherwise be read or written past its buffers by the others,
+  // and every rank sees the same slots, so all raise together.
+  const std::vector<Slot>& meet_parts(const void* shared, std::size_t whole, std::size_t part,
+                                      const char* type, const char* op, const char* whole_name,
+                                      const char* part_name) {
+    Slot mine = slot(shared, whole, type, op);
+    mine.part = part;
+    const auto& slots = group_->meet(rank_, mine);
+    const auto ranks = static_cast<std::size_t>(size());
+    for (int r = 0; r < size(); ++r) {
+      const Slot& other = slots[static_cast<std::size_t>(r)];
+      LOOM_CHECK(other.count == ranks * other.part, "LocalComm ", op, " on rank ", rank_, " of ",
+                 size(), ": ", r == rank_ ? std::string("this rank") : "rank " + std::to_string(r),
+                 " passed ", whole_name, " of ", other.count, " ", other.type, " and ", part_name,
+                 " of ", other.part, "; ", whole_name, " must hold size() * ", part_name,
+                 ".size() = ", ranks * other.part, " elements");
+    }
+    for (int r = 0; r < size(); ++r) {
+      const Slot& other = slots[static_cast<std::size_t>(r)];
+      LOOM_CHECK(other.part == part && std::strcmp(other.type, type) == 0, "LocalComm ", op,
+                 " on rank ", rank_, " of ", size(), ": rank ", r, " passed ", part_name, " of ",
+                 other.part, " ", other.type, " but this rank ", part, " ", type,
+                 "; every rank must pass the same n (", part_name, ".size()) and type");
+    }
+    return slots;
   }
 
   void check_peer(int peer, const char* op) const {

@@ -218,6 +218,35 @@ class MpiComm {
       for (T& x : data) x /= static_cast<T>(size_);
   }
 
+  // One MPI_Ireduce_scatter_block after the ranks agree on n (agree_on_part).
+  // n is MPI's int count; a slice of more elements is refused, not split.
+  template <Element T>
+  void reduce_scatter(std::span<const T> data, std::span<T> out, ReduceOp op) {
+    constexpr const char* call = "MPI_Reduce_scatter_block";
+    const int n = agree_on_part(data.size(), out.size(), element_name<T>(), call, "data", "out");
+    MPI_Request request = MPI_REQUEST_NULL;
+    ++side_->collectives;
+    start(MPI_Ireduce_scatter_block(data.data(), out.data(), n, detail::mpi_type<T>(), MPI_SUM,
+                                    *comm_, &request),
+          call);
+    wait(request, call, data.size(), element_name<T>());
+    if (op == ReduceOp::average)
+      for (T& x : out) x /= static_cast<T>(size_);
+  }
+
+  // One MPI_Iallgather after the ranks agree on n (agree_on_part).
+  template <Element T>
+  void all_gather(std::span<const T> mine, std::span<T> all) {
+    constexpr const char* call = "MPI_Allgather";
+    const int n = agree_on_part(all.size(), mine.size(), element_name<T>(), call, "all", "mine");
+    MPI_Request request = MPI_REQUEST_NULL;
+    ++side_->collectives;
+    start(MPI_Iallgather(mine.data(), n, detail::mpi_type<T>(), all.data(), n,
+                         detail::mpi_type<T>(), *comm_, &request),
+          call);
+    wait(request, call, all.size(), element_name<T>());
+  }
+
   template <Element T>
   void broadcast(std::span<T> data, int root) {
     check_peer(root, "MPI_Bcast");
@@ -490,6 +519,35 @@ class MpiComm {
               "job is aborted (MPI_Abort) when dist::Environment ends. A rank that legitimately takes "
               "longer between collectives needs a larger timeout (LOOM_COLLECTIVE_TIMEOUT, in "
               "seconds)");
+  }
+
+  // reduce_scatter's and all_gather's sizes: this rank's `whole` buffer must
+  // hold size() * `part` (n) elements, and every rank must pass the same n.
+  // MPI does not check that counts match across ranks (a mismatch truncates,
+  // hangs or writes past a buffer, depending on the algorithm), so the ranks
+  // first compare theirs in one small all-reduce of three words with
+  // MPI_MAX: whether any rank's own sizes are wrong, the largest n and the
+  // complement of the smallest. A rank with wrong sizes still takes part, so
+  // that every rank raises and none waits for it. Returns n as MPI's count.
+  int agree_on_part(std::size_t whole, std::size_t part, const char* type, const char* call,
+                    const char* whole_name, const char* part_name) {
+    const bool fits = whole == static_cast<std::size_t>(size_) * part;
+    std::uint64_t words[3] = {fits ? 0u : 1u, part, ~static_cast<std::uint64_t>(part)};
+    MPI_Request request = MPI_REQUEST_NULL;
+    ++side_->collectives;
+    // Named as the caller's call: it is the first half of it.
+    start(MPI_Iallreduce(MPI_IN_PLACE, words, 3, MPI_UINT64_T, MPI_MAX, *comm_, &request), call);
+    wait(request, call, whole, type);
+    LOOM_CHECK(fits, call, " on rank ", rank_, " of ", size_, ": ", whole_name, " has ", whole, " ",
+               type, " and ", part_name, " ", part, "; ", whole_name, " must hold size() * ",
+               part_name, ".size() = ", static_cast<std::size_t>(size_) * part, " elements");
+    LOOM_CHECK(words[0] == 0, call, " on rank ", rank_, " of ", size_,
+               ": another rank passed buffers whose sizes do not fit (its error says which)");
+    const std::uint64_t smallest = ~words[2];
+    LOOM_CHECK(smallest == words[1], call, " on rank ", rank_, " of ", size_, ": the ranks pass ",
+               part_name, " of ", smallest, " to ", words[1], " ", type, ", this rank ", part,
+               "; every rank must pass the same n (", part_name, ".size())");
+    return to_count(part, call);
   }
 
   void check_peer(int peer, const char* call) const {

@@ -9,6 +9,11 @@
 // reduction with backward on another stream. Every NCCL status is checked;
 // a failure names the call, the rank and NCCL's last error text.
 //
+// reduce_scatter and all_gather check this rank's sizes (the whole buffer is
+// size() * n) but not that every rank passes the same n: that would take
+// another collective and a copy to the host per call. Ranks that differ
+// wait until the timeout, or NCCL's own error, ends the call.
+//
 // A wait that lasts longer than the timeout (comm::collective_timeout():
 // another rank died or hangs, and its NCCL kernels never complete) aborts
 // the communicator with ncclCommAbort, which ends this rank's pending NCCL
@@ -47,6 +52,8 @@ ncclDataType_t nccl_type() {
   else
     return ncclInt32;
 }
+
+inline ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::sum ? ncclSum : ncclAvg; }
 
 }  // namespace detail
 
@@ -99,8 +106,8 @@ class NcclComm {
   template <Element T>
   void all_reduce_async(T* data, std::size_t count, ReduceOp op, cudaStream_t stream) {
     LOOM_CHECK(!state_->aborted, describe(), ": the communicator was aborted");
-    check(ncclAllReduce(data, data, count, detail::nccl_type<T>(),
-                        op == ReduceOp::sum ? ncclSum : ncclAvg, get(), stream),
+    check(ncclAllReduce(data, data, count, detail::nccl_type<T>(), detail::nccl_op(op), get(),
+                        stream),
           "ncclAllReduce");
   }
   template <Element T>
@@ -108,6 +115,26 @@ class NcclComm {
     on_device();
     all_reduce_async(data.data(), data.size(), op, stream());
     wait("ncclAllReduce");
+  }
+
+  template <Element T>
+  void reduce_scatter(std::span<const T> data, std::span<T> out, ReduceOp op) {
+    check_parts(data.size(), out.size(), element_name<T>(), "ncclReduceScatter", "data", "out");
+    on_device();
+    check(ncclReduceScatter(data.data(), out.data(), out.size(), detail::nccl_type<T>(),
+                            detail::nccl_op(op), get(), stream()),
+          "ncclReduceScatter");
+    wait("ncclReduceScatter");
+  }
+
+  template <Element T>
+  void all_gather(std::span<const T> mine, std::span<T> all) {
+    check_parts(all.size(), mine.size(), element_name<T>(), "ncclAllGather", "all", "mine");
+    on_device();
+    check(ncclAllGather(mine.data(), all.data(), mine.size(), detail::nccl_type<T>(), get(),
+                        stream()),
+          "ncclAllGather");
+    wait("ncclAllGather");
   }
 
   template <Element T>
@@ -234,6 +261,14 @@ class NcclComm {
               " s): another rank died, hangs or made a different call. The communicator was "
               "aborted (ncclCommAbort). A rank that legitimately takes longer between "
               "collectives needs a larger timeout (LOOM_COLLECTIVE_TIMEOUT, in seconds)");
+  }
+  // This rank's sizes for reduce_scatter and all_gather (see the top comment).
+  void check_parts(std::size_t whole, std::size_t part, const char* type, const char* call,
+                   const char* whole_name, const char* part_name) const {
+    const auto expected = static_cast<std::size_t>(size()) * part;
+    LOOM_CHECK(whole == expected, call, " on ", describe(), ": ", whole_name, " has ", whole, " ",
+               type, " and ", part_name, " ", part, "; ", whole_name, " must hold size() * ",
+               part_name, ".size() = ", expected, " elements");
   }
   void check_peer(int peer, const char* call) const {
     LOOM_CHECK(peer >= 0 && peer < size(), call, " on ", describe(), ": rank ", peer,
