@@ -78,6 +78,75 @@ TEST_CASE("mpi: all_reduce, broadcast, send/recv and split between processes") {
   REQUIRE(x[0] == 5.0f);
 }
 
+TEST_CASE("mpi: reduce_scatter and all_gather between processes, directly and through Comm") {
+  auto world = environment->world();
+  const int r = world.rank();
+  const auto i = static_cast<std::size_t>(r);
+  // n = 2: rank 0 gets the sums of elements 0 and 1, rank 1 of elements 2 and 3.
+  const std::vector<float> f{1.0f + r, 2.0f + r, 10.0f * (r + 1), 0.5f};
+  std::vector<float> out(2);
+  world.reduce_scatter(std::span<const float>(f), std::span<float>(out), comm::ReduceOp::sum);
+  REQUIRE(out == (r == 0 ? std::vector<float>{3.0f, 5.0f} : std::vector<float>{30.0f, 1.0f}));
+  const std::vector<double> d{2.0 * r, 1.0, -4.0 * r, 3.0 + r};
+  std::vector<double> mean(2);
+  world.reduce_scatter(std::span<const double>(d), std::span<double>(mean),
+                       comm::ReduceOp::average);
+  REQUIRE(mean == (r == 0 ? std::vector<double>{1.0, 1.0} : std::vector<double>{-2.0, 3.5}));
+  const std::vector<float> mine{0.25f + r, -1.0f * r, 7.0f};
+  std::vector<float> all(6);
+  world.all_gather(std::span<const float>(mine), std::span<float>(all));
+  REQUIRE(all == std::vector<float>{0.25f, 0.0f, 7.0f, 1.25f, -1.0f, 7.0f});
+
+  comm::Comm held(environment->world());
+  std::vector<double> gathered(2);
+  const std::vector<double> one{1.5 * (r + 1)};
+  held.all_gather(std::span<const double>(one), std::span<double>(gathered));
+  REQUIRE(gathered == std::vector<double>{1.5, 3.0});
+  const std::vector<std::uint64_t> counts{std::uint64_t(r) << 40, 1, 2, 3 + i};
+  std::vector<std::uint64_t> summed(2);
+  held.reduce_scatter(std::span<const std::uint64_t>(counts), std::span<std::uint64_t>(summed),
+                      comm::ReduceOp::sum);
+  REQUIRE(summed == (r == 0 ? std::vector<std::uint64_t>{std::uint64_t{1} << 40, 2}
+                            : std::vector<std::uint64_t>{4, 7}));
+  std::vector<float> mean_f(1);
+  held.reduce_scatter(std::span<const float>(f.data(), 2), std::span<float>(mean_f),
+                      comm::ReduceOp::average);
+  REQUIRE(mean_f[0] == (r == 0 ? 1.5f : 2.5f));
+}
+
+TEST_CASE("mpi: reduce_scatter and all_gather sizes that do not fit or differ are errors on both "
+          "ranks, not a hang") {
+  auto world = environment->world();
+  const int r = world.rank();
+  const std::string where = " on rank " + std::to_string(r) + " of 2: ";
+  {  // rank 1's data is not size() * out.size()
+    const std::vector<float> data(r == 1 ? 3 : 4, 1.0f);
+    std::vector<float> out(2);
+    REQUIRE_THROWS_WITH(
+        world.reduce_scatter(std::span<const float>(data), std::span<float>(out),
+                             comm::ReduceOp::sum),
+        Catch::Contains("MPI_Reduce_scatter_block" + where +
+                        (r == 1 ? "data has 3 float and out 2; data must hold size() * "
+                                  "out.size() = 4 elements"
+                                : "another rank passed buffers whose sizes do not fit (its "
+                                  "error says which)")));
+  }
+  {  // each rank's sizes fit, but their n differ
+    const std::size_t n = r == 0 ? 1 : 2;
+    const std::vector<double> mine(n, 1.0);
+    std::vector<double> all(2 * n);
+    REQUIRE_THROWS_WITH(
+        world.all_gather(std::span<const double>(mine), std::span<double>(all)),
+        Catch::Contains("MPI_Allgather" + where + "the ranks pass mine of 1 to 2 double, this rank " +
+                        std::to_string(n) + "; every rank must pass the same n (mine.size())"));
+  }
+  // Both ranks are still in step and MPI usable.
+  std::vector<float> all(2);
+  const std::vector<float> mine{float(r)};
+  world.all_gather(std::span<const float>(mine), std::span<float>(all));
+  REQUIRE(all == std::vector<float>{0.0f, 1.0f});
+}
+
 TEST_CASE("mpi: a message of the wrong length is a loom::Error naming the call and ranks") {
   auto world = environment->world();
   if (world.rank() == 0) {

@@ -184,6 +184,146 @@ TEST_CASE("LocalComm: mismatched buffers are an error on every rank, not a hang"
                              Catch::Contains("rank 0 sent 16 bytes to rank 1, which expected 20"));
 }
 
+TEMPLATE_TEST_CASE("LocalComm: reduce_scatter reduces rank r's slice in rank order, all_gather "
+                   "gathers every rank's part",
+                   "", float, double) {
+  using T = TestType;
+  for (int n : {1, 3, 4}) {
+    constexpr std::size_t part = 251;
+    const auto ranks = static_cast<std::size_t>(n);
+    std::vector<std::vector<T>> data(ranks);
+    for (std::size_t r = 0; r < ranks; ++r)
+      data[r] = test::random_vector<T>(ranks * part, 20 + r, -1e3, 1e3);
+    for (const auto op : {comm::ReduceOp::sum, comm::ReduceOp::average}) {
+      INFO(n << " ranks, " << comm::op_name(op));
+      std::vector<std::vector<T>> out(ranks, std::vector<T>(part));
+      std::vector<std::vector<T>> all_reduced = data;  // all_reduce's bits, for comparison
+      const auto errors = on_ranks(n, [&](comm::LocalComm& c) {
+        const auto r = static_cast<std::size_t>(c.rank());
+        c.reduce_scatter(std::span<const T>(data[r]), std::span<T>(out[r]), op);
+        c.all_reduce(std::span<T>(all_reduced[r]), op);
+      });
+      REQUIRE(errors == std::vector<std::string>(ranks));
+      for (std::size_t r = 0; r < ranks; ++r) {
+        INFO("rank " << r);
+        std::vector<T> expected(part);
+        for (std::size_t j = 0; j < part; ++j) {
+          T total = data[0][r * part + j];
+          for (std::size_t s = 1; s < ranks; ++s) total += data[s][r * part + j];
+          if (op == comm::ReduceOp::average) total /= static_cast<T>(n);
+          expected[j] = total;
+        }
+        test::require_equal(out[r], expected, "reduce_scatter's slice");
+        test::require_equal(out[r],
+                            std::vector<T>(all_reduced[r].begin() + static_cast<std::ptrdiff_t>(r * part),
+                                           all_reduced[r].begin() +
+                                               static_cast<std::ptrdiff_t>((r + 1) * part)),
+                            "all_reduce's slice");
+      }
+    }
+    std::vector<std::vector<T>> gathered(ranks, std::vector<T>(ranks * part));
+    const auto errors = on_ranks(n, [&](comm::LocalComm& c) {
+      const auto r = static_cast<std::size_t>(c.rank());
+      c.all_gather(std::span<const T>(data[r].data(), part), std::span<T>(gathered[r]));
+    });
+    REQUIRE(errors == std::vector<std::string>(ranks));
+    std::vector<T> expected;
+    for (std::size_t r = 0; r < ranks; ++r)
+      expected.insert(expected.end(), data[r].begin(),
+                      data[r].begin() + static_cast<std::ptrdiff_t>(part));
+    for (std::size_t r = 0; r < ranks; ++r) test::require_equal(gathered[r], expected, "gathered");
+  }
+}
+
+TEST_CASE("LocalComm: reduce_scatter and all_gather of small integers give exact sums and means") {
+  // 3 ranks, n = 2: rank r gives 10 r + k at element k of 6.
+  std::vector<std::vector<double>> out(3, std::vector<double>(2));
+  std::vector<std::vector<float>> mean(3, std::vector<float>(2));
+  std::vector<std::vector<float>> all(3, std::vector<float>(6));
+  const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    std::vector<double> data(6);
+    for (std::size_t k = 0; k < 6; ++k) data[k] = static_cast<double>(10 * r + k);
+    c.reduce_scatter(std::span<const double>(data), std::span<double>(out[r]), comm::ReduceOp::sum);
+    const std::vector<float> as_float(data.begin(), data.end());
+    c.reduce_scatter(std::span<const float>(as_float), std::span<float>(mean[r]),
+                     comm::ReduceOp::average);
+    const std::vector<float> mine{float(r), -0.5f * float(r)};
+    c.all_gather(std::span<const float>(mine), std::span<float>(all[r]));
+  });
+  REQUIRE(errors == std::vector<std::string>(3));
+  // Slice r holds elements 2r and 2r+1: the sum over ranks is 30 + 3k.
+  REQUIRE(out[0] == std::vector<double>{30.0, 33.0});
+  REQUIRE(out[1] == std::vector<double>{36.0, 39.0});
+  REQUIRE(out[2] == std::vector<double>{42.0, 45.0});
+  REQUIRE(mean[0] == std::vector<float>{10.0f, 11.0f});
+  REQUIRE(mean[2] == std::vector<float>{14.0f, 15.0f});
+  for (const auto& a : all) REQUIRE(a == std::vector<float>{0.0f, -0.0f, 1.0f, -0.5f, 2.0f, -1.0f});
+}
+
+TEST_CASE("LocalComm: reduce_scatter and all_gather sizes that do not fit are an error on every rank") {
+  // Rank 1's data is not size() * out.size(): every rank refuses, naming it.
+  const auto unfit = on_ranks(3, [&](comm::LocalComm& c) {
+    const std::vector<float> data(c.rank() == 1 ? 7 : 6, 1.0f);
+    std::vector<float> out(2);
+    c.reduce_scatter(std::span<const float>(data), std::span<float>(out), comm::ReduceOp::sum);
+  });
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r);
+    REQUIRE_THAT(unfit[static_cast<std::size_t>(r)],
+                 Catch::Contains("LocalComm reduce_scatter on rank " + std::to_string(r) +
+                                 " of 3: " + (r == 1 ? "this rank" : "rank 1") +
+                                 " passed data of 7 float and out of 2; data must hold size() * "
+                                 "out.size() = 6 elements"));
+  }
+  // Every rank's sizes fit, but rank 2's n is another: the same n or nothing.
+  const auto uneven = on_ranks(3, [&](comm::LocalComm& c) {
+    const std::size_t n = c.rank() == 2 ? 3 : 2;
+    const std::vector<double> data(3 * n, 1.0);
+    std::vector<double> out(n);
+    c.reduce_scatter(std::span<const double>(data), std::span<double>(out), comm::ReduceOp::sum);
+  });
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r);
+    REQUIRE_THAT(uneven[static_cast<std::size_t>(r)],
+                 Catch::Contains("LocalComm reduce_scatter on rank " + std::to_string(r) + " of 3: " +
+                                 (r == 2 ? "rank 0 passed out of 2 double but this rank 3 double"
+                                         : "rank 2 passed out of 3 double but this rank 2 double") +
+                                 "; every rank must pass the same n (out.size()) and type"));
+  }
+  // all_gather alike; after a refused call the group goes on in step.
+  std::vector<std::vector<float>> after(2, std::vector<float>(2));
+  const auto gather = on_ranks(2, [&](comm::LocalComm& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    std::vector<float> all(r == 0 ? 5 : 4);
+    const std::vector<float> mine{float(r), 1.0f};
+    try {
+      c.all_gather(std::span<const float>(mine), std::span<float>(all));
+    } catch (const Error& e) {
+      c.all_gather(std::span<const float>(mine.data(), 1), std::span<float>(after[r]));
+      throw;
+    }
+  });
+  REQUIRE_THAT(gather[0], Catch::Contains("LocalComm all_gather on rank 0 of 2: this rank passed "
+                                          "all of 5 float and mine of 2; all must hold size() * "
+                                          "mine.size() = 4 elements"));
+  REQUIRE_THAT(gather[1], Catch::Contains("LocalComm all_gather on rank 1 of 2: rank 0 passed all "
+                                          "of 5 float and mine of 2"));
+  for (const auto& a : after) REQUIRE(a == std::vector<float>{0.0f, 1.0f});
+  const auto uneven_gather = on_ranks(2, [&](comm::LocalComm& c) {
+    const std::size_t n = c.rank() == 0 ? 1 : 2;
+    const std::vector<float> mine(n);
+    std::vector<float> all(2 * n);
+    c.all_gather(std::span<const float>(mine), std::span<float>(all));
+  });
+  REQUIRE_THAT(uneven_gather[0], Catch::Contains("LocalComm all_gather on rank 0 of 2: rank 1 "
+                                                 "passed mine of 2 float but this rank 1 float; "
+                                                 "every rank must pass the same n (mine.size()) "
+                                                 "and type"));
+  REQUIRE_THAT(uneven_gather[1], Catch::Contains("LocalComm all_gather on rank 1 of 2: rank 0 "
+                                                 "passed mine of 1 float but this rank 2 float"));
+}
+
 TEST_CASE("LocalComm: a rank that fails aborts the group, the others' calls raise its reason") {
   const auto errors = on_ranks(3, [&](comm::LocalComm& c) {
     if (c.rank() == 2) {
@@ -325,6 +465,34 @@ TEST_CASE("Comm holds any Communicator, ops and ranks pass through") {
   REQUIRE(data[1] == std::vector<float>{2.0f, 3.5f});
   REQUIRE(held[1].rank() == 1);
   REQUIRE(held[1].describe() == "LocalComm rank 1 of 2");
+}
+
+TEST_CASE("Comm forwards reduce_scatter and all_gather of float, double and uint64") {
+  std::vector<std::vector<float>> f(2, std::vector<float>(1));
+  std::vector<std::vector<double>> d(2, std::vector<double>(4));
+  std::vector<std::vector<std::uint64_t>> u(2, std::vector<std::uint64_t>(4));
+  const auto errors = on_ranks(2, [&](comm::LocalComm& c) {
+    comm::Comm held(c);
+    const int r = held.rank();
+    const auto i = static_cast<std::size_t>(r);
+    const std::vector<float> fs{1.0f + float(r), 4.0f * float(r + 1)};
+    held.reduce_scatter(std::span<const float>(fs), std::span<float>(f[i]),
+                        comm::ReduceOp::average);
+    const std::vector<double> mine{0.5 + r, -1.0 * r};
+    held.all_gather(std::span<const double>(mine), std::span<double>(d[i]));
+    const std::vector<std::uint64_t> mine_u{std::uint64_t(r) << 40, 7};
+    held.all_gather(std::span<const std::uint64_t>(mine_u), std::span<std::uint64_t>(u[i]));
+    const std::vector<std::uint64_t> sums = u[i];
+    held.reduce_scatter(std::span<const std::uint64_t>(sums),
+                        std::span<std::uint64_t>(u[i].data(), 2), comm::ReduceOp::sum);
+  });
+  REQUIRE(errors == std::vector<std::string>(2));
+  REQUIRE(f[0] == std::vector<float>{1.5f});   // (1 + 2) / 2
+  REQUIRE(f[1] == std::vector<float>{6.0f});   // (4 + 8) / 2
+  for (const auto& all : d) REQUIRE(all == std::vector<double>{0.5, 0.0, 1.5, -1.0});
+  // Gathered {0, 7, 2^40, 7} on both; rank r sums slice r of both.
+  REQUIRE(u[0] == std::vector<std::uint64_t>{0, 14, std::uint64_t{1} << 40, 7});
+  REQUIRE(u[1] == std::vector<std::uint64_t>{std::uint64_t{1} << 41, 14, std::uint64_t{1} << 40, 7});
 }
 
 TEST_CASE("comm: LOOM_COLLECTIVE_TIMEOUT and _REPORT set seconds, and a bad value is refused") {
