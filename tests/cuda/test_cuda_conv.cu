@@ -9,6 +9,7 @@
 // reordering error is a few 1e-6 typically and bounded by ~6e-4, against
 // sums of magnitude ~30, well inside 1e-3 relative.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <loom/backend/cpu/cpu.hpp>
 #include <loom/backend/cuda/conv.cuh>
@@ -137,6 +138,44 @@ TEST_CASE(
       }
     }
   });
+}
+
+TEST_CASE("cuda conv: after a step of NaN inputs the fused epilogue's output is the CPU's again") {
+  // A skipped step can leave y NaN; the fused call's z is a buffer of zeros,
+  // not y, so the next step's output owes nothing to the NaN (0 * NaN).
+  using G = LeNetConv2;
+  loom::gpu::Dnn dnn;
+  loom::gpu::Stream stream;
+  dnn.set_stream(stream.get());
+  loom::gpu::Convolution conv(dnn, G::geometry(), G::out_channels,
+                              {.prefer_fused_epilogue = true});
+  REQUIRE(conv.fused_epilogue());
+  loom::gpu::DeviceBuffer<unsigned char> workspace(conv.workspace_bytes(), "conv workspace");
+  const auto w = test::random_vector<float>(G::weight_count, 14);
+  const auto bias = test::random_vector<float>(G::out_channels, 15);
+  const auto x = test::random_vector<float>(G::in_size, 16);
+  auto d_w = to_device(w);
+  auto d_bias = to_device(bias);
+  auto d_nan_x = nan_buffer(G::in_size);
+  auto d_x = to_device(x);
+  loom::gpu::DeviceBuffer<float> d_y(G::out_size, "test y");
+  // Identity: a NaN survives it (ReLU's NOT_PROPAGATE_NAN may not).
+  conv.forward_bias_act(d_nan_x.data(), d_w.data(), d_bias.data(), d_y.data(), false,
+                        workspace.data(), workspace.size());
+  stream.synchronize();
+  const auto poisoned = to_host(d_y);
+  REQUIRE(std::all_of(poisoned.begin(), poisoned.end(), [](float v) { return std::isnan(v); }));
+  for (const bool relu : {false, true}) {
+    INFO((relu ? "ReLU" : "identity"));
+    conv.forward_bias_act(d_x.data(), d_w.data(), d_bias.data(), d_y.data(), relu,
+                          workspace.data(), workspace.size());
+    stream.synchronize();
+    const auto params = concat(w, bias);
+    const auto y = relu ? cpu_forward<typename G::WithRelu>(params, x, G::batch)
+                        : cpu_forward<typename G::Plain>(params, x, G::batch);
+    test::require_close(to_host(d_y), y, fp32_sums, "forward_bias_act output after a NaN step");
+    CHECK(conv.fused_epilogue());
+  }
 }
 
 TEST_CASE(

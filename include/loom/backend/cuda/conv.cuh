@@ -32,6 +32,7 @@
 #include "../cpu/conv.hpp"
 #include "check.hpp"
 #include "epilogue.cuh"
+#include "memory.hpp"
 
 namespace loom::gpu {
 
@@ -137,7 +138,8 @@ struct AlgoChoice {
 // and writes dz for backward_data and backward_filter.
 //
 // Pointers are device pointers; every call is enqueued on the Dnn's stream.
-// The Dnn must outlive the Convolution.
+// The Dnn must outlive the Convolution and keep the stream it had when the
+// Convolution was made (the fused epilogue's zero z is written on it then).
 class Convolution {
  public:
   Convolution(const Dnn& dnn, const cpu::ConvGeometry& g, std::size_t out_channels,
@@ -190,6 +192,13 @@ class Convolution {
     choose_backward_data(options);
     choose_backward_filter(options);
     fused_ = forward_.algo == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
+    if (fused_) {
+      zero_z_ = DeviceBuffer<float>(g.batch * out_channels * g.plane(),
+                                    shape_ + ": the fused epilogue's zero z");
+      // On the Dnn's stream, ahead of every call of this Convolution.
+      LOOM_CUDA_CHECK(
+          cudaMemsetAsync(zero_z_.data(), 0, zero_z_.size() * sizeof(float), stream()));
+    }
   }
 
   // y = conv(x, w). y is written, never read (beta = 0), so it may hold garbage.
@@ -217,15 +226,23 @@ class Convolution {
   // NaN: the activation descriptors use CUDNN_NOT_PROPAGATE_NAN, the mode
   // the fused call is known to accept, so a NaN pre-activation may leave the
   // fused ReLU as 0 where the two-step path and the CPU keep the NaN.
+  //
+  // z: cuDNN defines the call as y = act(alpha1 * conv(x) + alpha2 * z +
+  // bias) (cudnn_cnn.h, cuDNN 9; the API reference's entry for
+  // cudnnConvolutionBiasActivationForward) and documents no case in which z
+  // goes unread; its rule that an output is not read when its beta is 0 is
+  // about beta, and alpha2 scales an input. With z = y and alpha2 = 0, a y
+  // left NaN by a skipped step could make every later output 0 * NaN = NaN.
+  // So z is a buffer of zeros, written once: alpha2 * z is 0 whether cuDNN
+  // reads it or not.
   void forward_bias_act(const float* x, const float* w, const float* bias, float* y, bool relu,
                         void* workspace, std::size_t bytes) {
     require_workspace(forward_.bytes, bytes, "forward_bias_act");
     if (fused_) {
       const float one = 1.0f, zero = 0.0f;
-      // z = y with alpha2 = 0: the z term contributes nothing.
       const cudnnStatus_t status = cudnnConvolutionBiasActivationForward(
           handle_, &one, x_desc_.get(), x, w_desc_.get(), w, conv_fwd_.get(), forward_.algo,
-          workspace, bytes, &zero, y_desc_.get(), y, bias_desc_.get(), bias,
+          workspace, bytes, &zero, y_desc_.get(), zero_z_.data(), bias_desc_.get(), bias,
           relu ? relu_.get() : identity_.get(), y_desc_.get(), y);
       if (CUDNN_STATUS_CATEGORY(status) != CUDNN_STATUS_NOT_SUPPORTED) {
         check(status, "cudnnConvolutionBiasActivationForward");
@@ -479,6 +496,7 @@ class Convolution {
   detail::AlgoChoice<cudnnConvolutionBwdDataAlgo_t> backward_data_{};
   detail::AlgoChoice<cudnnConvolutionBwdFilterAlgo_t> backward_filter_{};
   bool fused_ = false;
+  DeviceBuffer<float> zero_z_;  // the fused call's z (see forward_bias_act)
 };
 
 }  // namespace loom::gpu
