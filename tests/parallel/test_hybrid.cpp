@@ -4,7 +4,11 @@
 // bit for bit. Also its placement, uneven and empty shares, accumulation,
 // evaluation, the overlap of a stage's reduction with backward, and errors.
 #include <loom/loom.hpp>
+#include <array>
+#include <cstdint>
+#include <span>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -44,6 +48,62 @@ TEST_CASE("Hybrid: the grid's shape at compile time") {
   STATIC_REQUIRE(is_pipelined<ModelSplit<At<4>>>);
   STATIC_REQUIRE(!is_pipelined<DataParallel<>>);
   STATIC_REQUIRE(Hybrid<2, ModelSplit<At<>>>::stages == 1);
+}
+
+TEST_CASE("Mesh: one placement, tensor innermost, data outermost, and its groups") {
+  constexpr Mesh mesh{.data = 2, .pipe = 3, .tensor = 2};
+  STATIC_REQUIRE(mesh.size() == 12);
+  STATIC_REQUIRE(mesh.coordinates(0) == MeshCoordinates{0, 0, 0});
+  STATIC_REQUIRE(mesh.coordinates(1) == MeshCoordinates{0, 0, 1});
+  STATIC_REQUIRE(mesh.coordinates(2) == MeshCoordinates{0, 1, 0});
+  STATIC_REQUIRE(mesh.coordinates(6) == MeshCoordinates{1, 0, 0});
+  STATIC_REQUIRE(mesh.coordinates(11) == MeshCoordinates{1, 2, 1});
+  for (std::size_t w = 0; w < mesh.size(); ++w) REQUIRE(mesh.rank(mesh.coordinates(w)) == w);
+  REQUIRE(mesh.describe() == "data 2 x pipe 3 x tensor 2");
+  // Hybrid's grid is the mesh with tensor 1: rank w is replica w / S, stage w % S.
+  constexpr Mesh grid{.data = 3, .pipe = 2};
+  for (std::size_t w = 0; w < grid.size(); ++w) {
+    REQUIRE(grid.coordinates(w).data == w / 2);
+    REQUIRE(grid.coordinates(w).pipe == w % 2);
+  }
+
+  // Each rank's group along an axis: the ranks that differ from it only
+  // there, ranked by their coordinate. On 12 threads, each rank sums
+  // (1 << w) over every group; the sum names the group's members.
+  const std::size_t ranks = mesh.size();
+  auto comms = comm::LocalComm::create(static_cast<int>(ranks));
+  std::vector<std::array<std::uint64_t, 3>> sums(ranks);
+  std::vector<std::array<int, 3>> group_ranks(ranks), group_sizes(ranks);
+  std::vector<std::thread> threads;
+  for (std::size_t w = 0; w < ranks; ++w) threads.emplace_back([&, w] {
+    MeshGroups groups = split_mesh(comm::Comm(comms[w]), mesh);
+    for (std::size_t a = 0; a < 3; ++a) {
+      comm::Comm& group = groups.along(mesh_axes[a]);
+      std::array<std::uint64_t, 1> bit{std::uint64_t{1} << w};
+      group.all_reduce(std::span<std::uint64_t>(bit), comm::ReduceOp::sum);
+      sums[w][a] = bit[0];
+      group_ranks[w][a] = group.rank();
+      group_sizes[w][a] = group.size();
+    }
+  });
+  for (auto& thread : threads) thread.join();
+  for (std::size_t w = 0; w < ranks; ++w) {
+    const MeshCoordinates at = mesh.coordinates(w);
+    for (std::size_t a = 0; a < 3; ++a) {
+      const MeshAxis axis = mesh_axes[a];
+      INFO("rank " << w << ", axis " << axis_name(axis));
+      std::uint64_t members = 0;
+      for (std::size_t v = 0; v < ranks; ++v) {
+        const MeshCoordinates other = mesh.coordinates(v);
+        bool same = true;
+        for (const MeshAxis b : mesh_axes) same = same && (b == axis || other[b] == at[b]);
+        if (same) members |= std::uint64_t{1} << v;
+      }
+      CHECK(sums[w][a] == members);
+      CHECK(group_ranks[w][a] == static_cast<int>(at[axis]));
+      CHECK(group_sizes[w][a] == static_cast<int>(mesh.extent(axis)));
+    }
+  }
 }
 
 TEST_CASE("Hybrid 2x2 on 4 CPU workers reaches the single-device weights, both schedules") {

@@ -183,10 +183,15 @@ class NcclComm {
     wait("barrier (ncclAllReduce of one value)");
   }
 
+  // The mesh's groups are split from one root with shared resources
+  // (splitShare): a rank's data, pipe and tensor groups reuse the root's
+  // proxy threads and buffers instead of each setting up its own.
   NcclComm split(int color, int key) {
     on_device();
     ncclComm_t made = nullptr;
-    check(ncclCommSplit(get(), color, key, &made, nullptr), "ncclCommSplit");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.splitShare = 1;
+    check(ncclCommSplit(get(), color, key, &made, &config), "ncclCommSplit");
     LOOM_CHECK(made != nullptr, describe(), ": ncclCommSplit gave no communicator for color ",
                color);
     NcclComm part(made, device());

@@ -81,7 +81,7 @@ class DataParallelEngine final : public GridEngine {
   using OptimizerState = typename Optimizer::template State<float>;
 
   // One replica per device, ranks of a LocalComm; or, with `processes` (an
-  // MPI world), one device here and the replicas are the processes.
+  // MPI world), one replica per device of every process.
   DataParallelEngine(const std::vector<Device>& devices, comm::Comm processes, std::uint64_t seed,
                      typename Optimizer::Options options)
       : DataParallelEngine(devices, processes, Model<Net, float>(seed), options) {}
@@ -140,7 +140,8 @@ class DataParallelEngine final : public GridEngine {
             devices, processes,
             {.policy = Policy::name,
              .identity = type_label<Policy>(),
-             .replicas = processes ? static_cast<std::size_t>(processes.size()) : devices.size(),
+             .replicas = processes ? static_cast<std::size_t>(processes.size()) * devices.size()
+                                   : devices.size(),
              .bucket_bytes = bucket_bytes(),
              .schedule = {PipelineKind::one_f_one_b, 1}},
             {}) {}

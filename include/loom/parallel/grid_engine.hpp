@@ -1,10 +1,14 @@
 // The grid engine of the CPU's policies: SingleDevice, DataParallel,
-// ModelSplit and Hybrid are R replicas x S stages of one network, run by one
-// engine written once, without the network's type. Rank w of the grid is
-// replica w / S, stage w % S; its stage (a type-erased PipelineStage, made
-// by the policy's typed engine: data_parallel.hpp, model_split.hpp) runs on
-// a worker thread of its own (devices::cpu(n), ranks of a LocalComm), or is
-// this MPI process's one rank (MpiComm).
+// ModelSplit and Hybrid are meshes of R replicas x S stages of one network
+// (mesh.hpp: data x pipe, the tensor axis 1), run by one engine written
+// once, without the network's type. Rank w of the mesh is replica w / S,
+// stage w % S (Mesh::coordinates); its stage (a type-erased PipelineStage,
+// made by the policy's typed engine: data_parallel.hpp, model_split.hpp)
+// runs on a worker thread of its own (devices::cpu(n), ranks of a
+// LocalComm), or is this MPI process's one rank (MpiComm). Each rank talks
+// over its mesh groups: activations and gradients along the pipe axis,
+// gradient buckets along the data axis, loss totals and agreement over the
+// world.
 //
 // Exactness: every micro-batch's loss gradient is scaled by 1/(global
 // batch), and each stage adds its micro-batches' gradients, so a step's
@@ -46,6 +50,7 @@
 
 #include "../comm/communicator.hpp"
 #include "../comm/local_comm.hpp"
+#include "../comm/mixed_comm.hpp"
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../core/linkage.hpp"
@@ -57,6 +62,7 @@
 #include "../optim/loss_scaler.hpp"
 #include "buckets.hpp"
 #include "crew.hpp"
+#include "mesh.hpp"
 #include "reducer.hpp"
 #include "schedule.hpp"
 #include "step_protocol.hpp"
@@ -391,7 +397,9 @@ class GridEngine {
   const PipelineSchedule& schedule() const { return schedule_; }
   const PipelineGrid& grid() const { return grid_; }
   std::size_t replicas() const { return grid_.replicas; }
-  int world() const { return ranks_.front()->world.size(); }
+  // The policy's shape: replicas x stages x 1.
+  const Mesh& mesh() const { return mesh_; }
+  int world() const { return ranks_.front()->groups.world.size(); }
   // This process's ranks, in grid order (replica-major), and their stages.
   std::size_t local_stages() const { return ranks_.size(); }
   PipelineStage& stage(std::size_t i) { return *ranks_.at(i)->net; }
@@ -419,16 +427,16 @@ class GridEngine {
   // in micro-batches.
   cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch, Precision precision);
 
-  // Every rank's `row` (all of one size), rank r's as row r (a collective:
-  // the trainer's agreement before a fit or a load).
+  // Every process's `row` (all of one size), process p's as row p (a
+  // collective: the trainer's agreement before a fit or a load).
   std::vector<double> gather_rows(std::span<const double> row) {
     std::vector<double> rows;
     crew_.run({.kind = JobKind::agree, .row = row, .rows = &rows});
     return rows;
   }
 
-  // The sum of `value` over the ranks, one per process (a collective: a
-  // checkpoint that one process could not write or read stops them all).
+  // The sum of `value` over the processes (a collective: a checkpoint that
+  // one process could not write or read stops them all).
   double sum_over_ranks(double value) {
     crew_.run({.kind = JobKind::agree, .value = value});
     return ranks_.front()->stats[0];
@@ -500,10 +508,13 @@ class GridEngine {
   };
 
   struct Rank {
-    std::size_t replica = 0, stage = 0;
+    std::size_t rank = 0;  // in the mesh's world
+    std::size_t replica = 0, stage = 0;  // its data and pipe coordinates
     std::unique_ptr<PipelineStage> net;
-    comm::Comm world;     // every rank of the grid
-    comm::Comm pipeline;  // this replica's stages (rank = stage)
+    // Its communicators: world, every rank of the grid; pipe, this
+    // replica's stages (rank = stage); data, the copies of this stage (rank
+    // = replica), which the reducer's thread uses (mesh.hpp).
+    MeshGroups groups;
     StatisticsSum statistics;                      // SyncBatchNorm's, over the stage's copies
     std::unique_ptr<Reducer> reducer;              // several replicas: over this stage's copies
     std::unique_ptr<Outbox> to_next, to_previous;  // destroyed first
@@ -547,8 +558,8 @@ class GridEngine {
 
   // A failing rank wakes every group it belongs to, so no rank waits for it.
   void cancel(Rank& r, const std::string& why) {
-    r.world.cancel(why);
-    if (r.pipeline) r.pipeline.cancel(why);
+    r.groups.world.cancel(why);
+    if (r.groups.pipe) r.groups.pipe.cancel(why);
     if (r.reducer) r.reducer->comm().cancel(why);
     // Made by the start job: read only once every rank has made it.
     if (started_ && r.statistics.comm) r.statistics.comm.cancel(why);
@@ -571,7 +582,7 @@ class GridEngine {
   const float* receive_input(Rank& r, const float* images, std::size_t n, std::size_t slot) {
     if (first(r)) return images;
     float* buffer = r.inputs[slot].data();
-    r.pipeline.recv(std::span<float>(buffer, n * r.net->input_size),
+    r.groups.pipe.recv(std::span<float>(buffer, n * r.net->input_size),
                     static_cast<int>(r.stage - 1));
     return buffer;
   }
@@ -609,7 +620,7 @@ class GridEngine {
     // replicas' copies hold the same reduced gradients).
     bool unscale(float loss_scale) {
       std::array<double, 1> bad{unscale_gradients(r.net->gradients(), loss_scale) ? 0.0 : 1.0};
-      r.pipeline.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
+      r.groups.pipe.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
       return bad[0] == 0.0;
     }
     // This rank's first non-finite value (the outputs its slots still
@@ -624,13 +635,13 @@ class GridEngine {
         r.fault = r.net->find_nonfinite_output(slot, r.stage == 0);
       }
       if (!r.fault) r.fault = r.net->find_nonfinite_gradient();
-      r.fault = agree_on_spot(r.world, r.fault);
+      r.fault = agree_on_spot(r.groups.world, r.fault);
       r.net->restore_state();
     }
     // Every rank learned of the overflow (summed over the pipeline, whose
     // replicas hold the same reduced gradients): all agree on where.
     void skip_overflow(bool name_spot) {
-      if (name_spot) r.fault = agree_on_spot(r.world, r.net->find_nonfinite_gradient());
+      if (name_spot) r.fault = agree_on_spot(r.groups.world, r.net->find_nonfinite_gradient());
       r.net->restore_state();
     }
     // The norm is the whole pipeline's: each stage gives its layers' squares.
@@ -638,7 +649,7 @@ class GridEngine {
       auto& squares = r.squares;
       squares.assign(engine.net_.norm_segments.size(), 0.0);
       r.net->add_layer_squares(engine.net_.norm_segments, squares);
-      r.pipeline.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
+      r.groups.pipe.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
       clip_gradients(r.net->gradients(), global_norm(squares), max_norm);
     }
     void update(float lr) { r.net->update(lr); }
@@ -675,7 +686,9 @@ class GridEngine {
   PipelineGrid grid_;
   PipelineSchedule schedule_;
   std::size_t stages_;
+  Mesh mesh_;  // grid_.replicas x stages_ x 1
   bool local_ = true;
+  std::size_t threads_per_process_ = 1;  // ranks in this process: process p holds p*T ... p*T+T-1
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::atomic<bool> started_ = false;  // every rank's groups exist
   Crew<Job> crew_;  // after ranks_: its threads stop before the ranks go
@@ -741,6 +754,7 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
       grid_(std::move(grid)),
       schedule_(schedule.micro_batches == 0 ? grid_.schedule : schedule),
       stages_(net_.stages),
+      mesh_{.data = grid_.replicas, .pipe = stages_},
       crew_(grid_.policy, devices.front().threads) {
   LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
   std::vector<comm::Comm> comms;
@@ -748,36 +762,53 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
   const char* name = grid_.policy;
   const std::size_t ranks = grid_.replicas * stages_;
   if (processes) {
-    LOOM_CHECK(static_cast<std::size_t>(processes.size()) == ranks, name, " has ", layout(),
-               ", one per process, but ", processes.size(), " processes were started; start ",
-               ranks, " (mpirun -np ", ranks, ")");
-    LOOM_CHECK(devices.size() == 1, name, " over ", processes.size(),
-               " processes takes one device per process (its rank's), but this one was given ",
-               devices.size(), "; pass dist::Environment::devices()");
+    const std::size_t threads = devices.size();
+    const std::size_t process_count = static_cast<std::size_t>(processes.size());
+    if (threads == 1)
+      LOOM_CHECK(process_count == ranks, name, " has ", layout(), ", one per process, but ",
+                 process_count, " processes were started; start ", ranks, " (mpirun -np ", ranks,
+                 ")");
+    else
+      LOOM_CHECK(process_count * threads == ranks, name, " has ", layout(),
+                 ", one per device, but ", process_count, " processes with ", threads,
+                 " devices each make ", process_count * threads, "; start processes x devices = ",
+                 ranks);
 #if defined(LOOM_WITH_MPI)
-    // A stage's outboxes send while its compute thread receives.
+    // A stage's outboxes send while its compute thread receives; a
+    // process's threads call MPI at once.
     int initialized = 0, level = MPI_THREAD_SINGLE;
     MPI_Initialized(&initialized);
     if (initialized) MPI_Query_thread(&level);
-    LOOM_CHECK(stages_ == 1 || !initialized || level == MPI_THREAD_MULTIPLE, name,
-               " over MPI processes sends and receives from several threads at once and needs "
-               "MPI_THREAD_MULTIPLE; this MPI library provides thread level ",
+    LOOM_CHECK((stages_ == 1 && threads == 1) || !initialized || level == MPI_THREAD_MULTIPLE,
+               name, " over MPI processes sends and receives from several threads at once and "
+               "needs MPI_THREAD_MULTIPLE; this MPI library provides thread level ",
                level);
 #endif
-    comms.push_back(std::move(processes));
+    threads_per_process_ = threads;
+    if (threads == 1) {
+      comms.push_back(std::move(processes));
+    } else {
+      // Ranks are threads of several processes: a group over both (the
+      // ranks of a process reduce among themselves first, deterministically).
+      for (auto& mixed : comm::MixedComm::create(processes, static_cast<int>(threads)))
+        comms.emplace_back(std::move(mixed));
+    }
   } else {
     LOOM_CHECK(devices.size() == ranks, name, " has ", layout(), " and needs ", ranks,
                " devices, one each, but ", devices.size(), " were given");
+    threads_per_process_ = ranks;
     for (auto& local : comm::LocalComm::create(static_cast<int>(ranks)))
       comms.emplace_back(std::move(local));
   }
   for (auto& c : comms) {
     auto rank = std::make_unique<Rank>();
     const auto w = static_cast<std::size_t>(c.rank());
-    rank->replica = w / stages_;
-    rank->stage = w % stages_;
+    const MeshCoordinates at = mesh_.coordinates(w);
+    rank->rank = w;
+    rank->replica = at.data;
+    rank->stage = at.pipe;
     rank->net = make_stage(rank->stage);
-    rank->world = std::move(c);
+    rank->groups.world = std::move(c);
     ranks_.push_back(std::move(rank));
   }
   if (ranks == 1) crew_.set_alone();
@@ -908,38 +939,46 @@ LOOM_DECL void GridEngine::work(Rank& r, const Job& job) {
       break;
     }
     case JobKind::agree:
+      // Across processes: one row, one value, per process, which its first
+      // rank gives (its other ranks' rows are the same, their values 0).
       if (job.rows != nullptr) {
-        auto all = comm::gather_rows(r.world, job.row);
-        if (&r == ranks_.front().get()) *job.rows = std::move(all);
+        auto all = comm::gather_rows(r.groups.world, job.row);
+        if (&r == ranks_.front().get()) {
+          job.rows->clear();
+          const std::size_t width = job.row.size();
+          for (std::size_t w = 0; w * width < all.size(); w += threads_per_process_)
+            job.rows->insert(job.rows->end(), all.begin() + static_cast<std::ptrdiff_t>(w * width),
+                             all.begin() + static_cast<std::ptrdiff_t>((w + 1) * width));
+        }
         break;
       }
-      r.stats = {job.value, 0.0};
-      r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+      r.stats = {&r == ranks_.front().get() ? job.value : 0.0, 0.0};
+      r.groups.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
       break;
   }
 }
 
 LOOM_DECL void GridEngine::start(Rank& r) {
-  check_same_program(r.world,
+  check_same_program(r.groups.world,
                      "network " + net_.network + ", policy " + grid_.identity + " (" +
                          std::to_string(grid_.replicas) + " replicas), optimizer " + net_.optimizer,
                      net_.parameter_count);
+  r.groups = split_mesh(std::move(r.groups.world), mesh_);
   if (grid_.replicas > 1) {
-    r.pipeline = r.world.split(static_cast<int>(r.replica), static_cast<int>(r.stage));
-    r.reducer = std::make_unique<Reducer>(
-        r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica)),
-        r.net->buckets.size());
+    r.reducer = std::make_unique<Reducer>(r.groups.data, r.net->buckets.size());
     r.reducer->comm().broadcast(r.net->parameters(), 0);
-  } else {
-    r.pipeline = r.world;
   }
+  // SyncBatchNorm's sums go over the data axis too, on a communicator of
+  // their own (see StatisticsSum).
   if (net_.syncs)
-    r.statistics.comm = r.world.split(static_cast<int>(r.stage), static_cast<int>(r.replica));
+    r.statistics.comm = r.groups.world.split(
+        static_cast<int>(mesh_.group(r.rank, MeshAxis::data)),
+        static_cast<int>(mesh_.rank_in_group(r.rank, MeshAxis::data)));
   const bool threaded = !local_;
   if (!last(r))
-    r.to_next = std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage + 1), threaded);
+    r.to_next = std::make_unique<Outbox>(r.groups.pipe, static_cast<int>(r.stage + 1), threaded);
   if (!first(r))
-    r.to_previous = std::make_unique<Outbox>(r.pipeline, static_cast<int>(r.stage - 1), threaded);
+    r.to_previous = std::make_unique<Outbox>(r.groups.pipe, static_cast<int>(r.stage - 1), threaded);
 }
 
 LOOM_DECL void GridEngine::prepare(Rank& r, std::size_t micro_batch, std::size_t slots) {
@@ -1020,7 +1059,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
       const std::size_t slot = r.slot_of[op.micro_batch];
       float* dy = r.net->output_gradient();
       if (!last(r))
-        r.pipeline.recv(std::span<float>(dy, piece.count * r.net->output_size),
+        r.groups.pipe.recv(std::span<float>(dy, piece.count * r.net->output_size),
                         static_cast<int>(r.stage + 1));
       const auto started = Clock::now();
       if (last(r)) {
@@ -1064,7 +1103,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
   // when it unscales them: non-finite there is an overflow.)
   const bool fp16 = job.settings.precision == Precision::fp16;
   r.stats[4] = fp16 || r.net->gradients_finite() ? 0.0 : 1.0;
-  r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+  r.groups.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
   if (!per_sample) {
     // The step's denominator over every batch and rank: each stage's
     // summed gradients become the mean's before fp16's unscale, clipping
@@ -1113,7 +1152,7 @@ LOOM_DECL void GridEngine::evaluate(Rank& r, const Job& job) {
     }
   }
   drain(r);
-  r.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
+  r.groups.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
 }
 
 LOOM_DECL void GridEngine::gather(Rank& r, std::span<const float> mine, std::size_t offset,
@@ -1127,8 +1166,8 @@ LOOM_DECL void GridEngine::gather(Rank& r, std::span<const float> mine, std::siz
   std::vector<float> all(total, 0.0f);
   if (r.replica == 0)
     std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(offset));
-  r.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
-  std::copy(all.begin(), all.end(), whole);
+  r.groups.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
+  if (&r == ranks_.front().get()) std::copy(all.begin(), all.end(), whole);
 }
 
 #endif  // LOOM_IMPLEMENT

@@ -6,8 +6,9 @@
 // MPI_Comm_split), bucket by bucket as the stage's last backward of the step
 // finishes them, as DataParallel does.
 //
-// Placement: rank w of the grid (device w, or MPI process w) is replica
-// w / S, stage w % S, so each replica's stages are neighbouring devices
+// Placement: rank w of the grid (device w, or MPI process w; or thread
+// w % T of process w / T with T devices each) is replica w / S, stage
+// w % S (Mesh::coordinates, mesh.hpp), so each replica's stages are neighbouring devices
 // (on a multi-GPU node, activations cross the fastest links) and the copies
 // of a stage are S apart. Trainer::placement() lists it; callbacks::Progress
 // prints it when fit() begins.
@@ -32,6 +33,7 @@
 
 #include "../core/device.hpp"
 #include "data_parallel.hpp"
+#include "mesh.hpp"
 #include "model_split.hpp"
 
 namespace loom {
@@ -74,41 +76,48 @@ struct Placement {
 };
 
 // The placement of Net under Policy on `devices` (or, with `processes` > 0,
-// one device per MPI process, this one `process` with `devices.front()`);
-// `grid_replicas`: Hybrid<replicas_from_devices, ...>'s replica count, as
-// pipeline_grid takes it.
+// across MPI processes with `devices` each, this one `process`); rank w
+// sits where Mesh::coordinates puts it, on process w / T, thread w % T (T
+// devices a process). `grid_replicas`: Hybrid<replicas_from_devices,
+// ...>'s replica count, as pipeline_grid takes it. `process_devices`:
+// across processes of one device each, each one's device by rank, when
+// known (else only this process's are named).
 template <class Net, class Policy>
-// `process_devices`: across processes, each one's device by rank, when
-// known (else only this process's is named).
 std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t processes = 0,
                                  std::size_t process = 0, std::size_t grid_replicas = 0,
                                  const std::vector<std::string>& process_devices = {}) {
-  std::size_t replicas = 1, stages = 1;
+  const std::size_t ranks = processes > 0 ? processes * devices.size() : devices.size();
+  Mesh mesh{.data = ranks};
   std::vector<std::size_t> starts{0, Net::layer_count};  // stage k: layers starts[k] + 1 ...
   if constexpr (is_pipelined<Policy>) {
-    const auto grid =
-        pipeline_grid<Policy>(processes > 0 ? processes : devices.size(), grid_replicas);
-    replicas = grid.replicas;
-    stages = grid.stages;
-    starts = cut_bounds<Net, typename Policy::partition>(stages);
-  } else if constexpr (is_data_parallel<Policy>) {
-    replicas = processes > 0 ? processes : devices.size();
+    const auto grid = pipeline_grid<Policy>(ranks, grid_replicas);
+    mesh = {.data = grid.replicas, .pipe = grid.stages};
+    starts = cut_bounds<Net, typename Policy::partition>(grid.stages);
+  } else if constexpr (!is_data_parallel<Policy>) {
+    mesh = {};
   }
+  const std::size_t threads = devices.size();
   std::vector<Placement> out;
-  for (std::size_t w = 0; w < replicas * stages; ++w) {
+  for (std::size_t w = 0; w < mesh.size(); ++w) {
+    const MeshCoordinates at = mesh.coordinates(w);
     Placement p;
     p.rank = w;
-    p.replica = w / stages;
-    p.stage = w % stages;
+    p.replica = at.data;
+    p.stage = at.pipe;
     p.first_layer = starts[p.stage] + 1;
     p.last_layer = starts[p.stage + 1];
-    if (processes == 0)
+    if (processes == 0) {
       p.device = w < devices.size() ? devices[w].name() : "(missing)";
-    else if (w < process_devices.size())
+    } else if (threads > 1) {
+      p.device = "process " + std::to_string(w / threads) + " thread " +
+                 std::to_string(w % threads);
+      if (w / threads == process) p.device += ": " + devices[w % threads].name();
+    } else if (w < process_devices.size()) {
       p.device = "process " + std::to_string(w) + ": " + process_devices[w];
-    else
+    } else {
       p.device = w == process ? "process " + std::to_string(w) + ": " + devices.front().name()
                               : "process " + std::to_string(w);
+    }
     out.push_back(p);
   }
   return out;

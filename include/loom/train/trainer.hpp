@@ -91,9 +91,12 @@ class Trainer : public detail::TrainerCore {
                 "Classes scores per sample (end with a per-frame Linear<classes> over "
                 "Input<Frames, Features>)");
 
-  // `processes`: for DataParallel or ModelSplit across MPI processes, the
-  // world communicator (dist::Environment::world()); this process then
-  // trains one replica, or one stage (its rank's), on its one device.
+  // `processes`: for DataParallel, ModelSplit or Hybrid across MPI
+  // processes, the world communicator (dist::Environment::world()); this
+  // process then runs the mesh's ranks of its devices: one
+  // (dist::Environment::devices(), a rank per process), or several on CPUs,
+  // each a rank on a thread of its own (process p of P with T devices holds
+  // ranks p*T ... p*T+T-1 of the P*T).
   Trainer(std::vector<Device> devices, typename Optimizer::Options options = {},
           TrainerOptions trainer_options = {}, comm::Comm processes = {})
       : detail::TrainerCore(trainer_options, options.lr),
@@ -149,7 +152,8 @@ class Trainer : public detail::TrainerCore {
     }
     if constexpr (is_pipelined<Policy>) {
       grid_ = pipeline_grid<Policy>(
-          processes ? static_cast<std::size_t>(processes.size()) : devices_.size(),
+          processes ? static_cast<std::size_t>(processes.size()) * devices_.size()
+                    : devices_.size(),
           trainer_options.replicas);
       // On GPUs the stages are made by the first fit() or evaluate(), for its batch size.
       if (devices_.front().kind == Device::Kind::cpu)
