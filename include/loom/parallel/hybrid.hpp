@@ -40,11 +40,25 @@ namespace loom {
 
 inline constexpr std::size_t replicas_from_devices = 0;
 
+namespace detail {
+
+// Anything but a ModelSplit has no schedule to check: Hybrid says what Split must be.
+template <class Split>
+inline constexpr bool split_schedule_holds = true;
+template <class P, class S>
+inline constexpr bool split_schedule_holds<ModelSplit<P, S>> = pipeline_schedule_holds_for<P, S>;
+
+}  // namespace detail
+
 template <std::size_t Replicas, class Split, std::size_t BucketBytes = default_bucket_bytes>
 struct Hybrid {
   static_assert(is_model_split<Split>,
                 "Hybrid<R, Split>: Split must be a ModelSplit<Partition, Schedule>, the pipeline "
                 "each replica runs");
+  // The check ModelSplit has made (instantiated once): every replica runs its pipeline.
+  static_assert(detail::split_schedule_holds<Split>,
+                "Hybrid<R, Split>: Split's schedule fails the pipeline schedule check (see the "
+                "message above)");
   using split = Split;
   using partition = typename Split::partition;
   using schedule_type = typename Split::schedule_type;

@@ -41,8 +41,29 @@
 
 namespace loom {
 
+namespace detail {
+
+template <class Partition, class Schedule, std::size_t... I>
+constexpr bool schedule_holds_for_each(std::index_sequence<I...>) {
+  return (pipeline_schedule_holds<BuiltinSchedule<Schedule::schedule.kind>,
+                                  Partition::stage_counts[I], Schedule::schedule.micro_batches>() &&
+          ...);
+}
+
+}  // namespace detail
+
+// Schedule's sends and receives pair up, and its pipeline completes, over
+// every stage count Partition carries (schedule_check.hpp); one that does
+// not fails to compile, naming the stage, transfer and micro-batch.
+template <class Partition, class Schedule>
+inline constexpr bool pipeline_schedule_holds_for = detail::schedule_holds_for_each<
+    Partition, Schedule>(std::make_index_sequence<Partition::stage_counts.size()>{});
+
 template <class Partition_, class Schedule_ = OneFOneB<4>>
 struct ModelSplit {
+  static_assert(pipeline_schedule_holds_for<Partition_, Schedule_>,
+                "ModelSplit<Partition, Schedule>: the schedule fails the pipeline schedule check "
+                "over one of the partition's stage counts (see the message above)");
   using partition = Partition_;
   using schedule_type = Schedule_;
   // 0: the partition carries several stage counts (Balanced<2, 3, 4>), and

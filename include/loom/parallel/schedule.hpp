@@ -11,11 +11,18 @@
 // Both run the backwards in micro-batch order, which is the order the
 // gradients arrive in, and both leave the idle fraction of an ideal
 // pipeline of equal stages at (S - 1) / (M + S - 1).
+//
+// Every schedule is checked (schedule_check.hpp): ModelSplit and Hybrid
+// assert their own at compile time, and check_pipeline_schedule refuses
+// one chosen at run time that would deadlock.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <vector>
+
+#include "../core/error.hpp"
+#include "schedule_check.hpp"
 
 namespace loom {
 
@@ -44,9 +51,26 @@ struct OneFOneB {
   static constexpr PipelineSchedule schedule{PipelineKind::one_f_one_b, M};
 };
 
-struct PipelineOp {
-  bool forward = true;
-  std::size_t micro_batch = 0;
+// The built-in schedules as generators (schedule_check.hpp).
+template <PipelineKind Kind>
+struct BuiltinSchedule {
+  template <class F>
+  static constexpr void for_each_op(std::size_t stages, std::size_t stage,
+                                    std::size_t micro_batches, F&& f) {
+    const std::size_t m = micro_batches;
+    if constexpr (Kind == PipelineKind::gpipe) {
+      for (std::size_t i = 0; i < m; ++i) f(PipelineOp{true, i});
+      for (std::size_t i = 0; i < m; ++i) f(PipelineOp{false, i});
+    } else {
+      const std::size_t warmup = std::min(stages - stage - 1, m);
+      for (std::size_t i = 0; i < warmup; ++i) f(PipelineOp{true, i});
+      for (std::size_t i = 0; i + warmup < m; ++i) {
+        f(PipelineOp{true, warmup + i});
+        f(PipelineOp{false, i});
+      }
+      for (std::size_t i = m - warmup; i < m; ++i) f(PipelineOp{false, i});
+    }
+  }
 };
 
 // Calls f(PipelineOp) for each pass stage `stage` of `stages` runs over
@@ -54,19 +78,26 @@ struct PipelineOp {
 template <class F>
 constexpr void for_each_pipeline_op(PipelineKind kind, std::size_t stages, std::size_t stage,
                                     std::size_t micro_batches, F&& f) {
-  const std::size_t m = micro_batches;
-  if (kind == PipelineKind::gpipe) {
-    for (std::size_t i = 0; i < m; ++i) f(PipelineOp{true, i});
-    for (std::size_t i = 0; i < m; ++i) f(PipelineOp{false, i});
-    return;
-  }
-  const std::size_t warmup = std::min(stages - stage - 1, m);
-  for (std::size_t i = 0; i < warmup; ++i) f(PipelineOp{true, i});
-  for (std::size_t i = 0; i + warmup < m; ++i) {
-    f(PipelineOp{true, warmup + i});
-    f(PipelineOp{false, i});
-  }
-  for (std::size_t i = m - warmup; i < m; ++i) f(PipelineOp{false, i});
+  if (kind == PipelineKind::gpipe)
+    BuiltinSchedule<PipelineKind::gpipe>::for_each_op(stages, stage, micro_batches, f);
+  else
+    BuiltinSchedule<PipelineKind::one_f_one_b>::for_each_op(stages, stage, micro_batches, f);
+}
+
+// A schedule chosen at run time: a loom::Error unless its sends and
+// receives pair up and the pipeline completes (schedule_check.hpp).
+inline void check_pipeline_schedule(PipelineKind kind, std::size_t stages,
+                                    std::size_t micro_batches) {
+  LOOM_CHECK(stages >= 1 && micro_batches >= 1, "a ", pipeline_kind_name(kind),
+             " pipeline needs at least one stage and one micro-batch, not ", stages,
+             " stage(s) and ", micro_batches, " micro-batch(es)");
+  const auto result =
+      kind == PipelineKind::gpipe
+          ? pipeline_schedule_check<BuiltinSchedule<PipelineKind::gpipe>>(stages, micro_batches)
+          : pipeline_schedule_check<BuiltinSchedule<PipelineKind::one_f_one_b>>(stages,
+                                                                                micro_batches);
+  LOOM_CHECK(result.ok(), "the ", pipeline_kind_name(kind), " schedule over ", stages,
+             " stages and ", micro_batches, " micro-batches ", describe(result));
 }
 
 inline std::vector<PipelineOp> pipeline_ops(PipelineKind kind, std::size_t stages,
