@@ -175,8 +175,9 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
   app.add_option("--devices", o.devices,
-                 "CPU worker devices in this process for --policy data or split (1: one device "
-                 "with every core, or the GPU); under mpirun each process is one")
+                 "CPU worker devices in this process for --policy data, split or hybrid (1: one "
+                 "device with every core, or the GPU); under mpirun each process's (1: the "
+                 "process is one rank; N: N ranks on threads of their own)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--policy", o.policy,

@@ -5,14 +5,18 @@
 //   --policy single   one device: the GPU where there is one (built by
 //                     nvcc), else the CPU
 //   --policy data     DataParallel<> over --devices CPU worker devices, or
-//                     over the processes of mpirun (one device each)
+//                     over the processes of mpirun (one device each, or
+//                     --devices worker devices each: the ranks are threads
+//                     of several processes)
 //   --policy split    a pipeline of S = --devices balanced stages (2 to 4)
 //                     on CPU worker devices, or S stages over the GPUs
-//                     (built by nvcc), or the S processes of mpirun (CPU),
-//                     with --schedule gpipe|1f1b and --micro-batches M
+//                     (built by nvcc), or the S ranks of mpirun's processes
+//                     x --devices (CPU), with --schedule gpipe|1f1b and
+//                     --micro-batches M
 //   --policy hybrid   R = --replicas pipelines of S = --devices / R stages
 //                     (2 to 4), on CPU worker devices or over the GPUs
-//                     (built by nvcc), or over the processes of mpirun (CPU)
+//                     (built by nvcc), or over mpirun's processes x
+//                     --devices (CPU)
 // Both are one trainer type, PipelinePolicy (example_trainers.hpp): its
 // Balanced<2, 3, 4> carries the three cuts, and R and S are run-time values.
 // Without --policy: single for one device, data for more, data under mpirun.
@@ -270,7 +274,8 @@ int train(const char* title, const Options& o, const data::Split& data,
   std::ostringstream policy;
   if constexpr (is_pipelined<Policy>) {
     const auto grid = pipeline_grid<Policy>(
-        processes ? static_cast<std::size_t>(processes.size()) : devices.size(), trainer.replicas);
+        processes ? static_cast<std::size_t>(processes.size()) * devices.size() : devices.size(),
+        trainer.replicas);
     const auto bounds = cut_bounds<Net, typename Policy::partition>(grid.stages);
     policy << grid.policy << " (";
     if (grid.replicas > 1)
@@ -346,7 +351,7 @@ int train_split(const char* title, const Options& o, const data::Split& data, in
                 std::vector<Device> devices, comm::Comm processes, std::ostream& out,
                 const Launch& launch) {
   LOOM_CHECK(stages >= 2 && stages <= 4, "--policy split takes 2 to 4 stages (--devices, or "
-             "mpirun -np), not ", stages);
+             "mpirun -np x --devices), not ", stages);
   return train<Net, PipelinePolicy, Loss>(title, o, data, std::move(devices),
                                           std::move(processes), out, launch);
 }
@@ -358,7 +363,7 @@ int train_hybrid(const char* title, const Options& o, const data::Split& data, i
                  const Launch& launch) {
   const int r = std::max(1, o.replicas), s = ranks / r;
   LOOM_CHECK(r * s == ranks && s >= 2 && s <= 4, "--policy hybrid lays ", ranks,
-             " devices (--devices, or mpirun -np) out as --replicas ", o.replicas,
+             " devices (--devices, or mpirun -np x --devices) out as --replicas ", o.replicas,
              " x stages; this example builds pipelines of 2 to 4 stages: give --replicas R and "
              "R x 2, R x 3 or R x 4 devices");
   return train<Net, PipelinePolicy, Loss>(title, o, data, std::move(devices),
@@ -372,17 +377,26 @@ int run_policy(const char* title, const Options& o, const data::Split& data,
                const comm::Comm& world, const std::vector<Device>& rank_devices,
                const Launch& launch, std::ostream& out) {
   if (world) {
-    LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
-               " with mpirun: each process is one device; start more processes instead");
     LOOM_CHECK(o.policy != "single", "--policy single under mpirun: start one process, or "
                "choose data or split");
+    // --devices N: this process's share of the node's cores as N worker
+    // devices, each a rank of the mesh on a thread of its own.
+    std::vector<Device> devices = rank_devices;
+    if (o.devices > 1) {
+      LOOM_CHECK(rank_devices.front().kind == Device::Kind::cpu, "--devices ", o.devices,
+                 " with mpirun on GPUs: each process drives one GPU; start more processes "
+                 "instead");
+      devices.clear();
+      for (int k = 0; k < o.devices; ++k)
+        devices.push_back(Device{Device::Kind::cpu, k,
+                                 std::max(1, rank_devices.front().threads / o.devices)});
+    }
+    const int ranks = world.size() * o.devices;
     if (o.policy == "split")
-      return train_split<Net, Loss>(title, o, data, world.size(), rank_devices, world, out,
-                                    launch);
+      return train_split<Net, Loss>(title, o, data, ranks, devices, world, out, launch);
     if (o.policy == "hybrid")
-      return train_hybrid<Net, Loss>(title, o, data, world.size(), rank_devices, world, out,
-                                     launch);
-    return train<Net, DataParallel<>, Loss>(title, o, data, rank_devices, world, out, launch);
+      return train_hybrid<Net, Loss>(title, o, data, ranks, devices, world, out, launch);
+    return train<Net, DataParallel<>, Loss>(title, o, data, devices, world, out, launch);
   }
   const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
   // Losses other than softmax cross-entropy train on CPU devices so far.

@@ -757,6 +757,10 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
       mesh_{.data = grid_.replicas, .pipe = stages_},
       crew_(grid_.policy, devices.front().threads) {
   LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
+  // A schedule chosen at run time gets the check the policy's own had at
+  // compile time: its sends and receives pair up and it cannot deadlock.
+  check_pipeline_schedule(schedule_.kind, stages_,
+                          std::max<std::size_t>(1, schedule_.micro_batches));
   std::vector<comm::Comm> comms;
   local_ = !processes;  // LocalComm: buffered sends
   const char* name = grid_.policy;
