@@ -1,14 +1,16 @@
 // The CUDA runtime pieces a training step stands on: the plan-sized device
-// arena, batch staging through pinned memory on a copy stream, step capture
-// as a CUDA graph (replay must equal direct execution, bit for bit), and
-// NCCL's communicator (one rank here: NCCL refuses two ranks on one GPU),
-// and its timeout.
+// arena, batch staging through pinned memory on a copy stream, a step's
+// scalars through a ring of pinned slots, step capture as a CUDA graph
+// (after one uncaptured run; replay must equal direct execution, bit for
+// bit), and NCCL's communicator (one rank here: NCCL refuses two ranks on
+// one GPU), and its timeout.
 #include <loom/backend/cuda/arena.hpp>
 #include <loom/backend/cuda/graph.hpp>
 #include <loom/backend/cuda/sgd.cuh>
 #include <loom/backend/cuda/staging.hpp>
 #include <loom/backend/cuda/stream.hpp>
 #include <loom/comm/nccl_comm.hpp>
+#include <chrono>
 #include <vector>
 
 #include "cuda_test.hpp"
@@ -139,4 +141,66 @@ TEST_CASE("cuda nccl: a wait past the timeout aborts the communicator and raises
   REQUIRE_THROWS_WITH(comm.all_reduce(std::span<float>(data.data(), 4), loom::comm::ReduceOp::sum),
                       Catch::Contains("the communicator was aborted"));
   LOOM_CUDA_CHECK(cudaDeviceSynchronize());  // the busy kernel ends in its own time
+}
+
+TEST_CASE("cuda runtime: a key's first step runs uncaptured, its second is captured, later ones replay") {
+  loom::gpu::Stream stream;
+  loom::gpu::StepGraphs<int> graphs;
+  auto w = test::to_device(std::vector<float>(1, 0.0f));
+  auto velocity = test::to_device(std::vector<float>(1, 0.0f));
+  const auto minus_one = test::to_device(std::vector<float>(1, -1.0f));
+  std::vector<cudaStreamCaptureStatus> enqueued;  // the stream's state each time the step enqueued
+  const auto run = [&](int key) {
+    graphs.run(key, stream.get(), [&](cudaStream_t s) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      LOOM_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+      enqueued.push_back(status);
+      // w += 1: counts the runs on the device.
+      loom::gpu::sgd_update(w.data(), minus_one.data(), velocity.data(), 1, 1.0f, 0.0f, 0.0f,
+                            false, s);
+    });
+  };
+  run(7);
+  REQUIRE(graphs.graphs() == 0);
+  run(7);
+  REQUIRE(graphs.graphs() == 1);
+  run(7);
+  run(7);
+  run(8);  // a new key: uncaptured again
+  stream.synchronize();
+  REQUIRE(enqueued == std::vector{cudaStreamCaptureStatusNone, cudaStreamCaptureStatusActive,
+                                  cudaStreamCaptureStatusNone});
+  REQUIRE(graphs.graphs() == 1);
+  REQUIRE(test::to_host(w) == std::vector<float>{5.0f});
+}
+
+TEST_CASE("cuda runtime: ScalarStager's pinned slots are reused only after their copies ran") {
+  loom::gpu::ScalarStager stager(4);
+  REQUIRE(stager.slots() == 4);
+  loom::gpu::Stream stream;
+  constexpr int count = 10;
+  loom::gpu::DeviceBuffer<double> values(count, "staged values");
+  // The stream is busy for 200 ms: every copy is still queued when the host
+  // stages the fifth value, which must wait for the first copy to read its
+  // slot rather than overwrite it.
+  busy_for<<<1, 1, 0, stream.get()>>>(200'000'000ull);
+  LOOM_CUDA_CHECK(cudaGetLastError());
+  const auto start = std::chrono::steady_clock::now();
+  for (int k = 0; k < count; ++k) stager.copy(values.data() + k, 1.5 * k, stream.get());
+  const auto waited = std::chrono::steady_clock::now() - start;
+  stream.synchronize();
+  std::vector<double> expected;
+  for (int k = 0; k < count; ++k) expected.push_back(1.5 * k);
+  REQUIRE(test::to_host(values) == expected);
+  REQUIRE(waited >= std::chrono::milliseconds(100));
+
+  // A copy inside a capture would read its slot at every replay: refused.
+  loom::gpu::Stream captured;
+  LOOM_CUDA_CHECK(cudaStreamBeginCapture(captured.get(), cudaStreamCaptureModeThreadLocal));
+  CHECK_THROWS_WITH(stager.copy(values.data(), 1.0, captured.get()),
+                    Catch::Contains("ScalarStager: a copy of 8 bytes onto a stream being "
+                                    "captured into a CUDA graph"));
+  cudaGraph_t graph = nullptr;
+  LOOM_CUDA_CHECK(cudaStreamEndCapture(captured.get(), &graph));
+  LOOM_CUDA_CHECK(cudaGraphDestroy(graph));
 }

@@ -55,9 +55,9 @@
 // cuDNN's direction-major order are this runner's own, allocated once when
 // it is made, never in a step. Its scratch is cuDNN's workspace. Making it
 // also runs one throwaway training step of cuDNN's (on zeros, then waits):
-// a device model captures its first step as a CUDA graph, and whatever
-// cuDNN sets up on first use happens here, outside the capture, where a
-// failure names this layer.
+// whatever cuDNN sets up on first use happens here, outside any CUDA graph
+// capture (as a device model's first step of each shape is, StepGraphs),
+// where a failure names this layer.
 //
 // bf16 and fp16 networks round a sequence layer's output in place after
 // forward; cuDNN's backward reads that output, so its gradients differ from

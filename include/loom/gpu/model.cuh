@@ -20,9 +20,14 @@
 // the device before each step; Conv1d (conv1d.cuh), BatchNorm over time
 // (layers.cuh) and the recurrent runners read them there.
 //
-// A step (forward, loss, backward, update) only enqueues work: it is captured
-// as a CUDA graph the first time a (kind, batch size, input slot) is seen and
-// replayed after, and it never waits for the host. Loss sums accumulate on
+// A step (forward, loss, backward, update) only enqueues work: it runs
+// directly the first time a (kind, batch size, input slot) is seen (what
+// cuDNN, cuBLASLt, NCCL and CUDA set up on first use may not be legal in a
+// capture), is captured as a CUDA graph the second time and replayed after,
+// and it never waits for the host. The scalars the host sets for a step
+// (learning rate and step number, loss scale, Dropout's pass) reach the
+// device through pinned staging (ScalarStager), which keeps the copies from
+// synchronising the host with the stream. Loss sums accumulate on
 // the device (LossTotals); a non-finite loss, or non-finite gradients under
 // a finite one (checked before every update, as on the CPU), halts the
 // totals and makes every later update a no-op, so the weights and running
@@ -940,8 +945,9 @@ class DeviceLayers {
   // (ChangesFrames, as the CPU Model maps them). Every layer's input
   // lengths are written to the slot's device table, enqueued: a step
   // captured in a graph reads the table at replay, so it takes the lengths
-  // written before it. The copy is from pageable memory, whose source is
-  // read on return (as set_pass's), so the host table may change after.
+  // written before it. The host table is pinned, so the copy leaves the
+  // host free (from pageable memory the driver may wait for the stream),
+  // and it is written again only once its last copy has run.
   void set_frames(std::size_t slot, const std::int32_t* frames, std::size_t n) {
     Slot& s = slots_[slot];
     s.frames_count = 0;
@@ -953,7 +959,12 @@ class DeviceLayers {
                  "sample ", k, " of the batch has length ", frames[k], ", outside 0..",
                  input_frames, " (the frames the network's input holds); check the lengths the "
                  "batch carries");
-    std::copy(frames, frames + n, s.host_frames.begin());
+    if (s.host_frames.size() == 0) {
+      s.host_frames = PinnedBuffer<std::int32_t>(frames_rows * max_batch_);
+      std::fill_n(s.host_frames.data(), s.host_frames.size(), 0);
+    }
+    s.frames_copied.synchronize();
+    std::copy(frames, frames + n, s.host_frames.data());
     static_for<layer_count>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (ChangesFrames<L>) {
@@ -976,6 +987,7 @@ class DeviceLayers {
     LOOM_CUDA_CHECK(cudaMemcpyAsync(s.frames, s.host_frames.data(),
                                     s.host_frames.size() * sizeof(std::int32_t),
                                     cudaMemcpyHostToDevice, stream()));
+    s.frames_copied.record(stream());
     s.frames_count = n;
   }
   // How many samples' lengths slot holds (0: none, every frame valid).
@@ -1110,9 +1122,10 @@ class DeviceLayers {
     // Sequences: the samples' lengths at the network's input, then after
     // each layer that changes them (frames_rules_before's order), max_batch
     // each, on the device and on the host; frames_count: the samples they
-    // hold (0: no lengths).
+    // hold (0: no lengths). The host's is pinned, made by the first set_frames.
     std::int32_t* frames = nullptr;
-    std::vector<std::int32_t> host_frames;
+    PinnedBuffer<std::int32_t> host_frames;
+    Event frames_copied;  // the last copy of host_frames to frames
     std::size_t frames_count = 0;
   };
 
@@ -1172,7 +1185,6 @@ class DeviceLayers {
     for (auto& s : slots_) {
       take(s.pass, 1);
       take(s.frames, frames_rows * max_batch_);
-      s.host_frames.assign(frames_rows * max_batch_, 0);
       each([&](auto i) {
         using L = type_at_t<i, executed>;
         if constexpr (!L::in_place) take(s.outputs[i], max_batch_ * L::output_shape::size);
@@ -1386,11 +1398,10 @@ class DeviceModel {
   void set_lr(float lr) { lr_ = lr; }
   // Steps enqueued after this whose loss or gradients go non-finite are
   // skipped (LossTotals::skipped) rather than halting the totals (read on
-  // the device; a pageable copy has read its source on return).
+  // the device).
   void set_skip_nonfinite(bool skip) {
     skip_nonfinite_value_ = skip ? 1 : 0;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(skip_nonfinite_, &skip_nonfinite_value_, sizeof(int),
-                                    cudaMemcpyHostToDevice, stream()));
+    scalars_.copy(skip_nonfinite_, skip_nonfinite_value_, stream());
   }
   // Every later update first clips the gradients by their global norm
   // (after the all-reduce under data parallelism: the norm of the summed
@@ -1407,11 +1418,11 @@ class DeviceModel {
     LOOM_CHECK(fp16(), "DeviceModel: a loss scale is fp16's; this model computes in ",
                precision_name(options_.precision));
     scaler_.restore(state.scale, state.good_steps);
-    scale_value_ = {.scale = scaler_.scale(),
-                    .good_steps = state.good_steps,
-                    .skipped_steps = state.skipped_steps};
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_state_, &scale_value_, sizeof(LossScaleState),
-                                    cudaMemcpyHostToDevice, stream()));
+    scalars_.copy(scale_state_,
+                  LossScaleState{.scale = scaler_.scale(),
+                                 .good_steps = state.good_steps,
+                                 .skipped_steps = state.skipped_steps},
+                  stream());
   }
   // fp16: the scale as the last step enqueued on `slot` left it, once
   // wait_totals(slot) returned (`overflowed`: that step's update was
@@ -1450,11 +1461,7 @@ class DeviceModel {
   // What a training step's Dropout draws from: the trainer's seed, the
   // step's number and where this device's samples start in the global
   // batch (as loom::Pass). Enqueued: applies to the steps enqueued after.
-  void set_pass(const DevicePass& pass) {
-    pass_value_ = pass;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.pass(0), &pass_value_, sizeof(DevicePass),
-                                    cudaMemcpyHostToDevice, stream()));
-  }
+  void set_pass(const DevicePass& pass) { scalars_.copy(layers_.pass(0), pass, stream()); }
 
   // Sequences: each sample's frames at the network's input (loom::Pass::
   // frames) for the steps enqueued after this, until the next call: n of
@@ -1781,13 +1788,12 @@ class DeviceModel {
   }
 
   // Optimizer step t's scalars (its number, lr, clipping), written
-  // for the update to read; a pageable copy has read its source on return.
+  // for the update to read.
   void stage_update(std::uint64_t t) {
     const UpdateScalars next = update_scalars(optimizer_, lr_, t, max_norm_);
     if (next == update_value_) return;
     update_value_ = next;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(update_, &update_value_, sizeof(UpdateScalars),
-                                    cudaMemcpyHostToDevice, stream()));
+    scalars_.copy(update_, update_value_, stream());
   }
 
   // Gradient buckets over the padded device layout (BucketPlan's rule).
@@ -1860,21 +1866,20 @@ class DeviceModel {
   double* stats_ = nullptr;  // loss, correct, bad-label flag: summed over the ranks
   float* accum_ = nullptr;   // gradients of an optimizer step's earlier batches
   UpdateScalars* update_ = nullptr;
-  UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
+  UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // the last copied
+  ScalarStager scalars_;  // the host's per-step values, through pinned slots
   float lr_ = 0.0f;
   float max_norm_ = 0.0f;
   std::uint64_t updates_ = 0;
   double* norm_ = nullptr;  // the gradients' squared global norm, when clipping
   std::size_t norm_scratch_bytes_ = squared_norm_bytes(layout::total);
   unsigned char* norm_scratch_ = nullptr;
-  DevicePass pass_value_;  // the source of the last set_pass copy (pageable: read on return)
   LossScaleState* scale_state_ = nullptr;  // fp16's
-  LossScaleState scale_value_;  // the source of the last set_loss_scale copy (pageable)
   int* flags_ = nullptr;  // skip_, bad_gradients_, skip_nonfinite_
   int* skip_ = nullptr;  // the step's update is skipped (halted, non-finite or overflowed)
   int* bad_gradients_ = nullptr;  // fp32, bf16: the step's gradients are not all finite
   int* skip_nonfinite_ = nullptr;  // set_skip_nonfinite's flag, on the device
-  int skip_nonfinite_value_ = 0;   // its source (pageable: read on return)
+  int skip_nonfinite_value_ = 0;   // its last value (copy_state_from takes it)
   LossTotals* totals_ = nullptr;
   std::array<StagingSlot, 2> inputs_{};
 };

@@ -303,10 +303,8 @@ class DeviceStage final : public DeviceStageBase {
     LOOM_CUDA_CHECK(cudaMemsetAsync(totals_, 0, sizeof(LossTotals), stream()));
     // The host decides whether a step with a non-finite loss halts or is
     // skipped: the totals only mark it (LossTotals::skipped) and go on
-    // counting hits, as the CPU's sums do. (Pageable: read on return.)
-    const int mark_only = 1;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(skip_nonfinite_, &mark_only, sizeof(int),
-                                    cudaMemcpyHostToDevice, stream()));
+    // counting hits, as the CPU's sums do.
+    scalars_.copy(skip_nonfinite_, 1, stream());
     copy_parameters(const_cast<float*>(weights.data()), cudaMemcpyHostToDevice);
     copy_running_state(const_cast<float*>(state.data()), cudaMemcpyHostToDevice);
   }
@@ -347,19 +345,14 @@ class DeviceStage final : public DeviceStageBase {
   void set_loss_scale(float loss_scale) override {
     if (precision_ == Precision::fp16 && loss_scale != scale_value_.scale) {
       scale_value_.scale = loss_scale;
-      // From pageable memory: the copy has read it when it returns.
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_, &scale_value_, sizeof(LossScaleState),
-                                      cudaMemcpyHostToDevice, stream()));
+      scalars_.copy(scale_, scale_value_, stream());
     }
   }
   void keep_state() override { layers_.keep_state(); }
   void restore_state() override { layers_.restore_state(); }
 
   void forward(std::size_t slot, std::size_t n, bool training, const DevicePass& pass) override {
-    // From pageable memory: the copy has read `pass` when it returns.
-    if (training && layers_.contextual())
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.pass(slot), &pass, sizeof(DevicePass),
-                                      cudaMemcpyHostToDevice, stream()));
+    if (training && layers_.contextual()) scalars_.copy(layers_.pass(slot), pass, stream());
     layers_.forward(slot, inputs_[slot], n, training);
   }
 
@@ -385,18 +378,12 @@ class DeviceStage final : public DeviceStageBase {
   }
 
   void update(const UpdateScalars& scalars, double clip_squares) override {
-    // From pageable memory: each copy has read its source when it returns.
     if (!(scalars == update_value_)) {
       update_value_ = scalars;
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(update_, &update_value_, sizeof(UpdateScalars),
-                                      cudaMemcpyHostToDevice, stream()));
+      scalars_.copy(update_, update_value_, stream());
     }
     const bool clip = clip_squares >= 0.0;
-    if (clip) {
-      norm_value_ = clip_squares;
-      LOOM_CUDA_CHECK(
-          cudaMemcpyAsync(norm_, &norm_value_, sizeof(double), cudaMemcpyHostToDevice, stream()));
-    }
+    if (clip) scalars_.copy(norm_, clip_squares, stream());
     optimizer_update(optimizer_, layers_.params(), accum_, layers_.moment(0), layers_.moment(1),
                      layers_.parameters(), update_, clip ? norm_ : nullptr, nullptr, stream());
   }
@@ -508,11 +495,10 @@ class DeviceStage final : public DeviceStageBase {
   std::unique_ptr<DeviceArena> arena_;
   float* accum_ = nullptr;  // the step's micro-batches' gradients, summed
   LossScaleState* scale_ = nullptr;  // fp16: the scale (from the host) and scratch for a flag
-  LossScaleState scale_value_{.scale = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
+  LossScaleState scale_value_{.scale = std::numeric_limits<float>::quiet_NaN()};  // the last copied
   UpdateScalars* update_ = nullptr;
-  UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // never equal at first
+  UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // the last copied
   double* norm_ = nullptr;  // squared norms: the stage's, then the whole network's for the update
-  double norm_value_ = 0.0;  // the source of the last copy into norm_ (pageable)
   std::size_t norm_scratch_bytes_ = 0;
   unsigned char* norm_scratch_ = nullptr;
   int* skip_nonfinite_ = nullptr;  // 1: a non-finite loss marks the totals, never halts them
@@ -520,6 +506,7 @@ class DeviceStage final : public DeviceStageBase {
   std::vector<Event> slot_done_;  // the last pass that used each slot
   std::vector<Event> staged_;     // each slot's last copy from pinned memory
   Event backward_done_;           // the last backward (it read output_gradient())
+  ScalarStager scalars_;          // the host's per-step values, through pinned slots
 };
 
 // The pipelines of one process's GPUs: ModelSplit (one pipeline, stage k on
