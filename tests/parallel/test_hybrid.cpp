@@ -121,6 +121,41 @@ TEST_CASE("Hybrid 2x2 on 4 CPU workers reaches the single-device weights, both s
                       reference, tolerance, "3 x At<7>, 1F1B<2>");
 }
 
+TEST_CASE("Hybrid 2x2 as 2 processes x 2 threads (a LocalComm standing in for MPI) reaches the single-device weights") {
+  // Each "process" is a thread holding a Trainer over 2 worker devices and
+  // its rank of a 2-rank LocalComm: the mesh's 4 ranks are MixedComm
+  // threads, as under mpirun -np 2 with 2 devices each (and so under TSan).
+  const auto part = head(fashion().train, 250);
+  const FitOptions fit{.epochs = 1, .batch_size = 60, .seed = 3};
+  const auto reference = single_device<LeNet>(part, fit);
+  auto processes = comm::LocalComm::create(2);
+  std::vector<std::vector<float>> weights(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::vector<Placement>> places(2);
+  std::vector<std::thread> threads;
+  for (std::size_t p = 0; p < 2; ++p) threads.emplace_back([&, p] {
+    try {
+      Trainer<LeNet, Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<3>>>> trainer(
+          {Device{Device::Kind::cpu, 0, 1}, Device{Device::Kind::cpu, 1, 1}}, sgd, {.seed = 7},
+          comm::Comm(processes[p]));
+      weights[p] = trained(trainer, part, fit);
+      places[p] = trainer.placement();
+    } catch (const std::exception& error) {
+      errors[p] = error.what();
+    }
+  });
+  for (auto& thread : threads) thread.join();
+  for (std::size_t p = 0; p < 2; ++p) {
+    INFO("process " << p);
+    REQUIRE(errors[p].empty());
+    test::require_close(weights[p], reference, {1e-6, 1e-4}, "Hybrid over 2 x 2 threads");
+    REQUIRE(places[p].size() == 4);
+    CHECK(places[p][1].device == (p == 0 ? "process 0 thread 1: cpu:1" : "process 0 thread 1"));
+    CHECK(places[p][2].replica == 1);
+    CHECK(places[p][2].stage == 0);
+  }
+}
+
 TEST_CASE("Hybrid<1, Split> is ModelSplit and Hybrid<R, one stage> is DataParallel, bit for bit") {
   const auto part = head(fashion().train, 300);
   const FitOptions fit{.epochs = 2, .batch_size = 50, .seed = 4};
