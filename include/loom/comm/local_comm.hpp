@@ -266,7 +266,7 @@ class LocalComm {
   template <Element T>
   void all_reduce(std::span<T> data, ReduceOp op) {
     const auto& slots = group_->meet(rank_, slot(data.data(), data.size(), element_name<T>(), "all_reduce"));
-    check_same_buffers(slots, "all_reduce");
+    after_all_on_fault("all_reduce", [&] { check_same_buffers(slots, "all_reduce"); });
     const std::size_t n = data.size();
     const auto ranks = static_cast<std::size_t>(size());
     const std::size_t begin = n * static_cast<std::size_t>(rank_) / ranks;
@@ -306,10 +306,12 @@ class LocalComm {
     Slot mine = slot(data.data(), data.size(), element_name<T>(), "broadcast");
     mine.root = root;
     const auto& slots = group_->meet(rank_, mine);
-    check_same_buffers(slots, "broadcast");
-    for (const auto& other : slots)
-      LOOM_CHECK(other.root == root, "LocalComm broadcast on rank ", rank_, " of ", size(),
-                 ": ranks name different roots (", root, " and ", other.root, ")");
+    after_all_on_fault("broadcast", [&] {
+      check_same_buffers(slots, "broadcast");
+      for (const auto& other : slots)
+        LOOM_CHECK(other.root == root, "LocalComm broadcast on rank ", rank_, " of ", size(),
+                   ": ranks name different roots (", root, " and ", other.root, ")");
+    });
     if (rank_ != root && !data.empty())
       std::memcpy(data.data(), slots[static_cast<std::size_t>(root)].data, data.size_bytes());
     group_->wait_all(rank_, "broadcast");
@@ -400,6 +402,11 @@ class LocalComm {
     Slot mine = slot(shared, whole, type, op);
     mine.part = part;
     const auto& slots = group_->meet(rank_, mine);
+    after_all_on_fault(op, [&] { check_parts(slots, part, type, op, whole_name, part_name); });
+    return slots;
+  }
+  void check_parts(const std::vector<Slot>& slots, std::size_t part, const char* type,
+                   const char* op, const char* whole_name, const char* part_name) const {
     const auto ranks = static_cast<std::size_t>(size());
     for (int r = 0; r < size(); ++r) {
       const Slot& other = slots[static_cast<std::size_t>(r)];
@@ -416,7 +423,20 @@ class LocalComm {
                  other.part, " ", other.type, " but this rank ", part, " ", type,
                  "; every rank must pass the same n (", part_name, ".size()) and type");
     }
-    return slots;
+  }
+
+  // Runs `check` over the slots of a meeting. Every rank sees the same
+  // slots, so every rank finds the same fault: before raising, each waits
+  // until all have done so, since the next call's meeting overwrites the
+  // slots the slower ones may still be reading.
+  template <class Check>
+  void after_all_on_fault(const char* op, Check&& check) {
+    try {
+      check();
+    } catch (const Error&) {
+      group_->wait_all(rank_, op);
+      throw;
+    }
   }
 
   void check_peer(int peer, const char* op) const {
