@@ -982,7 +982,8 @@ LOOM_DECL void GridEngine::start(Rank& r) {
   if (!last(r))
     r.to_next = std::make_unique<Outbox>(r.groups.pipe, static_cast<int>(r.stage + 1), threaded);
   if (!first(r))
-    r.to_previous = std::make_unique<Outbox>(r.groups.pipe, static_cast<int>(r.stage - 1), threaded);
+    r.to_previous =
+        std::make_unique<Outbox>(r.groups.pipe, static_cast<int>(r.stage - 1), threaded);
 }
 
 LOOM_DECL void GridEngine::prepare(Rank& r, std::size_t micro_batch, std::size_t slots) {
