@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -187,13 +188,23 @@ class NcclComm {
   // (splitShare): a rank's data, pipe and tensor groups reuse the root's
   // proxy threads and buffers instead of each setting up its own.
   NcclComm split(int color, int key) {
+    auto part = split_some(color, key, true);
+    LOOM_CHECK(part.has_value(), describe(), ": ncclCommSplit gave no communicator for color ",
+               color);
+    return std::move(*part);
+  }
+
+  // A split that leaves some ranks out: they pass NCCL_SPLIT_NOCOLOR and
+  // get none (collective over this communicator all the same). `share`:
+  // reuse this communicator's resources (as split() does); a GPU stage's
+  // links, which different threads drive at once, each take their own.
+  std::optional<NcclComm> split_some(int color, int key, bool share) {
     on_device();
     ncclComm_t made = nullptr;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.splitShare = 1;
+    config.splitShare = share ? 1 : 0;
     check(ncclCommSplit(get(), color, key, &made, &config), "ncclCommSplit");
-    LOOM_CHECK(made != nullptr, describe(), ": ncclCommSplit gave no communicator for color ",
-               color);
+    if (made == nullptr) return std::nullopt;
     NcclComm part(made, device());
     part.set_timeout(timeout());
     return part;

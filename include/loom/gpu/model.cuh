@@ -992,6 +992,13 @@ class DeviceLayers {
   }
   // How many samples' lengths slot holds (0: none, every frame valid).
   std::size_t frames_count(std::size_t slot) const { return slots_[slot].frames_count; }
+  // Their lengths at the range's output (host memory, until slot's next
+  // set_frames), or null when it holds none.
+  const std::int32_t* output_frames(std::size_t slot) const {
+    const Slot& s = slots_[slot];
+    if (s.frames_count == 0) return nullptr;
+    return s.host_frames.data() + frames_rules_before[range_.last] * max_batch_;
+  }
   // Before a training step of n samples with lengths: a BatchNorm over time
   // needs a valid frame to take statistics from, as the CPU's refuses
   // (across replicas the other ranks' frames count too: not checked here).
