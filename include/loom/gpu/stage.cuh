@@ -1,0 +1,687 @@
+// The CUDA backend's stage of the grid engine (parallel/grid_engine.hpp):
+// gpu::DeviceStage runs the layers `range` of a stage's network on one GPU
+// (DeviceLayers, as DeviceModel runs a whole network), behind the engine's
+// type-erased PipelineStage, so GPU ModelSplit and Hybrid run on the same
+// engine, schedules and step protocol as the CPU's policies. gpu::DeviceStages
+// is the maker a policy's typed engine takes (like detail::HostStages).
+//
+// Correctness first: every call enqueues its work on the stage's stream and
+// waits for it before returning (the engine is host-driven, and the links
+// read and write the stage's memory from other threads). The engine calls
+// a rank's stage from that rank's own thread, and several ranks may share a
+// GPU: every call makes the stage's device current first.
+//
+// Buffers handed to the engine are the device's: parameters() and
+// gradients() are DeviceLayers' padded layout (gaps of zeros between the
+// layers' blocks), so the gradient buckets, planned in the CPU Model's
+// packed order, are moved onto that layout once (reserve()). The engine's
+// host reads and writes (read/write, diagnosis, clipping's squares) go
+// through a host Model of the range, which also holds the initial weights
+// until the layers are built.
+//
+// Between stages and over a stage's copies, links() gives NCCL
+// communicators where every rank of the grid has a GPU of its own, and the
+// host's groups staged through host memory (comm::HostStagedComm) where
+// ranks share a GPU (NCCL refuses two ranks on one device).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../backend/cuda/launch.hpp"
+#include "../backend/cuda/memory.hpp"
+#include "../backend/cuda/staging.hpp"
+#include "../backend/cuda/stream.hpp"
+#include "../comm/nccl_comm.hpp"
+#include "../comm/staged_comm.hpp"
+#include "../parallel/grid_engine.hpp"
+#include "model.cuh"
+
+namespace loom::gpu {
+
+namespace kernels {
+
+// values *= factor, one product each (the CPU's scale_gradients, and its
+// unscale_gradients with factor = 1.0f / scale).
+inline __global__ void scale_values(float* values, std::size_t count, float factor) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride)
+    values[i] *= factor;
+}
+
+}  // namespace kernels
+
+// One GPU's memory, for the engine's outboxes: a message is copied there
+// (on a stream of its own, waited for) until its link has sent it.
+class DeviceMemory final : public ::loom::detail::MemorySpace {
+ public:
+  // Made with `device` current (its stream is that device's).
+  explicit DeviceMemory(int device) : device_(device) {}
+
+  std::shared_ptr<float[]> allocate(std::size_t n) const override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device_));
+    void* raw = nullptr;
+    LOOM_CUDA_CHECK(cudaMalloc(&raw, std::max<std::size_t>(n, 1) * sizeof(float)));
+    return std::shared_ptr<float[]>(static_cast<float*>(raw),
+                                    [](float* p) { LOOM_CUDA_RELEASE(cudaFree(p)); });
+  }
+  void copy(float* to, const float* from, std::size_t n) const override {
+    if (n == 0) return;
+    LOOM_CUDA_CHECK(cudaSetDevice(device_));
+    LOOM_CUDA_CHECK(
+        cudaMemcpyAsync(to, from, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_.get()));
+    stream_.synchronize();
+  }
+
+ private:
+  int device_;
+  Stream stream_;
+};
+
+// A stage: the layers `range` of StageNet's executed list on CUDA device
+// `device`, with its slice of the whole network's weights and running
+// statistics, updated by Optimizer's rule on the device.
+template <class StageNet, class Optimizer>
+class DeviceStage final : public ::loom::detail::PipelineStage {
+  using Layers = DeviceLayers<StageNet>;
+  using executed = typename StageNet::executed;
+  using info = ::loom::detail::list_info<executed>;
+
+ public:
+  DeviceStage(std::span<const float> weights, std::span<const float> state,
+              typename Optimizer::Options options, std::size_t offset, std::size_t state_at,
+              LayerRange range, int device, Precision precision, bool allow_tf32)
+      : device_(entered(device)),
+        precision_(precision),
+        allow_tf32_(allow_tf32),
+        optimizer_(device_optimizer(options)),
+        range_(range),
+        host_(range),
+        update_(1, "a pipeline stage's update scalars"),
+        memory_(device) {
+    refuse_synced_statistics(range);
+    sends_ = range.first > 0;
+    input_size = host_.range_input_size();
+    output_size = host_.range_output_size();
+    parameter_offset = offset;
+    state_offset = state_at;
+    parameter_size = host_.parameters().size();
+    state_size = host_.state().size();
+    LOOM_CHECK(weights.size() == parameter_size && state.size() == state_size, owner(), ": given ",
+               weights.size(), " weights and ", state.size(), " running statistics for its ",
+               parameter_size, " and ", state_size);
+    std::ranges::copy(weights, host_.parameters().begin());
+    std::ranges::copy(state, host_.state().begin());
+  }
+  DeviceStage(const DeviceStage&) = delete;
+  DeviceStage& operator=(const DeviceStage&) = delete;
+  // The links' copies and the stream's work end before the memory goes.
+  ~DeviceStage() override {
+    LOOM_CUDA_RELEASE(cudaSetDevice(device_));
+    LOOM_CUDA_RELEASE(cudaStreamSynchronize(stream()));
+  }
+
+  int device() const { return device_; }
+
+  void reserve(std::size_t micro_batch, std::size_t slots, bool receives) override {
+    on_device();
+    place_buckets();
+    const bool sends = sends_ || receives;
+    if (layers_ && micro_batch <= layers_->max_batch() && slots <= slot_count_ && sends == sends_)
+      return;
+    build(std::max(micro_batch, layers_ ? layers_->max_batch() : 1), std::max(slots, slot_count_),
+          sends);
+  }
+  float* input_slot(std::size_t slot) override { return inputs_.at(slot).data(); }
+  float* input_gradient() override { return layers().input_gradient(); }
+
+  const float* forward(const float* input, std::size_t n, std::size_t slot,
+                       const Pass& pass) override {
+    on_device();
+    Layers& l = built();
+    float* x = inputs_.at(slot).data();
+    // The first stage: the batch's samples, from the host.
+    if (input != x) copy_in(x, input, n * input_size);
+    l.set_frames(slot, pass.frames, n);
+    if (pass.training && pass.frames != nullptr) l.check_training_frames(slot, n);
+    if (pass.training && l.contextual())
+      scalars_.copy(
+          l.pass(slot),
+          DevicePass{.seed = pass.seed, .step = pass.step, .first_sample = pass.first_sample},
+          stream());
+    l.forward(slot, x, n, pass.training);
+    slots_.at(slot) = {n, pass.first_sample};
+    synchronize();
+    return l.output(slot);
+  }
+  float* output_gradient() override { return layers().output_gradient(); }
+  const std::int32_t* output_frames(std::size_t slot) const override {
+    return layers_ ? layers_->output_frames(slot) : nullptr;
+  }
+
+  // The loss runs on the host (LossOps, loss/loss.hpp) over the output
+  // copied back: any Loss type trains on a GPU stage (softmax
+  // cross-entropy, CTC, per-position), at the cost of a round trip per
+  // micro-batch; a device loss per type is a later speed-up.
+  cpu::LossSums loss(const ::loom::detail::LossOps& ops, std::size_t slot, std::size_t n,
+                     const Targets& targets, float scale, bool train) override {
+    on_device();
+    Layers& l = built();
+    const std::size_t count = n * output_size;
+    const float* output = output_on_host(slot, n);
+    float* gradient = train ? room(host_gradient_, count) : nullptr;
+    const cpu::LossSums sums = ops.compute(output, n, targets, scale, gradient);
+    if (train) {
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(l.output_gradient(), gradient, count * sizeof(float),
+                                      cudaMemcpyHostToDevice, stream()));
+      // Rounded as DeviceModel rounds its loss gradient (fp16: after the
+      // scale, which `scale` carries).
+      round_values(precision_, l.output_gradient(), count, stream());
+      synchronize();
+    }
+    return sums;
+  }
+
+  NonFiniteSpot check_output(std::size_t slot, std::size_t n, bool first) override {
+    if (::loom::detail::all_finite(output_on_host(slot, n), n * output_size)) return {};
+    return find_nonfinite_output(slot, first);
+  }
+
+  void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
+    backward(slot, accumulate, input_gradient, [](std::size_t) {});
+  }
+  // The layers' gradients are added into the step's accumulator after the
+  // whole backward, and only then is done(i) called, for every layer, last
+  // first: a bucket's all-reduce over the stage's copies no longer overlaps
+  // the backward of the layers before it (DeviceLayers overwrites its
+  // gradients, so a layer's sum is final only after the add).
+  void backward(std::size_t slot, bool accumulate, float* input_gradient,
+                const std::function<void(std::size_t)>& done) override {
+    on_device();
+    Layers& l = built();
+    LOOM_CHECK(input_gradient == nullptr || input_gradient == l.input_gradient(), owner(),
+               ": backward leaves its input's gradient in input_gradient(), not elsewhere");
+    l.backward(slot, slots_.at(slot).samples);
+    const std::size_t total = l.parameters();
+    if (accumulate)
+      add_into(accumulator_.data(), l.grads(), total, stream());
+    else
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(accumulator_.data(), l.grads(), total * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream()));
+    synchronize();
+    for (std::size_t i = range_.last - range_.first; i-- > 0;) done(i);
+  }
+
+  void update(float lr) override {
+    on_device();
+    Layers& l = built();
+    ++steps_;
+    // Clipping scaled the accumulator already (scale_gradients): no bound here.
+    scalars_.copy(update_.data(), update_scalars(optimizer_, lr, steps_, 0.0f), stream());
+    optimizer_update(optimizer_, l.params(), accumulator_.data(), l.moment(0), l.moment(1),
+                     l.parameters(), update_.data(), nullptr, nullptr, stream());
+    synchronize();
+  }
+
+  // The layers were planned for the maker's precision: another is refused.
+  // A reduced precision's weights are rounded again from the master
+  // weights (an update, a scatter or a load changed them).
+  void set_precision(Precision precision) override {
+    on_device();
+    LOOM_CHECK(precision == precision_, owner(), " was made for ", precision_name(precision_),
+               " and cannot run a ", precision_name(precision),
+               " step or evaluation; make the stages with gpu::DeviceStages{.precision = ",
+               precision_name(precision), "}");
+    layers().round_weights();
+    synchronize();
+  }
+
+  void add_layer_squares(std::span<const std::size_t> starts,
+                         std::span<double> squares) const override {
+    gradients_to_host();
+    ::loom::detail::add_layer_squares<StageNet>(host_.gradients(), parameter_offset, starts,
+                                                squares, range_);
+  }
+  bool unscale(float loss_scale) override {
+    scale(1.0f / loss_scale);
+    return gradients_finite();
+  }
+  void scale_gradients(float factor) override { scale(factor); }
+  void zero_gradients() override {
+    on_device();
+    built();
+    LOOM_CUDA_CHECK(
+        cudaMemsetAsync(accumulator_.data(), 0, accumulator_.size() * sizeof(float), stream()));
+    synchronize();
+  }
+
+  std::span<float> parameters() override {
+    Layers& l = layers();
+    return {l.params(), l.parameters()};
+  }
+  std::span<float> gradients() override {
+    layers();
+    return {accumulator_.data(), accumulator_.size()};
+  }
+  std::span<float> state() override { return {layers().state(), state_size}; }
+
+  void read(Buffer what, std::size_t b, std::span<float> host) override {
+    on_device();
+    check_host_slice(what, b, host.size());
+    if (!layers_) {
+      const auto mine = host_buffer(what, b);
+      std::ranges::copy(mine, host.begin());
+      return;
+    }
+    copy_buffer(what, b, host.data(), cudaMemcpyDeviceToHost);
+  }
+  void write(Buffer what, std::size_t b, std::span<const float> host) override {
+    on_device();
+    check_host_slice(what, b, host.size());
+    if (!layers_) {
+      std::ranges::copy(host, host_buffer(what, b).begin());
+      return;
+    }
+    copy_buffer(what, b, const_cast<float*>(host.data()), cudaMemcpyHostToDevice);
+  }
+
+  void keep_state() override {
+    on_device();
+    layers().keep_state();
+    synchronize();
+  }
+  void restore_state() override {
+    on_device();
+    layers().restore_state();
+    synchronize();
+  }
+
+  // A float's square cannot overflow a double, but the host's search is
+  // as simple and also serves the diagnosis: the accumulator comes back
+  // in the Model's order.
+  bool gradients_finite() const override {
+    gradients_to_host();
+    return ::loom::detail::all_finite(host_.gradients().data(), host_.gradients().size());
+  }
+
+  // The GPU keeps only the slot's input and output of the layers'
+  // activations where a host looks: the input (with `input`), then the
+  // weights layer by layer, then the range's output, named as its last
+  // layer's.
+  NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) override {
+    on_device();
+    const SlotUse& use = slots_.at(slot);
+    if (use.samples == 0 || !layers_) return {};
+    const auto look = [&](NonFiniteSpot::Where where, std::size_t layer, const float* values,
+                          std::size_t per_sample) -> NonFiniteSpot {
+      const std::size_t count = use.samples * per_sample;
+      const std::size_t at = ::loom::detail::first_nonfinite(values, count);
+      if (at == count) return {};
+      return {where,           layer,      layer,
+              at % per_sample, per_sample, use.first_sample + at / per_sample,
+              values[at]};
+    };
+    if (input) {
+      const float* x = to_host(inputs_.at(slot).data(), use.samples * input_size, host_input_);
+      if (auto spot = look(NonFiniteSpot::Where::input, 0, x, input_size)) return spot;
+    }
+    layers_->copy_parameters(layers_->params(), host_.parameters().data(), cudaMemcpyDeviceToHost);
+    synchronize();
+    if (auto spot = host_.find_nonfinite_weight()) return spot;
+    return look(NonFiniteSpot::Where::output, last_layer_index(range_),
+                output_on_host(slot, use.samples), output_size);
+  }
+  NonFiniteSpot find_nonfinite_gradient() override {
+    gradients_to_host();
+    return host_.find_nonfinite_gradient();
+  }
+
+  // The input slots and the layers' outputs (their ReLU masks, saved
+  // tensors and workspace are not counted).
+  std::size_t arena_elements() const override {
+    if (!layers_) return 0;
+    std::size_t per_sample = 0;
+    static_for<executed::size>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if constexpr (!L::in_place)
+        if (i >= range_.first && i < range_.last) per_sample += L::output_shape::size;
+    });
+    std::size_t inputs = 0;
+    for (const auto& buffer : inputs_) inputs += buffer.size();
+    return inputs + slot_count_ * layers_->max_batch() * per_sample;
+  }
+  // As the CPU's optimizer counts them (SGD without momentum keeps none,
+  // though the device update reads one).
+  std::size_t optimizer_buffers() const override {
+    const bool plain_sgd =
+        optimizer_.rule == DeviceOptimizer::Rule::sgd && optimizer_.momentum == 0.0f;
+    return plain_sgd ? 0 : optimizer_.buffers();
+  }
+  std::uint64_t optimizer_steps() const override { return steps_; }
+  void set_optimizer_steps(std::uint64_t steps) override { steps_ = steps; }
+  const ::loom::detail::MemorySpace& memory() const override { return memory_; }
+
+  // NCCL where every rank of the grid has a GPU of its own, else the host
+  // groups staged through host memory (see the file comment).
+  ::loom::detail::StageLinks links(const MeshGroups& groups, const Mesh& mesh,
+                                   std::size_t rank) override {
+    on_device();
+    if (!distinct_devices(groups.world)) return staged_links(groups, mesh.coordinates(rank).pipe);
+    return nccl_links(groups, mesh, rank);
+  }
+
+  // The accumulated gradients into `host` (the range's slice of the
+  // Model's order), for tests and the host-side checks.
+  void read_gradients(std::span<float> host) const {
+    on_device();
+    built();
+    LOOM_CHECK(host.size() == parameter_size, owner(), ": its gradients are ", parameter_size,
+               " floats, not ", host.size());
+    // Read only: the copy goes from the device.
+    layers_->copy_parameters(const_cast<float*>(accumulator_.data()), host.data(),
+                             cudaMemcpyDeviceToHost);
+    synchronize();
+  }
+
+ private:
+  struct SlotUse {
+    std::size_t samples = 0;       // of its last forward
+    std::size_t first_sample = 0;  // that forward's first, in the step's batch
+  };
+
+  static int entered(int device) {
+    LOOM_CUDA_CHECK(cudaSetDevice(device));
+    return device;
+  }
+  void on_device() const { LOOM_CUDA_CHECK(cudaSetDevice(device_)); }
+  cudaStream_t stream() const { return context_.stream.get(); }
+  void synchronize() const { context_.stream.synchronize(); }
+  std::string owner() const {
+    return "pipeline stage on cuda:" + std::to_string(device_) + " (executed layers " +
+           std::to_string(range_.first) + " to " + std::to_string(range_.last - 1) + ")";
+  }
+
+  // SyncBatchNorm would sum its statistics over an NCCL group of the
+  // stage's copies that these stages do not make.
+  static void refuse_synced_statistics(LayerRange range) {
+    static_for<executed::size>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if constexpr (L::syncs)
+        LOOM_CHECK(i < range.first || i >= range.last, "SyncBatchNorm (layer ", L::index,
+                   ") on a GPU pipeline stage: its statistics are not summed over the stage's "
+                   "copies there yet; use BatchNorm2d, or DataParallel on GPUs");
+    });
+  }
+
+  static std::size_t last_layer_index(LayerRange range) {
+    std::size_t index = 0;
+    static_for<executed::size>([&](auto i) {
+      if (i + 1 == range.last) index = type_at_t<i, executed>::index;
+    });
+    return index;
+  }
+
+  // The layers, built for one sample and slot if reserve() has not come yet
+  // (the engine's start broadcasts the weights before any step).
+  Layers& layers() {
+    on_device();
+    if (!layers_) build(1, std::max<std::size_t>(1, slot_count_), sends_);
+    return *layers_;
+  }
+  Layers& built() const {
+    LOOM_CHECK(layers_ != nullptr, owner(), ": reserve() comes before a pass");
+    return *layers_;
+  }
+
+  // (Re)builds the layers for `batch` samples in `slots` slots, carrying
+  // weights, optimizer buffers and running statistics over (the initial
+  // ones from the host the first time); the accumulator is the stage's own
+  // and stays.
+  void build(std::size_t batch, std::size_t slots, bool sends) {
+    auto made =
+        std::make_unique<Layers>(context_, range_, batch, slots, optimizer_.buffers(), precision_,
+                                 tensor_math(precision_, allow_tf32_), owner(), sends);
+    const std::size_t total = made->parameters();
+    if (layers_) {
+      carry(made->params(), layers_->params(), total);
+      for (std::size_t b = 0; b < optimizer_.buffers(); ++b)
+        carry(made->moment(b), layers_->moment(b), total);
+      carry(made->state(), layers_->state(), made->state_count());
+      carry(made->kept_state(), layers_->kept_state(), made->state_count());
+    } else {
+      made->copy_parameters(made->params(), host_.parameters().data(), cudaMemcpyHostToDevice);
+      made->copy_running_state(host_.state().data(), cudaMemcpyHostToDevice);
+      for (std::size_t b = 0; b < pending_optimizer_.size(); ++b)
+        if (!pending_optimizer_[b].empty())
+          made->copy_parameters(made->moment(b), pending_optimizer_[b].data(),
+                                cudaMemcpyHostToDevice);
+      accumulator_ = DeviceBuffer<float>(total, owner() + "'s gradient accumulator");
+      LOOM_CUDA_CHECK(cudaMemsetAsync(accumulator_.data(), 0, total * sizeof(float), stream()));
+    }
+    inputs_.resize(slots);
+    for (auto& buffer : inputs_)
+      if (buffer.size() < batch * input_size)
+        buffer = DeviceBuffer<float>(batch * input_size, owner() + "'s input slot");
+    slots_.resize(slots);
+    synchronize();
+    layers_ = std::move(made);
+    pending_optimizer_.clear();
+    slot_count_ = slots;
+    sends_ = sends;
+  }
+
+  void carry(float* to, const float* from, std::size_t count) {
+    if (count > 0)
+      LOOM_CUDA_CHECK(
+          cudaMemcpyAsync(to, from, count * sizeof(float), cudaMemcpyDeviceToDevice, stream()));
+  }
+
+  // The buckets (make_stage_of planned them on the Model's packed order,
+  // after making the stage) onto the device's padded layout: each begins
+  // at its lowest layer's block and ends where the layer after its highest
+  // begins, so it spans the gaps (zeros) between them too.
+  void place_buckets() {
+    if (buckets_placed_) return;
+    buckets_placed_ = true;
+    using layout = typename Layers::layout;
+    const std::size_t host_base = info::param_offsets[range_.first];
+    const std::size_t base = layout::starts[range_.first];
+    for (auto& bucket : buckets) {
+      const std::size_t lowest = range_.first + bucket.ready_after;
+      std::size_t after = lowest + 1;
+      while (after < range_.last && info::param_offsets[after] - host_base != bucket.end) ++after;
+      bucket.begin = layout::starts[lowest] - base;
+      bucket.end = layout::starts[after] - base;
+    }
+  }
+
+  void copy_in(float* device, const float* host, std::size_t count) {
+    float* pinned = room(host_input_, count);
+    std::copy_n(host, count, pinned);
+    LOOM_CUDA_CHECK(
+        cudaMemcpyAsync(device, pinned, count * sizeof(float), cudaMemcpyHostToDevice, stream()));
+  }
+  // count floats at `device` in `pinned` (waits).
+  const float* to_host(const float* device, std::size_t count, PinnedBuffer<float>& pinned) const {
+    float* host = room(pinned, count);
+    LOOM_CUDA_CHECK(
+        cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream()));
+    synchronize();
+    return host;
+  }
+  const float* output_on_host(std::size_t slot, std::size_t n) {
+    on_device();
+    return to_host(built().output(slot), n * output_size, host_output_);
+  }
+  // Pinned room for count floats (grown, never shrunk).
+  static float* room(PinnedBuffer<float>& buffer, std::size_t count) {
+    if (buffer.size() < count) buffer = PinnedBuffer<float>(count);
+    return buffer.data();
+  }
+
+  void gradients_to_host() const { read_gradients(host_.gradients()); }
+
+  void scale(float factor) {
+    on_device();
+    built();
+    if (accumulator_.size() == 0) return;
+    kernels::scale_values<<<grid_blocks(accumulator_.size()), block_threads, 0, stream()>>>(
+        accumulator_.data(), accumulator_.size(), factor);
+    LOOM_CUDA_LAUNCH_CHECK("scale_values");
+    synchronize();
+  }
+
+  void check_host_slice(Buffer what, std::size_t b, std::size_t size) const {
+    const std::size_t expected = what == Buffer::state ? state_size : parameter_size;
+    LOOM_CHECK(size == expected, owner(), ": a host slice of ", size, " floats for one of ",
+               expected);
+    if (what == Buffer::optimizer)
+      LOOM_CHECK(b < optimizer_buffers(), owner(), ": ", optimizer_.name(), " keeps ",
+                 optimizer_buffers(), " buffer(s) per parameter, not ", b + 1);
+  }
+  // Before the layers are built: the host's copy.
+  std::span<float> host_buffer(Buffer what, std::size_t b) {
+    if (what == Buffer::parameters) return host_.parameters();
+    if (what == Buffer::state) return host_.state();
+    if (pending_optimizer_.size() <= b) pending_optimizer_.resize(b + 1);
+    if (pending_optimizer_[b].empty()) pending_optimizer_[b].assign(parameter_size, 0.0f);
+    return pending_optimizer_[b];
+  }
+  void copy_buffer(Buffer what, std::size_t b, float* host, cudaMemcpyKind kind) {
+    switch (what) {
+      case Buffer::parameters:
+        layers_->copy_parameters(layers_->params(), host, kind);
+        break;
+      case Buffer::state:
+        layers_->copy_running_state(host, kind);
+        break;
+      case Buffer::optimizer:
+        layers_->copy_parameters(layers_->moment(b), host, kind);
+        break;
+    }
+    synchronize();
+  }
+
+  // Whether every rank of `world` runs on a GPU of its own: each gives a
+  // hash of its host name and its device's PCI bus id, and all compare.
+  bool distinct_devices(comm::Comm world) const {
+    char bus[32] = {};
+    LOOM_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, device_));
+    char host[256] = {};
+    LOOM_CHECK(gethostname(host, sizeof host - 1) == 0, owner(),
+               ": gethostname failed, so its GPU cannot be told from the other ranks'");
+    std::vector<std::uint64_t> ids(static_cast<std::size_t>(world.size()), 0);
+    ids[static_cast<std::size_t>(world.rank())] =
+        ::loom::detail::fnv1a(std::string(host) + "/" + bus);
+    world.all_reduce(std::span<std::uint64_t>(ids), comm::ReduceOp::sum);
+    std::ranges::sort(ids);
+    return std::ranges::adjacent_find(ids) == ids.end();
+  }
+
+  ::loom::detail::StageLinks staged_links(const MeshGroups& groups, std::size_t stage) const {
+    auto links = ::loom::detail::host_links(groups, stage);
+    // One staged communicator per link: each has its staging buffers, and
+    // the outbox threads and the rank's thread call them at once.
+    for (auto* link : {&links.to_next, &links.from_next, &links.to_previous, &links.from_previous})
+      if (link->comm) link->comm = comm::Comm(comm::HostStagedComm(link->comm, device_));
+    if (links.data) links.data = comm::Comm(comm::HostStagedComm(links.data, device_));
+    links.own = true;
+    return links;
+  }
+
+  // An NCCL world over groups.world, split (collectively, every rank in
+  // the same order) into the stage's copies and, per direction, a
+  // two-rank communicator for each neighbouring pair of stages: the outbox
+  // thread that sends and the rank thread that receives never share one
+  // (NCCL communicators are not thread-safe). A rank is in at most one
+  // pair (k, k + 1) of each parity of k, so four splits make them all.
+  ::loom::detail::StageLinks nccl_links(const MeshGroups& groups, const Mesh& mesh,
+                                        std::size_t rank) const {
+    comm::Comm bootstrap = groups.world;
+    comm::NcclComm world = comm::NcclComm::create(bootstrap, device_);
+    const MeshCoordinates at = mesh.coordinates(rank);
+    const std::size_t stages = mesh.pipe, stage = at.pipe;
+    ::loom::detail::StageLinks links;
+    links.own = true;
+    auto data = world.split_some(static_cast<int>(mesh.group(rank, MeshAxis::data)),
+                                 static_cast<int>(mesh.rank_in_group(rank, MeshAxis::data)), false);
+    LOOM_CHECK(data.has_value(), owner(), ": ncclCommSplit gave no group of the stage's copies");
+    links.data = comm::Comm(std::move(*data));
+    for (const bool forward : {true, false})
+      for (std::size_t parity = 0; parity < 2; ++parity) {
+        std::optional<std::size_t> lower;
+        if (stage % 2 == parity && stage + 1 < stages)
+          lower = stage;
+        else if (stage >= 1 && (stage - 1) % 2 == parity)
+          lower = stage - 1;
+        const int color = lower ? static_cast<int>(at.data * stages + *lower) : NCCL_SPLIT_NOCOLOR;
+        const int key = lower ? static_cast<int>(stage - *lower) : 0;
+        auto pair = world.split_some(color, key, false);
+        if (!pair) continue;
+        comm::Comm made(std::move(*pair));
+        const bool below = *lower == stage;  // this rank is the pair's k
+        if (forward)
+          (below ? links.to_next : links.from_previous) = {made, below ? 1 : 0};
+        else
+          (below ? links.from_next : links.to_previous) = {made, below ? 1 : 0};
+      }
+    return links;
+  }
+
+  int device_;
+  Precision precision_;
+  bool allow_tf32_;
+  DeviceOptimizer optimizer_;
+  LayerRange range_;
+  DeviceContext context_;  // made with device_ current; before the layers, which use it
+  // The range on the host: the weights and statistics until the layers
+  // are built, then where the host's checks read the device's.
+  mutable Model<StageNet, float> host_;
+  std::vector<std::vector<float>> pending_optimizer_;  // written before the layers were built
+  std::unique_ptr<Layers> layers_;
+  std::size_t slot_count_ = 0;
+  bool sends_ = false;  // the layers pass their input's gradient back
+  bool buckets_placed_ = false;
+  DeviceBuffer<float> accumulator_;          // the step's micro-batches' gradients, summed
+  std::vector<DeviceBuffer<float>> inputs_;  // per slot
+  std::vector<SlotUse> slots_;
+  DeviceBuffer<UpdateScalars> update_;
+  std::uint64_t steps_ = 0;  // optimizer steps taken
+  mutable PinnedBuffer<float> host_input_, host_output_, host_gradient_;
+  ScalarStager scalars_;
+  DeviceMemory memory_;
+};
+
+// The GPU's stages, for a policy's typed engine (as detail::HostStages
+// makes the CPU's): every stage in `precision`, TF32 as allowed.
+struct DeviceStages {
+  Precision precision = Precision::fp32;
+  bool allow_tf32 = false;
+
+  template <class StageNet, class Optimizer>
+  std::unique_ptr<::loom::detail::PipelineStage> make(std::span<const float> weights,
+                                                      std::span<const float> state,
+                                                      typename Optimizer::Options options,
+                                                      std::size_t offset, std::size_t state_at,
+                                                      LayerRange range,
+                                                      const Device& device) const {
+    LOOM_CHECK(device.kind == Device::Kind::cuda, "gpu::DeviceStages makes stages on GPUs; ",
+               device.name(), " is not one (the CPU's stages are detail::HostStages)");
+    return std::make_unique<DeviceStage<StageNet, Optimizer>>(
+        weights, state, options, offset, state_at, range, device.index, precision, allow_tf32);
+  }
+};
+
+}  // namespace loom::gpu

@@ -1,0 +1,131 @@
+// The grid engine's GPU stage (gpu/stage.cuh) against the CPU's: LeNet's
+// DeviceStage and StageOf made from one Model take one micro-batch of
+// Fashion-MNIST through forward, loss, backward and an SGD update, FP32
+// without TF32 on both; and HostStagedComm moves device buffers over a
+// LocalComm of two ranks exactly.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <exception>
+#include <loom/comm/staged_comm.hpp>
+#include <loom/gpu/stage.cuh>
+#include <loom/loom.hpp>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "cuda_test.hpp"
+#include "fashion_test.hpp"
+#include "loom_test.hpp"
+
+namespace test = loom::test;
+using namespace loom;
+
+namespace {
+
+using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Conv2d<50, 5>, ReLU,
+                         MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
+using Buffer = detail::PipelineStage::Buffer;
+
+// Per value: within 1e-4 of the reference, relative to it or (near zero)
+// to the largest reference value.
+void require_close_relative(const std::vector<float>& got, const std::vector<float>& ref,
+                            const char* what) {
+  float largest = 0.0f;
+  for (const float r : ref) largest = std::max(largest, std::abs(r));
+  test::require_close(got, ref, {1e-4 * largest, 1e-4}, what);
+}
+
+}  // namespace
+
+TEST_CASE("cuda stage: LeNet's DeviceStage steps one micro-batch as the CPU's StageOf does") {
+  constexpr std::size_t n = 32;
+  const auto& train = test::fashion().train;
+  const Model<LeNet, float> initial(3);
+  const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
+  auto cpu = detail::make_stage_of<LeNet, SGD, LeNet>(initial, sgd, default_bucket_bytes, Device{});
+  auto gpu = detail::make_stage_of<LeNet, SGD, LeNet, gpu::DeviceStages>(
+      initial, sgd, default_bucket_bytes, Device{.kind = Device::Kind::cuda, .index = 0},
+      Model<LeNet>::all_layers, gpu::DeviceStages{});
+  const auto& ops = detail::loss_ops<SoftmaxCrossEntropy, LeNet::output_shape>();
+  const Pass pass{.training = true, .seed = 7};
+  const Targets targets(train.labels.data());
+
+  std::array<cpu::LossSums, 2> sums;
+  std::vector<std::size_t> done_order;
+  for (std::size_t k = 0; k < 2; ++k) {
+    detail::PipelineStage& stage = k == 0 ? *cpu : *gpu;
+    stage.reserve(n, 1, false);
+    stage.set_precision(Precision::fp32);
+    stage.forward(train.images.data(), n, 0, pass);
+    sums[k] = stage.loss(ops, 0, n, targets, 1.0f / n, true);
+    if (k == 0)
+      stage.backward(0, false, nullptr);
+    else
+      stage.backward(0, false, nullptr, [&](std::size_t layer) { done_order.push_back(layer); });
+  }
+  CHECK(sums[1].correct == sums[0].correct);
+  CHECK(std::abs(sums[1].loss - sums[0].loss) <= 1e-4 * std::abs(sums[0].loss));
+
+  // Every executed layer's gradients are final, announced last layer first.
+  std::vector<std::size_t> expected_order(LeNet::executed::size);
+  for (std::size_t i = 0; i < expected_order.size(); ++i)
+    expected_order[i] = expected_order.size() - 1 - i;
+  CHECK(done_order == expected_order);
+
+  const std::vector<float> cpu_gradients(cpu->gradients().begin(), cpu->gradients().end());
+  std::vector<float> gpu_gradients(cpu_gradients.size());
+  static_cast<gpu::DeviceStage<LeNet, SGD>&>(*gpu).read_gradients(gpu_gradients);
+  require_close_relative(gpu_gradients, cpu_gradients, "gradients");
+
+  cpu->update(sgd.lr);
+  gpu->update(sgd.lr);
+  std::vector<float> cpu_weights(cpu->parameter_size), gpu_weights(gpu->parameter_size);
+  cpu->read(Buffer::parameters, 0, cpu_weights);
+  gpu->read(Buffer::parameters, 0, gpu_weights);
+  require_close_relative(gpu_weights, cpu_weights, "updated weights");
+  CHECK(gpu->optimizer_steps() == 1);
+  CHECK(gpu->optimizer_buffers() == cpu->optimizer_buffers());
+}
+
+TEST_CASE("cuda stage: HostStagedComm over two LocalComm ranks moves device buffers exactly") {
+  auto ranks = comm::LocalComm::create(2);
+  std::array<std::vector<float>, 2> reduced, broadcast;
+  std::vector<float> received;
+  std::array<std::exception_ptr, 2> errors;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      comm::Comm inner(std::move(ranks[static_cast<std::size_t>(r)]));
+      try {
+        comm::HostStagedComm c(inner, 0);
+        const float x = static_cast<float>(r);
+        auto summed = test::to_device(std::vector<float>{1.0f + x, 2.0f * (x + 1.0f), -3.5f * x});
+        c.all_reduce(std::span<float>(summed.data(), summed.size()), comm::ReduceOp::sum);
+        reduced[static_cast<std::size_t>(r)] = test::to_host(summed);
+        auto sent =
+            test::to_device(std::vector<float>{r == 1 ? 7.25f : 0.0f, r == 1 ? -1.5f : 0.0f});
+        c.broadcast(std::span<float>(sent.data(), sent.size()), 1);
+        broadcast[static_cast<std::size_t>(r)] = test::to_host(sent);
+        if (r == 0) {
+          const auto message = test::to_device(std::vector<float>{4.0f, -5.0f, 6.5f});
+          c.send(std::span<const float>(message.data(), message.size()), 1);
+        } else {
+          gpu::DeviceBuffer<float> into(3, "test receive");
+          c.recv(std::span<float>(into.data(), into.size()), 0);
+          received = test::to_host(into);
+        }
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        inner.cancel("the other rank of the test failed");
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& error : errors)
+    if (error) std::rethrow_exception(error);
+  for (const auto& values : reduced) CHECK(values == std::vector<float>{3.0f, 6.0f, -3.5f});
+  for (const auto& values : broadcast) CHECK(values == std::vector<float>{7.25f, -1.5f});
+  CHECK(received == std::vector<float>{4.0f, -5.0f, 6.5f});
+}
+
+LOOM_CUDA_TEST_MAIN
