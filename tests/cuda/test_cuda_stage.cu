@@ -2,7 +2,8 @@
 // DeviceStage and StageOf made from one Model take one micro-batch of
 // Fashion-MNIST through forward, loss, backward and an SGD update, FP32
 // without TF32 on both; and HostStagedComm moves device buffers over a
-// LocalComm of two ranks exactly.
+// LocalComm of two ranks exactly; and Hybrid 2 x 2 on the grid engine with
+// DeviceStages against the CPU's stages.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <loom/loom.hpp>
 #include <span>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda_test.hpp"
@@ -36,7 +38,46 @@ void require_close_relative(const std::vector<float>& got, const std::vector<flo
   test::require_close(got, ref, {1e-4 * largest, 1e-4}, what);
 }
 
+// Three clipped steps of Grid on its engine, its stages made by `Stages`
+// on `devices`; the whole network's weights after them and an
+// evaluation's sums.
+template <class Grid, class Stages>
+std::pair<std::vector<float>, cpu::LossSums> engine_steps(const data::Dataset& data,
+                                                          const std::vector<Device>& devices) {
+  const Model<LeNet, float> initial(7);
+  const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
+  detail::PipelineEngine<LeNet, typename Grid::partition, SGD, SoftmaxCrossEntropy, Stages> engine(
+      devices, {}, initial, sgd, pipeline_grid<Grid>(Grid::devices_needed), {}, Stages{});
+  const Targets targets = data::targets_of(data);
+  for (std::size_t step = 0; step < 3; ++step) {
+    const std::size_t first = step * 60;
+    engine.micro_step(data.images.data() + first * data.sample_size(), targets.from(first), 60, 60,
+                      false, true, {.lr = sgd.lr, .max_grad_norm = 0.5f});
+  }
+  Model<LeNet, float> whole(0);
+  engine.gather(whole);
+  const cpu::LossSums sums = engine.evaluate(data, 60, Precision::fp32);
+  return {{whole.parameters().begin(), whole.parameters().end()}, sums};
+}
+
 }  // namespace
+
+TEST_CASE("cuda stage: Hybrid 2 x 2 of DeviceStages on one GPU trains as on CPU workers") {
+  // Four ranks on one GPU: their links are the host's groups staged through
+  // host memory; the stages' copies all-reduce buckets of device memory.
+  using Grid = Hybrid<2, ModelSplit<Balanced<2>, OneFOneB<4>>>;
+  const auto part = test::head(test::fashion().train, 180);
+  const std::vector<Device> gpus(4, Device{.kind = Device::Kind::cuda, .index = 0});
+  const auto [gpu_weights, gpu_sums] = engine_steps<Grid, gpu::DeviceStages>(part, gpus);
+  const auto [cpu_weights, cpu_sums] =
+      engine_steps<Grid, detail::HostStages>(part, devices::cpu(4));
+  require_close_relative(gpu_weights, cpu_weights, "weights after three steps");
+  const Model<LeNet, float> initial(7);
+  CHECK(cpu_weights !=
+        std::vector<float>(initial.parameters().begin(), initial.parameters().end()));
+  CHECK(gpu_sums.correct == cpu_sums.correct);
+  CHECK(std::abs(gpu_sums.loss - cpu_sums.loss) <= 1e-4 * std::abs(cpu_sums.loss));
+}
 
 TEST_CASE("cuda stage: LeNet's DeviceStage steps one micro-batch as the CPU's StageOf does") {
   constexpr std::size_t n = 32;

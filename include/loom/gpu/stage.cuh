@@ -308,18 +308,18 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     synchronize();
   }
 
-  // A float's square cannot overflow a double, but the host's search is
-  // as simple and also serves the diagnosis: the accumulator comes back
-  // in the Model's order.
+  // On the host, over the accumulator copied back in the Model's order
+  // (every step: correctness first; a device reduction would bring back
+  // one double).
   bool gradients_finite() const override {
     gradients_to_host();
     return ::loom::detail::all_finite(host_.gradients().data(), host_.gradients().size());
   }
 
-  // The GPU keeps only the slot's input and output of the layers'
-  // activations where a host looks: the input (with `input`), then the
-  // weights layer by layer, then the range's output, named as its last
-  // layer's.
+  // The CPU looks at every layer's output in turn; here only the slot's
+  // input (with `input`), the weights layer by layer, then the range's
+  // output (named as its last layer's) are looked at: the layers' own
+  // outputs stay inside DeviceLayers.
   NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) override {
     on_device();
     const SlotUse& use = slots_.at(slot);
