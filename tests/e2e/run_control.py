@@ -113,8 +113,10 @@ def main():
     seen = []
 
     if a.scenario == "term":
-        p = start([a.program, "--epochs", "2", *common])
-        read_until(p, r"^epoch 1/2 step \d+/313", seen)
+        # One epoch: the resume need only finish the epoch the signal cut
+        # short (a second one took 10 s of CI's time and checked nothing more).
+        p = start([a.program, "--epochs", "1", *common])
+        read_until(p, r"^epoch 1/1 step \d+/313", seen)
         sent = time.monotonic()
         p.send_signal(signal.SIGTERM)
         output = finish(p, seen)
@@ -126,7 +128,7 @@ def main():
         expect(output, rf"checkpoint {re.escape(checkpoint)} \(step {step}\) in [0-9.]+ s\n", output)
         expect(output, rf"stopped by SIGTERM after step {step} \(epoch 1, step {step}\)\n", output)
         command = expect(output, r"resume with: (.*)\n", output).group(1)
-        if "final test accuracy" in output or "epoch 1/2 done" in output:
+        if "final test accuracy" in output or "epoch 1/1 done" in output:
             fail("the run went on after the signal", output)
         print(output)
         print(f"signal to exit: {took:.3f} s")
