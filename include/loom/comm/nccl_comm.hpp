@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -188,27 +187,25 @@ class NcclComm {
   // (splitShare): a rank's data, pipe and tensor groups reuse the root's
   // proxy threads and buffers instead of each setting up its own.
   NcclComm split(int color, int key) {
-    auto part = split_some(color, key, true);
-    LOOM_CHECK(part.has_value(), describe(), ": ncclCommSplit gave no communicator for color ",
-               color);
-    return std::move(*part);
-  }
-
-  // A split that leaves some ranks out: they pass NCCL_SPLIT_NOCOLOR and
-  // get none (collective over this communicator all the same). `share`:
-  // reuse this communicator's resources (as split() does); a GPU stage's
-  // links, which different threads drive at once, each take their own.
-  std::optional<NcclComm> split_some(int color, int key, bool share) {
     on_device();
     ncclComm_t made = nullptr;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.splitShare = share ? 1 : 0;
+    config.splitShare = state_->share_on_split ? 1 : 0;
     check(ncclCommSplit(get(), color, key, &made, &config), "ncclCommSplit");
-    if (made == nullptr) return std::nullopt;
+    LOOM_CHECK(made != nullptr, describe(), ": ncclCommSplit gave no communicator for color ",
+               color);
     NcclComm part(made, device());
     part.set_timeout(timeout());
+    part.set_share_on_split(state_->share_on_split);
     return part;
   }
+
+  // Whether split() shares this communicator's resources with its parts
+  // (above; the default), which inherit the choice. A GPU stage's links
+  // do not: its outbox threads and its own thread drive them at once, and
+  // nothing here relies on communicators that share resources running
+  // concurrently.
+  void set_share_on_split(bool share) { state_->share_on_split = share; }
 
   // Ends this rank's pending NCCL operations and frees the communicator;
   // every later call raises. (The other ranks are not told: under mpirun the
@@ -226,6 +223,7 @@ class NcclComm {
     ncclComm_t comm = nullptr;
     int rank = 0, size = 0, device = 0;
     bool aborted = false;
+    bool share_on_split = true;
     Timeout timeout = collective_timeout();
     gpu::Stream stream;
     gpu::DeviceBuffer<std::int32_t> token;

@@ -33,7 +33,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -601,43 +600,16 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     return links;
   }
 
-  // An NCCL world over groups.world, split (collectively, every rank in
-  // the same order) into the stage's copies and, per direction, a
-  // two-rank communicator for each neighbouring pair of stages: the outbox
-  // thread that sends and the rank thread that receives never share one
-  // (NCCL communicators are not thread-safe). A rank is in at most one
-  // pair (k, k + 1) of each parity of k, so four splits make them all.
+  // An NCCL world over groups.world, split as detail::split_links splits
+  // it (the stage's copies, and a communicator per direction and pair of
+  // neighbouring stages), its parts not sharing resources
+  // (NcclComm::set_share_on_split). A collective over groups.world.
   ::loom::detail::StageLinks nccl_links(const MeshGroups& groups, const Mesh& mesh,
                                         std::size_t rank) const {
     comm::Comm bootstrap = groups.world;
     comm::NcclComm world = comm::NcclComm::create(bootstrap, device_);
-    const MeshCoordinates at = mesh.coordinates(rank);
-    const std::size_t stages = mesh.pipe, stage = at.pipe;
-    ::loom::detail::StageLinks links;
-    links.own = true;
-    auto data = world.split_some(static_cast<int>(mesh.group(rank, MeshAxis::data)),
-                                 static_cast<int>(mesh.rank_in_group(rank, MeshAxis::data)), false);
-    LOOM_CHECK(data.has_value(), owner(), ": ncclCommSplit gave no group of the stage's copies");
-    links.data = comm::Comm(std::move(*data));
-    for (const bool forward : {true, false})
-      for (std::size_t parity = 0; parity < 2; ++parity) {
-        std::optional<std::size_t> lower;
-        if (stage % 2 == parity && stage + 1 < stages)
-          lower = stage;
-        else if (stage >= 1 && (stage - 1) % 2 == parity)
-          lower = stage - 1;
-        const int color = lower ? static_cast<int>(at.data * stages + *lower) : NCCL_SPLIT_NOCOLOR;
-        const int key = lower ? static_cast<int>(stage - *lower) : 0;
-        auto pair = world.split_some(color, key, false);
-        if (!pair) continue;
-        comm::Comm made(std::move(*pair));
-        const bool below = *lower == stage;  // this rank is the pair's k
-        if (forward)
-          (below ? links.to_next : links.from_previous) = {made, below ? 1 : 0};
-        else
-          (below ? links.from_next : links.to_previous) = {made, below ? 1 : 0};
-      }
-    return links;
+    world.set_share_on_split(false);
+    return ::loom::detail::split_links(comm::Comm(std::move(world)), mesh, rank);
   }
 
   int device_;
