@@ -107,8 +107,9 @@ def main():
     for leftover in (checkpoint, checkpoint + ".lock"):
         if os.path.exists(leftover):
             os.remove(leftover)
-    # 20000 images: 313 steps an epoch, a progress line every 31 steps.
-    common = ["--train-samples", "20000", "--test-samples", "1000", "--data", a.data,
+    # 10000 images: 157 steps an epoch, a progress line every 15 steps; a
+    # signal sent at the first line lands with over 140 steps to go.
+    common = ["--train-samples", "10000", "--test-samples", "1000", "--data", a.data,
               "--checkpoint", checkpoint]
     seen = []
 
@@ -116,7 +117,7 @@ def main():
         # One epoch: the resume need only finish the epoch the signal cut
         # short (a second one took 10 s of CI's time and checked nothing more).
         p = start([a.program, "--epochs", "1", *common])
-        read_until(p, r"^epoch 1/1 step \d+/313", seen)
+        read_until(p, r"^epoch 1/1 step \d+/157", seen)
         sent = time.monotonic()
         p.send_signal(signal.SIGTERM)
         output = finish(p, seen)
@@ -155,7 +156,7 @@ def main():
         print(output)
     elif a.scenario == "mpirun_usr1":
         p = start([a.mpirun, "-np", "2", "--oversubscribe", a.program, "--epochs", "1", *common])
-        read_until(p, r"^epoch 1/1 step \d+/313", seen)
+        read_until(p, r"^epoch 1/1 step \d+/157", seen)
         # Rank 1 alone: the two processes must agree to stop at one step.
         ranks = {}
         for child in subprocess.run(["pgrep", "-P", str(p.pid)], stdout=subprocess.PIPE,
@@ -177,7 +178,7 @@ def main():
         check_resume(command, checkpoint, step, output)
     elif a.scenario == "lock":
         first = start([a.program, "--epochs", "2", *common])
-        read_until(first, r"^epoch 1/2 step \d+/313", seen)
+        read_until(first, r"^epoch 1/2 step \d+/157", seen)
         status, second = run([a.program, "--epochs", "1", *common], limit=120)
         print(second)
         if status != 1:
