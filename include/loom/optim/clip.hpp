@@ -72,16 +72,23 @@ inline double global_norm(std::span<const double> layer_squares) {
   return std::sqrt(sum);
 }
 
+// The factor clip_grad_norm_ scales gradients of global norm `norm` by (1:
+// unchanged, as for a non-finite norm, which scaling cannot make finite).
+inline float clip_factor(double norm, double max_norm) {
+  const double coefficient = max_norm / (norm + 1e-6);
+  if (!std::isfinite(norm) || !(coefficient < 1.0)) return 1.0f;
+  return static_cast<float>(coefficient);
+}
+
 // Scales `grads` as clip_grad_norm_ would for a global norm `norm`; returns
 // the factor (1: unchanged). A non-finite norm (an infinite or NaN gradient)
 // leaves them as they are: scaling cannot make them finite. The trainer
 // checks the gradients before clipping and skips or raises for such a step
 // (FitOptions::on_nonfinite; fp16 skips it as an overflow).
 inline float clip_gradients(std::span<float> grads, double norm, double max_norm) {
-  const double coefficient = max_norm / (norm + 1e-6);
-  if (!std::isfinite(norm) || !(coefficient < 1.0)) return 1.0f;
-  const auto factor = static_cast<float>(coefficient);
-  for (float& g : grads) g *= factor;
+  const float factor = clip_factor(norm, max_norm);
+  if (factor != 1.0f)
+    for (float& g : grads) g *= factor;
   return factor;
 }
 

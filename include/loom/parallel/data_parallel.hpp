@@ -134,8 +134,8 @@ class DataParallelEngine final : public GridEngine {
                      const Model<Net, float>& initial, typename Optimizer::Options options)
       : GridEngine(
             grid_net<Net, Optimizer, Loss>(1, is_data_parallel<Policy> && Net::syncs),
-            [&](std::size_t) {
-              return make_stage_of<Net, Optimizer>(initial, options, bucket_bytes());
+            [&](std::size_t, const Device& device) {
+              return make_stage_of<Net, Optimizer>(initial, options, bucket_bytes(), device);
             },
             devices, processes,
             {.policy = Policy::name,

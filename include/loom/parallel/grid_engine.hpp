@@ -150,44 +150,168 @@ cpu::LossSums loss_sums(const std::array<double, N>& stats) {
           .denominator = stats[5]};
 }
 
+// The memory a stage's buffers live in: the host's (the CPU's stages) or a
+// GPU's. An Outbox keeps a message in it until the message is sent.
+class MemorySpace {
+ public:
+  virtual ~MemorySpace() = default;
+  virtual std::shared_ptr<float[]> allocate(std::size_t n) const = 0;
+  // Copies n floats, `from` as the stage's last call left them.
+  virtual void copy(float* to, const float* from, std::size_t n) const = 0;
+};
+
+class HostMemory final : public MemorySpace {
+ public:
+  std::shared_ptr<float[]> allocate(std::size_t n) const override {
+    return std::make_shared<float[]>(n);
+  }
+  void copy(float* to, const float* from, std::size_t n) const override {
+    std::copy_n(from, n, to);
+  }
+};
+
+// One direction between a stage and a neighbour: the communicator and the
+// neighbour's rank in it.
+struct Link {
+  comm::Comm comm;
+  int peer = 0;
+};
+
+// What a rank moves its stage's memory over: activations and gradients to
+// and from its neighbours in the pipeline, and gradient buckets and weights
+// over the stage's copies (the data axis). The CPU's are the rank's mesh
+// groups (host_links); a GPU stage makes its own (NCCL, or staged through
+// the host groups where ranks share a GPU). Loss sums, agreement and
+// checkpoints go over the host groups whatever the stage's memory.
+struct StageLinks {
+  Link to_next, from_next, to_previous, from_previous;
+  comm::Comm data;
+  // Made by the stage: their sends may wait for the receive (NCCL's), as
+  // MPI's do, so the outboxes send from threads of their own.
+  bool own = false;
+};
+
+// The mesh groups themselves, for stage `stage` of a pipeline.
+inline StageLinks host_links(const MeshGroups& groups, std::size_t stage) {
+  const int previous = static_cast<int>(stage) - 1, next = static_cast<int>(stage) + 1;
+  return {.to_next = {groups.pipe, next},
+          .from_next = {groups.pipe, next},
+          .to_previous = {groups.pipe, previous},
+          .from_previous = {groups.pipe, previous},
+          .data = groups.data};
+}
+
+// Links of a stage's own, split from `world` (a communicator over every rank
+// of the mesh that carries the stage's memory: NCCL's, say): the stage's
+// copies (data), and for each direction between neighbouring stages a
+// communicator of that pair alone, so that a rank's outbox thread, which
+// sends, and its own thread, which receives, never share one (an NCCL
+// communicator takes calls from one thread at a time, in the same order on
+// every rank). A collective over `world`.
+inline StageLinks split_links(comm::Comm world, const Mesh& mesh, std::size_t rank) {
+  const auto group = [&](MeshAxis axis) {
+    return world.split(static_cast<int>(mesh.group(rank, axis)),
+                       static_cast<int>(mesh.rank_in_group(rank, axis)));
+  };
+  comm::Comm data = group(MeshAxis::data);
+  comm::Comm pipe = group(MeshAxis::pipe);
+  // Pairs (0, 1), (2, 3), ... (shift 0) and (1, 2), (3, 4), ... (shift 1):
+  // every rank is in one of each (alone at an end), ranked by stage, and
+  // each is split twice, once per direction.
+  const std::size_t stage = mesh.coordinates(rank).pipe;
+  const auto pair = [&](std::size_t shift) {
+    return pipe.split(static_cast<int>((stage + shift) / 2), static_cast<int>(stage));
+  };
+  comm::Comm forward0 = pair(0), backward0 = pair(0), forward1 = pair(1), backward1 = pair(1);
+  // An even stage's pair with the next is of shift 0, with the previous of
+  // shift 1; an odd stage's the other way round. The lower stage is rank 0.
+  const bool even = stage % 2 == 0;
+  return {.to_next = {even ? forward0 : forward1, 1},
+          .from_next = {even ? backward0 : backward1, 1},
+          .to_previous = {even ? backward1 : backward0, 0},
+          .from_previous = {even ? forward1 : forward0, 0},
+          .data = std::move(data),
+          .own = true};
+}
+
 // One stage's network and optimizer state behind a type-erased face, so the
-// engine's code is written once for stages of different types.
+// engine's code is written once for stages of different types and
+// backends. Buffers handed out as pointers or spans are in the stage's
+// memory (memory(): the host's, or its GPU's), for its links; the engine
+// reads and writes them on the host only through read() and write(). A
+// call returns with its work done (a GPU stage waits for its stream).
 class PipelineStage {
  public:
   virtual ~PipelineStage() = default;
-  virtual void reserve(std::size_t micro_batch, std::size_t slots) = 0;
+  // Room for micro-batches of up to `micro_batch` samples, `slots` at
+  // once; `receives`: the stage takes its input from the stage before
+  // (input_slot, input_gradient).
+  virtual void reserve(std::size_t micro_batch, std::size_t slots, bool receives) = 0;
+  // Where slot's input from the stage before is received.
+  virtual float* input_slot(std::size_t slot) = 0;
+  // Where backward leaves the gradient of the stage's input.
+  virtual float* input_gradient() = 0;
+  // input: the batch's samples in host memory (the first stage) or
+  // input_slot(slot). Returns the slot's output.
   virtual const float* forward(const float* input, std::size_t n, std::size_t slot,
                                const Pass& pass) = 0;
   virtual float* output_gradient() = 0;
   // Sequences: the samples' lengths at the stage's output for the slot's
-  // last forward, or null when its pass gave none.
+  // last forward (host memory), or null when its pass gave none.
   virtual const std::int32_t* output_frames(std::size_t slot) const = 0;
+  // The last stage: the loss of slot's last forward (n samples), and with
+  // `train` its gradient, scaled by `scale`, into output_gradient().
+  virtual cpu::LossSums loss(const LossOps& ops, std::size_t slot, std::size_t n,
+                             const Targets& targets, float scale, bool train) = 0;
+  // Where slot's last forward output (n samples) is first non-finite, if it is.
+  virtual NonFiniteSpot check_output(std::size_t slot, std::size_t n, bool first) = 0;
+  // input_gradient: input_gradient(), or null (the first stage).
   virtual void backward(std::size_t slot, bool accumulate, float* input_gradient) = 0;
   // The same, calling done(i) as each executed layer's gradients become final.
   virtual void backward(std::size_t slot, bool accumulate, float* input_gradient,
                         const std::function<void(std::size_t)>& done) = 0;
   virtual void update(float lr) = 0;
+  // Before a step's or an evaluation's first forward.
   virtual void set_precision(Precision precision) = 0;
   // Its layers' squared gradient norms into their entries of the whole
   // network's (see optim/clip.hpp).
   virtual void add_layer_squares(std::span<const std::size_t> starts,
                                  std::span<double> squares) const = 0;
+  // Divides the gradients by the loss scale; whether all are finite.
+  virtual bool unscale(float loss_scale) = 0;
+  virtual void scale_gradients(float factor) = 0;
+  virtual void zero_gradients() = 0;
+  // In the stage's memory, for its links (a GPU's may hold gaps).
   virtual std::span<float> parameters() = 0;
   virtual std::span<float> gradients() = 0;
   virtual std::span<float> state() = 0;
+  // The stage's slice of the whole network's weights, running statistics or
+  // optimizer buffer `b` (in the Model's order: parameter_size or
+  // state_size floats), to or from the host.
+  enum class Buffer { parameters, state, optimizer };
+  virtual void read(Buffer what, std::size_t b, std::span<float> host) = 0;
+  virtual void write(Buffer what, std::size_t b, std::span<const float> host) = 0;
   virtual void keep_state() = 0;
   virtual void restore_state() = 0;
   // A non-finite step's diagnosis (see Model).
   virtual bool gradients_finite() const = 0;
   virtual NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) = 0;
   virtual NonFiniteSpot find_nonfinite_gradient() = 0;
+  // Activations held now: the layers' and the input slots'.
   virtual std::size_t arena_elements() const = 0;
   // The optimizer's per-parameter buffers (momentum, moments) and step count.
   virtual std::size_t optimizer_buffers() const = 0;
-  virtual std::span<float> optimizer_buffer(std::size_t i) = 0;
   virtual std::uint64_t optimizer_steps() const = 0;
   virtual void set_optimizer_steps(std::uint64_t steps) = 0;
-  std::size_t input_size = 0, output_size = 0, parameter_offset = 0, state_offset = 0;
+  virtual const MemorySpace& memory() const = 0;
+  // This rank's links, from its mesh groups (a collective over
+  // groups.world where a stage makes communicators of its own).
+  virtual StageLinks links(const MeshGroups& groups, const Mesh& mesh, std::size_t rank) {
+    return host_links(groups, mesh.coordinates(rank).pipe);
+  }
+  std::size_t input_size = 0, output_size = 0;
+  // Where its slices start in the whole network's buffers, and their sizes.
+  std::size_t parameter_offset = 0, state_offset = 0, parameter_size = 0, state_size = 0;
   std::vector<GradientBucket> buckets;  // the stage's gradients, reduced over its copies
 };
 
@@ -196,7 +320,7 @@ class PipelineStage {
 // executed layers: then every stage of every cut is one type), with its
 // slice of the network's weights and running statistics.
 template <class StageNet, class Optimizer>
-class StageOf final : public PipelineStage {
+class StageOf : public PipelineStage {
  public:
   StageOf(std::span<const float> weights, std::span<const float> state,
           typename Optimizer::Options options, std::size_t offset, std::size_t state_at,
@@ -206,19 +330,39 @@ class StageOf final : public PipelineStage {
     output_size = model_.range_output_size();
     parameter_offset = offset;
     state_offset = state_at;
+    parameter_size = model_.parameters().size();
+    state_size = model_.state().size();
     std::copy(weights.begin(), weights.end(), model_.parameters().begin());
     std::copy(state.begin(), state.end(), model_.state().begin());
   }
-  void reserve(std::size_t micro_batch, std::size_t slots) override {
+  void reserve(std::size_t micro_batch, std::size_t slots, bool receives) override {
     model_.reserve(micro_batch, slots);
+    // Only ever grown: a step allocates nothing once its sizes were seen.
+    if (slots > outputs_.size()) outputs_.resize(slots);
+    if (slots > inputs_.size()) inputs_.resize(slots);
+    const std::size_t inputs = receives ? micro_batch * input_size : 0;
+    for (auto& buffer : inputs_)
+      if (buffer.size() < inputs) buffer.resize(inputs);
+    if (input_gradient_.size() < inputs) input_gradient_.resize(inputs);
   }
+  float* input_slot(std::size_t slot) override { return inputs_.at(slot).data(); }
+  float* input_gradient() override { return input_gradient_.data(); }
   const float* forward(const float* input, std::size_t n, std::size_t slot,
                        const Pass& pass) override {
-    return model_.forward(input, n, slot, pass);
+    return outputs_.at(slot) = model_.forward(input, n, slot, pass);
   }
   float* output_gradient() override { return model_.output_gradient(); }
   const std::int32_t* output_frames(std::size_t slot) const override {
     return model_.output_frames(slot);
+  }
+  cpu::LossSums loss(const LossOps& ops, std::size_t slot, std::size_t n, const Targets& targets,
+                     float scale, bool train) override {
+    return ops.compute(outputs_.at(slot), n, targets, scale,
+                       train ? model_.output_gradient() : nullptr);
+  }
+  NonFiniteSpot check_output(std::size_t slot, std::size_t n, bool first) override {
+    if (all_finite(outputs_.at(slot), n * output_size)) return {};
+    return model_.find_nonfinite_output(slot, first);
   }
   void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
     // Through the overload below: each stage's network compiles one
@@ -240,12 +384,26 @@ class StageOf final : public PipelineStage {
     detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares,
                                         model_.range());
   }
+  bool unscale(float loss_scale) override {
+    return unscale_gradients(model_.gradients(), loss_scale);
+  }
+  void scale_gradients(float factor) override {
+    for (float& g : model_.gradients()) g *= factor;
+  }
+  void zero_gradients() override { std::ranges::fill(model_.gradients(), 0.0f); }
   std::span<float> parameters() override { return model_.parameters(); }
   std::span<float> gradients() override { return model_.gradients(); }
+  std::span<float> state() override { return model_.state(); }
+  void read(Buffer what, std::size_t b, std::span<float> host) override {
+    const auto mine = buffer(what, b);
+    std::copy(mine.begin(), mine.end(), host.begin());
+  }
+  void write(Buffer what, std::size_t b, std::span<const float> host) override {
+    std::copy(host.begin(), host.end(), buffer(what, b).begin());
+  }
   Model<StageNet, float>& model() { return model_; }
   const Model<StageNet, float>& model() const { return model_; }
   typename Optimizer::template State<float>& optimizer() { return optimizer_; }
-  std::span<float> state() override { return model_.state(); }
   void keep_state() override { model_.keep_state(); }
   void restore_state() override { model_.restore_state(); }
   bool gradients_finite() const override { return model_.gradients_finite(); }
@@ -253,25 +411,48 @@ class StageOf final : public PipelineStage {
     return model_.find_nonfinite_output(slot, input);
   }
   NonFiniteSpot find_nonfinite_gradient() override { return model_.find_nonfinite_gradient(); }
-  std::size_t arena_elements() const override { return model_.arena_elements(); }
+  std::size_t arena_elements() const override {
+    std::size_t inputs = 0;
+    for (const auto& buffer : inputs_) inputs += buffer.size();
+    return model_.arena_elements() + inputs;
+  }
   std::size_t optimizer_buffers() const override { return optimizer_.buffer_count(); }
-  std::span<float> optimizer_buffer(std::size_t i) override { return optimizer_.buffer(i); }
   std::uint64_t optimizer_steps() const override { return optimizer_.steps(); }
   void set_optimizer_steps(std::uint64_t steps) override { optimizer_.set_steps(steps); }
+  const MemorySpace& memory() const override {
+    static const HostMemory host;
+    return host;
+  }
 
  private:
+  std::span<float> buffer(Buffer what, std::size_t b) {
+    switch (what) {
+      case Buffer::parameters:
+        return model_.parameters();
+      case Buffer::state:
+        return model_.state();
+      case Buffer::optimizer:
+        break;
+    }
+    return optimizer_.buffer(b);
+  }
+
   Model<StageNet, float> model_;
   typename Optimizer::template State<float> optimizer_;
+  std::vector<std::vector<float>> inputs_;  // per slot: the received activations
+  std::vector<float> input_gradient_;       // the backward's, for the stage before
+  std::vector<const float*> outputs_;       // per slot: the last forward's output
 };
 
 // Sends a stage's messages to one neighbour without making the stage wait:
 // on a communicator whose sends are buffered (LocalComm) straight from the
 // calling thread; otherwise (MPI, whose large sends wait for the matching
-// receive) from a thread of its own, in the order sent, the data copied
-// into a reused buffer first.
+// receive, and NCCL) from a thread of its own, in the order sent, the data
+// copied first into a reused buffer of the stage's memory.
 class Outbox {
  public:
-  Outbox(comm::Comm comm, int peer, bool threaded) : comm_(std::move(comm)), peer_(peer) {
+  Outbox(Link link, const MemorySpace& memory, bool threaded)
+      : comm_(std::move(link.comm)), peer_(link.peer), memory_(memory) {
     if (threaded) thread_ = start_quiet_thread("loom-outbox", [this] { run(); });
   }
   Outbox(const Outbox&) = delete;
@@ -296,20 +477,25 @@ class Outbox {
   }
 
  private:
+  struct Message {
+    std::shared_ptr<float[]> data;
+    std::size_t capacity = 0, size = 0;
+  };
+
   void run();
 
   comm::Comm comm_;
   int peer_;
+  const MemorySpace& memory_;
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<std::vector<float>> queue_;
-  std::vector<std::vector<float>> free_;
+  std::deque<Message> queue_;
+  std::vector<Message> free_;
   std::size_t posted_ = 0, sent_ = 0;
   std::exception_ptr error_;
   bool stop_ = false;
   std::thread thread_;
 };
-
 
 // What the grid engine knows of the network, from the policy's typed engine.
 struct GridNet {
@@ -326,8 +512,22 @@ struct GridNet {
   bool syncs = false;
 };
 
-// Makes stage k of a rank, with its slice of the initial weights.
-using StageMaker = std::function<std::unique_ptr<PipelineStage>(std::size_t stage)>;
+// Makes stage k of a rank on its device, with its slice of the initial weights.
+using StageMaker =
+    std::function<std::unique_ptr<PipelineStage>(std::size_t stage, const Device& device)>;
+
+// The CPU's stages (StageOf). A backend's stage type comes in a maker like
+// this one (gpu::DeviceStages), which a policy's typed engine takes.
+struct HostStages {
+  template <class StageNet, class Optimizer>
+  std::unique_ptr<PipelineStage> make(std::span<const float> weights, std::span<const float> state,
+                                      typename Optimizer::Options options, std::size_t offset,
+                                      std::size_t state_at, LayerRange range,
+                                      const Device&) const {
+    return std::make_unique<StageOf<StageNet, Optimizer>>(weights, state, options, offset,
+                                                          state_at, range);
+  }
+};
 
 template <class Net, class Optimizer, class Loss>
 GridNet grid_net(std::size_t stages, bool syncs) {
@@ -345,12 +545,13 @@ GridNet grid_net(std::size_t stages, bool syncs) {
 // A stage of the executed layers `range` of StageNet (all by default) from
 // the whole network's weights and running statistics (`initial`), its
 // gradients in buckets of about `bucket_bytes` (as BucketPlan plans them,
-// for a size known at run time).
-template <class StageNet, class Optimizer, class Net>
+// for a size known at run time), on `device` as `stages` makes them.
+template <class StageNet, class Optimizer, class Net, class Stages = HostStages>
 std::unique_ptr<PipelineStage> make_stage_of(const Model<Net, float>& initial,
                                              typename Optimizer::Options options,
-                                             std::size_t bucket_bytes,
-                                             LayerRange range = Model<StageNet>::all_layers) {
+                                             std::size_t bucket_bytes, const Device& device,
+                                             LayerRange range = Model<StageNet>::all_layers,
+                                             const Stages& stages = {}) {
   using offsets = list_info<typename StageNet::executed>;
   LOOM_CHECK(initial.range().first == 0 && initial.range().last == Model<Net>::layer_count,
              "make_stage_of: the initial weights come from the whole network's Model, not a "
@@ -365,9 +566,9 @@ std::unique_ptr<PipelineStage> make_stage_of(const Model<Net, float>& initial,
   const std::size_t size = offsets::param_offsets[range.last] - offsets::param_offsets[range.first];
   const std::size_t state_size =
       offsets::state_offsets[range.last] - offsets::state_offsets[range.first];
-  auto made = std::make_unique<StageOf<StageNet, Optimizer>>(
+  auto made = stages.template make<StageNet, Optimizer>(
       initial.parameters().subspan(offset, size), initial.state().subspan(state_at, state_size),
-      options, offset, state_at, range);
+      options, offset, state_at, range, device);
   // The range's layers, numbered from its first as its backward's hooks are.
   std::vector<std::size_t> starts(offsets::param_offsets.begin() + range.first,
                                   offsets::param_offsets.begin() + range.last + 1);
@@ -515,14 +716,12 @@ class GridEngine {
     // replica's stages (rank = stage); data, the copies of this stage (rank
     // = replica), which the reducer's thread uses (mesh.hpp).
     MeshGroups groups;
+    StageLinks links;                              // what moves the stage's memory
     StatisticsSum statistics;                      // SyncBatchNorm's, over the stage's copies
     std::unique_ptr<Reducer> reducer;              // several replicas: over this stage's copies
     std::unique_ptr<Outbox> to_next, to_previous;  // destroyed first
-    std::vector<std::vector<float>> inputs;        // per slot: the received activations
-    std::vector<float> input_gradient;             // the backward's, for the stage before
-    std::vector<const float*> outputs;             // per slot: the forward's output
     std::vector<std::size_t> free_slots, slot_of;  // slot_of: per micro-batch
-    std::size_t capacity = 0, in_flight = 0, peak_in_flight = 0;
+    std::size_t slots = 0, in_flight = 0, peak_in_flight = 0;
     std::size_t next_bucket = 0;  // the next gradient bucket to reduce this step
     // The loss's sums (loss, correct, errors, references: cpu::LossSums),
     // (training) how many stages' gradients are not finite, and the loss's
@@ -561,6 +760,10 @@ class GridEngine {
     r.groups.world.cancel(why);
     if (r.groups.pipe) r.groups.pipe.cancel(why);
     if (r.reducer) r.reducer->comm().cancel(why);
+    // A stage's own links (a GPU's), once made.
+    for (auto* link : {&r.links.to_next, &r.links.from_next, &r.links.to_previous,
+                       &r.links.from_previous})
+      if (started_ && link->comm) link->comm.cancel(why);
     // Made by the start job: read only once every rank has made it.
     if (started_ && r.statistics.comm) r.statistics.comm.cancel(why);
   }
@@ -581,9 +784,9 @@ class GridEngine {
   // received from the stage before into the slot's buffer.
   const float* receive_input(Rank& r, const float* images, std::size_t n, std::size_t slot) {
     if (first(r)) return images;
-    float* buffer = r.inputs[slot].data();
-    r.groups.pipe.recv(std::span<float>(buffer, n * r.net->input_size),
-                    static_cast<int>(r.stage - 1));
+    float* buffer = r.net->input_slot(slot);
+    r.links.from_previous.comm.recv(std::span<float>(buffer, n * r.net->input_size),
+                                    r.links.from_previous.peer);
     return buffer;
   }
 
@@ -619,7 +822,7 @@ class GridEngine {
     // Unscales the stage's gradients; whether no stage's overflowed (the
     // replicas' copies hold the same reduced gradients).
     bool unscale(float loss_scale) {
-      std::array<double, 1> bad{unscale_gradients(r.net->gradients(), loss_scale) ? 0.0 : 1.0};
+      std::array<double, 1> bad{r.net->unscale(loss_scale) ? 0.0 : 1.0};
       r.groups.pipe.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
       return bad[0] == 0.0;
     }
@@ -627,7 +830,7 @@ class GridEngine {
     // hold, else its gradients), then the grid's; its running statistics
     // put back.
     void skip_nonfinite(bool) {
-      std::vector<bool> seen(r.inputs.size(), false);
+      std::vector<bool> seen(r.slots, false);
       for (std::size_t m = micro; m-- > 0 && !r.fault;) {
         const std::size_t slot = r.slot_of[m];
         if (seen[slot]) continue;
@@ -650,7 +853,8 @@ class GridEngine {
       squares.assign(engine.net_.norm_segments.size(), 0.0);
       r.net->add_layer_squares(engine.net_.norm_segments, squares);
       r.groups.pipe.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
-      clip_gradients(r.net->gradients(), global_norm(squares), max_norm);
+      const float factor = clip_factor(global_norm(squares), max_norm);
+      if (factor != 1.0f) r.net->scale_gradients(factor);
     }
     void update(float lr) { r.net->update(lr); }
   };
@@ -658,7 +862,7 @@ class GridEngine {
   // Several replicas: a stage's copies take copy 0's running statistics
   // (as DataParallel's replicas do) before each step and evaluation.
   static void share_state(Rank& r) {
-    if (r.reducer && !r.net->state().empty()) r.reducer->comm().broadcast(r.net->state(), 0);
+    if (r.reducer && r.net->state_size > 0) r.reducer->comm().broadcast(r.net->state(), 0);
   }
   static void share_weights(Rank& r) {
     if (!r.reducer) return;
@@ -668,10 +872,16 @@ class GridEngine {
 
   void evaluate(Rank& r, const Job& job);
 
-  // Replica 0's slices (weights or running statistics) into `whole` (the
-  // replicas' copies are equal).
-  void gather(Rank& r, std::span<const float> mine, std::size_t offset, std::size_t total,
-              float* whole);
+  // Replica 0's slices (weights, running statistics or optimizer buffer b)
+  // into `whole` (the replicas' copies are equal).
+  void gather(Rank& r, PipelineStage::Buffer what, std::size_t b, float* whole);
+  // Each stage's slice from `whole`.
+  static void scatter(Rank& r, PipelineStage::Buffer what, std::size_t b, const float* whole) {
+    const bool state = what == PipelineStage::Buffer::state;
+    const std::size_t offset = state ? r.net->state_offset : r.net->parameter_offset;
+    const std::size_t size = state ? r.net->state_size : r.net->parameter_size;
+    r.net->write(what, b, std::span<const float>(whole + offset, size));
+  }
 
   static void drain(Rank& r) {
     if (r.to_next) r.to_next->drain();
@@ -700,7 +910,7 @@ LOOM_DECL void Outbox::send(std::span<const float> data) {
     comm_.send(data, peer_);
     return;
   }
-  std::vector<float> message;
+  Message message;
   {
     std::lock_guard lock(mutex_);
     if (!free_.empty()) {
@@ -708,7 +918,12 @@ LOOM_DECL void Outbox::send(std::span<const float> data) {
       free_.pop_back();
     }
   }
-  message.assign(data.begin(), data.end());
+  if (message.capacity < data.size()) {
+    message.data = memory_.allocate(data.size());
+    message.capacity = data.size();
+  }
+  memory_.copy(message.data.get(), data.data(), data.size());
+  message.size = data.size();
   {
     std::lock_guard lock(mutex_);
     queue_.push_back(std::move(message));
@@ -719,7 +934,7 @@ LOOM_DECL void Outbox::send(std::span<const float> data) {
 
 LOOM_DECL void Outbox::run() {
   for (;;) {
-    std::vector<float> message;
+    Message message;
     bool skip = false;
     {
       std::unique_lock lock(mutex_);
@@ -731,7 +946,7 @@ LOOM_DECL void Outbox::run() {
     }
     if (!skip) {
       try {
-        comm_.send(std::span<const float>(message), peer_);
+        comm_.send(std::span<const float>(message.data.get(), message.size), peer_);
       } catch (const std::exception& error) {
         comm_.cancel(error.what());
         std::lock_guard lock(mutex_);
@@ -804,14 +1019,16 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
     for (auto& local : comm::LocalComm::create(static_cast<int>(ranks)))
       comms.emplace_back(std::move(local));
   }
-  for (auto& c : comms) {
+  for (std::size_t i = 0; i < comms.size(); ++i) {
+    auto& c = comms[i];
     auto rank = std::make_unique<Rank>();
     const auto w = static_cast<std::size_t>(c.rank());
     const MeshCoordinates at = mesh_.coordinates(w);
     rank->rank = w;
     rank->replica = at.data;
     rank->stage = at.pipe;
-    rank->net = make_stage(rank->stage);
+    // This process's ranks, in order, on its devices (one, under MPI alone).
+    rank->net = make_stage(rank->stage, devices[std::min(i, devices.size() - 1)]);
     rank->groups.world = std::move(c);
     ranks_.push_back(std::move(rank));
   }
@@ -855,13 +1072,11 @@ LOOM_DECL cpu::LossSums GridEngine::evaluate(const data::Dataset& dataset, std::
 
 LOOM_DECL StageReport GridEngine::report(std::size_t i) const {
   const Rank& r = *ranks_.at(i);
-  std::size_t inputs = 0;
-  for (const auto& buffer : r.inputs) inputs += buffer.size();
   StageReport report;
   report.stage = r.stage;
   report.replica = r.replica;
   report.peak_in_flight = r.peak_in_flight;
-  report.activation_elements = r.net->arena_elements() + inputs;
+  report.activation_elements = r.net->arena_elements();
   report.busy_seconds = r.busy;
   report.begin = r.begin;
   report.end = r.end;
@@ -907,30 +1122,23 @@ LOOM_DECL void GridEngine::work(Rank& r, const Job& job) {
       evaluate(r, job);
       break;
     case JobKind::gather:
-      gather(r, r.net->parameters(), r.net->parameter_offset, net_.parameter_count, job.whole);
+      gather(r, PipelineStage::Buffer::parameters, 0, job.whole);
       break;
     case JobKind::gather_state:
-      gather(r, r.net->state(), r.net->state_offset, net_.state_count, job.whole);
+      gather(r, PipelineStage::Buffer::state, 0, job.whole);
       break;
-    case JobKind::scatter: {
-      auto mine = r.net->parameters();
-      std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
+    case JobKind::scatter:
+      scatter(r, PipelineStage::Buffer::parameters, 0, job.whole);
       break;
-    }
-    case JobKind::scatter_state: {
-      auto mine = r.net->state();
-      std::copy_n(job.whole + r.net->state_offset, mine.size(), mine.begin());
+    case JobKind::scatter_state:
+      scatter(r, PipelineStage::Buffer::state, 0, job.whole);
       break;
-    }
     case JobKind::gather_buffer:
-      gather(r, r.net->optimizer_buffer(job.n), r.net->parameter_offset, net_.parameter_count,
-             job.whole);
+      gather(r, PipelineStage::Buffer::optimizer, job.n, job.whole);
       break;
-    case JobKind::scatter_buffer: {
-      auto mine = r.net->optimizer_buffer(job.n);
-      std::copy_n(job.whole + r.net->parameter_offset, mine.size(), mine.begin());
+    case JobKind::scatter_buffer:
+      scatter(r, PipelineStage::Buffer::optimizer, job.n, job.whole);
       break;
-    }
     case JobKind::share:
       share_weights(r);
       break;
@@ -968,8 +1176,9 @@ LOOM_DECL void GridEngine::start(Rank& r) {
                          std::to_string(grid_.replicas) + " replicas), optimizer " + net_.optimizer,
                      net_.parameter_count);
   r.groups = split_mesh(std::move(r.groups.world), mesh_);
+  r.links = r.net->links(r.groups, mesh_, r.rank);
   if (grid_.replicas > 1) {
-    r.reducer = std::make_unique<Reducer>(r.groups.data, r.net->buckets.size());
+    r.reducer = std::make_unique<Reducer>(r.links.data, r.net->buckets.size());
     r.reducer->comm().broadcast(r.net->parameters(), 0);
   }
   // SyncBatchNorm's sums go over the data axis too, on a communicator of
@@ -978,25 +1187,15 @@ LOOM_DECL void GridEngine::start(Rank& r) {
     r.statistics.comm = r.groups.world.split(
         static_cast<int>(mesh_.group(r.rank, MeshAxis::data)),
         static_cast<int>(mesh_.rank_in_group(r.rank, MeshAxis::data)));
-  const bool threaded = !local_;
-  if (!last(r))
-    r.to_next = std::make_unique<Outbox>(r.groups.pipe, static_cast<int>(r.stage + 1), threaded);
+  const bool threaded = !local_ || r.links.own;
+  if (!last(r)) r.to_next = std::make_unique<Outbox>(r.links.to_next, r.net->memory(), threaded);
   if (!first(r))
-    r.to_previous =
-        std::make_unique<Outbox>(r.groups.pipe, static_cast<int>(r.stage - 1), threaded);
+    r.to_previous = std::make_unique<Outbox>(r.links.to_previous, r.net->memory(), threaded);
 }
 
 LOOM_DECL void GridEngine::prepare(Rank& r, std::size_t micro_batch, std::size_t slots) {
-  r.net->reserve(micro_batch, slots);
-  if (micro_batch > r.capacity || slots > r.inputs.size()) {
-    r.capacity = std::max(r.capacity, micro_batch);
-    r.inputs.resize(std::max(slots, r.inputs.size()));
-    if (!first(r)) {
-      for (auto& buffer : r.inputs) buffer.resize(r.capacity * r.net->input_size);
-      r.input_gradient.resize(r.capacity * r.net->input_size);
-    }
-    r.outputs.resize(r.inputs.size());
-  }
+  r.net->reserve(micro_batch, slots, !first(r));
+  r.slots = std::max(r.slots, slots);
   r.free_slots.clear();
   for (std::size_t s = slots; s-- > 0;) r.free_slots.push_back(s);
 }
@@ -1052,30 +1251,27 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
       if (net_.syncs) pass.replicas = &r.statistics;
       const float* output = r.net->forward(input, piece.count, slot, pass);
       r.busy += seconds_since(started);
-      if (last(r)) {
-        r.outputs[slot] = output;
-      } else {
+      if (!last(r)) {
         // Looked at now: by the step's end a later micro-batch may hold the slot.
-        if (!r.fault && !all_finite(output, piece.count * r.net->output_size))
-          r.fault = r.net->find_nonfinite_output(slot, first(r));
+        if (!r.fault) r.fault = r.net->check_output(slot, piece.count, first(r));
         send_output(r, output, piece.count);
       }
     } else {
       const std::size_t slot = r.slot_of[op.micro_batch];
       float* dy = r.net->output_gradient();
       if (!last(r))
-        r.groups.pipe.recv(std::span<float>(dy, piece.count * r.net->output_size),
-                        static_cast<int>(r.stage + 1));
+        r.links.from_next.comm.recv(std::span<float>(dy, piece.count * r.net->output_size),
+                                    r.links.from_next.peer);
       const auto started = Clock::now();
       if (last(r)) {
-        const auto sums = net_.loss->compute(
-            r.outputs[slot], piece.count, loss_targets(r, job.targets, first_sample, slot),
-            grad_scale, dy);
+        const auto sums =
+            r.net->loss(*net_.loss, slot, piece.count,
+                        loss_targets(r, job.targets, first_sample, slot), grad_scale, true);
         add_sums(r, sums);
         if (!std::isfinite(sums.loss) && !r.fault)
           r.fault = r.net->find_nonfinite_output(slot, first(r));
       }
-      float* input_gradient = first(r) ? nullptr : r.input_gradient.data();
+      float* input_gradient = first(r) ? nullptr : r.net->input_gradient();
       const bool final_backward = ++backwards == micro;
       if (final_backward) r.backward_begin = Clock::now();
       // The capture is one pointer: std::function holds it without allocating.
@@ -1089,7 +1285,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
       r.busy += seconds_since(started);
       if (!first(r))
         r.to_previous->send(
-            std::span<const float>(r.input_gradient.data(), piece.count * r.net->input_size));
+            std::span<const float>(input_gradient, piece.count * r.net->input_size));
       accumulate = true;
       r.free_slots.push_back(slot);
       --r.in_flight;
@@ -1097,7 +1293,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
   });
   r.end = Clock::now();
   // A replica with no sample of the step adds zeros to the sums.
-  if (micro == 0 && !job.accumulate) std::ranges::fill(r.net->gradients(), 0.0f);
+  if (micro == 0 && !job.accumulate) r.net->zero_gradients();
   if (!job.last) return;
   if (reduce) post_ready(r, std::nullopt);
   drain(r);
@@ -1120,8 +1316,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
       r.net->restore_state();
       return;
     }
-    const auto inverse = static_cast<float>(1.0 / total);
-    for (float& g : r.net->gradients()) g *= inverse;
+    r.net->scale_gradients(static_cast<float>(1.0 / total));
   }
   RankExecutor executor{*this, r, micro};
   r.overflowed = step_protocol(executor, job.settings) == StepEnd::overflowed;
@@ -1135,7 +1330,7 @@ LOOM_DECL void GridEngine::evaluate(Rank& r, const Job& job) {
   const std::size_t sample = data.sample_size();
   const auto share = batch_share(data.count, grid_.replicas, r.replica);
   const std::size_t micro = std::min(schedule_.micro_batches, job.n);
-  prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.inputs.size()));
+  prepare(r, batch_share(job.n, micro, 0).count, std::max<std::size_t>(1, r.slots));
   r.stats = {};
   for (std::size_t at = 0; at < share.count; at += job.n) {
     const std::size_t n = std::min(job.n, share.count - at);
@@ -1149,8 +1344,8 @@ LOOM_DECL void GridEngine::evaluate(Rank& r, const Job& job) {
       if (targets.frames != nullptr) pass.frames = targets.frames + first_sample;
       const float* output = r.net->forward(input, piece.count, 0, pass);
       if (last(r)) {
-        add_sums(r, net_.loss->compute(output, piece.count,
-                                       loss_targets(r, targets, first_sample, 0), 1.0f, nullptr));
+        add_sums(r, r.net->loss(*net_.loss, 0, piece.count,
+                                loss_targets(r, targets, first_sample, 0), 1.0f, false));
       } else {
         send_output(r, output, piece.count);
       }
@@ -1160,17 +1355,19 @@ LOOM_DECL void GridEngine::evaluate(Rank& r, const Job& job) {
   r.groups.world.all_reduce(std::span<double>(r.stats), comm::ReduceOp::sum);
 }
 
-LOOM_DECL void GridEngine::gather(Rank& r, std::span<const float> mine, std::size_t offset,
-                                  std::size_t total, float* whole) {
+LOOM_DECL void GridEngine::gather(Rank& r, PipelineStage::Buffer what, std::size_t b,
+                                  float* whole) {
+  const bool state = what == PipelineStage::Buffer::state;
+  const std::size_t offset = state ? r.net->state_offset : r.net->parameter_offset;
+  const std::size_t size = state ? r.net->state_size : r.net->parameter_size;
   if (all_local()) {
-    if (r.replica == 0) std::copy(mine.begin(), mine.end(), whole + offset);
+    if (r.replica == 0) r.net->read(what, b, std::span<float>(whole + offset, size));
     return;
   }
   // Each stage of replica 0 adds its slice into zeros: the sum is every
   // slice, exactly.
-  std::vector<float> all(total, 0.0f);
-  if (r.replica == 0)
-    std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(offset));
+  std::vector<float> all(state ? net_.state_count : net_.parameter_count, 0.0f);
+  if (r.replica == 0) r.net->read(what, b, std::span<float>(all).subspan(offset, size));
   r.groups.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
   if (&r == ranks_.front().get()) std::copy(all.begin(), all.end(), whole);
 }

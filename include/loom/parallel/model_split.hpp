@@ -175,18 +175,22 @@ PipelineGrid pipeline_grid(std::size_t ranks, std::size_t replicas = 0) {
 
 namespace detail {
 
-// ModelSplit and Hybrid on CPU devices or processes: the grid engine over
-// the stages of Net cut by Partition (its cut into grid.stages stages),
-// each made from the whole network's initial weights.
-template <class Net, class Partition, class Optimizer, class Loss = SoftmaxCrossEntropy>
+// ModelSplit and Hybrid on CPU devices, GPUs or processes: the grid engine
+// over the stages of Net cut by Partition (its cut into grid.stages
+// stages), each made from the whole network's initial weights on its
+// rank's device, as `stages` makes them (HostStages: the CPU's;
+// gpu::DeviceStages).
+template <class Net, class Partition, class Optimizer, class Loss = SoftmaxCrossEntropy,
+          class Stages = HostStages>
 class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
  public:
   PipelineEngine(const std::vector<Device>& devices, comm::Comm processes,
                  const Model<Net, float>& initial, typename Optimizer::Options options,
-                 PipelineGrid grid, PipelineSchedule schedule)
+                 PipelineGrid grid, PipelineSchedule schedule, const Stages& stages = {})
       : GridEngine(grid_net<Net, Optimizer, Loss>(grid.stages, false),
-                   [&](std::size_t k) {
-                     return make_stage(grid.stages, k, initial, options, grid.bucket_bytes);
+                   [&](std::size_t k, const Device& device) {
+                     return make_stage(grid.stages, k, initial, options, grid.bucket_bytes,
+                                       device, stages);
                    },
                    devices, std::move(processes), grid, schedule) {}
 
@@ -226,24 +230,27 @@ class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
   }
 
  private:
-  static std::unique_ptr<PipelineStage> make_stage(std::size_t stages, std::size_t k,
+  static std::unique_ptr<PipelineStage> make_stage(std::size_t count, std::size_t k,
                                                    const Model<Net, float>& whole,
                                                    typename Optimizer::Options options,
-                                                   std::size_t bucket_bytes) {
+                                                   std::size_t bucket_bytes, const Device& device,
+                                                   const Stages& stages) {
     std::unique_ptr<PipelineStage> made;
-    with_cut<Partition>(stages, [&]<class Cut>() {
+    with_cut<Partition>(count, [&]<class Cut>() {
       constexpr auto bounds = partition_bounds<Net, Cut>::bounds;
       if constexpr (cuts_between_executed<Net>(bounds)) {
         // A range of the whole network's executed layers: the same stage
         // type as every other stage (and as DataParallel's replica).
         made = make_stage_of<Net, Optimizer>(
-            whole, options, bucket_bytes,
-            {executed_from<Net>(bounds[k]), executed_from<Net>(bounds[k + 1])});
+            whole, options, bucket_bytes, device,
+            {executed_from<Net>(bounds[k]), executed_from<Net>(bounds[k + 1])}, stages);
       } else {
         // A cut splits a fused pair (Linear, ReLU): each stage fuses its own layers.
         static_for<Cut::stages>([&](auto K) {
           if (K == k)
-            made = make_stage_of<stage_net_t<Net, Cut, K>, Optimizer>(whole, options, bucket_bytes);
+            made = make_stage_of<stage_net_t<Net, Cut, K>, Optimizer>(
+                whole, options, bucket_bytes, device, Model<stage_net_t<Net, Cut, K>>::all_layers,
+                stages);
         });
       }
     });

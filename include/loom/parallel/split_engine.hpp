@@ -1,8 +1,8 @@
-// What a trainer asks of a pipelined policy's engine (ModelSplit, Hybrid),
-// whichever backend runs its stages: the CPU's worker devices or MPI
-// processes (PipelineEngine in model_split.hpp) or the GPUs
-// (gpu/pipeline.cuh). One interface per network, so the trainer's step,
-// checkpoint and evaluation code is written once for both.
+// What a trainer asks of a pipelined policy's engine (ModelSplit, Hybrid):
+// PipelineEngine in model_split.hpp, over the CPU's stages or the GPUs'
+// (gpu/stage.cuh), on worker threads, MPI processes or both. One interface
+// per network, so the trainer's step, checkpoint and evaluation code is
+// written once for every backend.
 #pragma once
 
 #include <cstddef>
