@@ -1,7 +1,7 @@
 // DeviceModel<Net>: a network's executed layer list training on one GPU.
 // Weights come from a CPU Model of the same network (the same seed gives the
 // same starting point on both backends). Its layers run on DeviceLayers,
-// which a pipeline stage (pipeline.cuh) runs over a range of them: the
+// which a grid engine's stage (stage.cuh) runs over a range of them: the
 // parameters, gradients, optimizer state, activations, ReLU masks and
 // workspace live in the layers' device arena, the step's scalars, flags and
 // two input slots in the model's, both sized up front; each layer's
@@ -849,7 +849,7 @@ class PlanCache {
 // layers compute with), gradients, optimizer buffers, running statistics
 // (and their copy at a step's start), and the activations of `slots`
 // batches of up to max_batch samples in flight. DeviceModel runs the whole
-// network on it (one slot), a pipeline stage its share (pipeline.cuh): one
+// network on it (one slot), a grid engine's stage its share (stage.cuh): one
 // type for both, and for every stage of every cut between executed layers.
 // The device layout is the whole network's (device_layout) from the range's
 // first block on, and host buffers are the range's slice of the CPU Model's.

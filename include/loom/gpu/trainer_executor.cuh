@@ -1,7 +1,8 @@
 // The CUDA executor of a Trainer: what the trainer asks of GPUs
 // (detail::GpuExecutor), on DeviceModels (SingleDevice, DataParallel: one
-// per GPU, each an NCCL rank, stepped a step ahead of the host) and the GPU
-// pipeline engine (ModelSplit, Hybrid). loom.hpp includes it when nvcc
+// per GPU, each an NCCL rank, stepped a step ahead of the host) and on the
+// grid engine over GPU stages (ModelSplit, Hybrid: gpu/stage.cuh, the
+// CPU's PipelineEngine with gpu::DeviceStages). loom.hpp includes it when nvcc
 // compiles; a Trainer finds it by make_gpu_executor, so that train/ never
 // names CUDA and the host compiler never sees this file.
 #pragma once
@@ -20,7 +21,7 @@
 #include "../comm/nccl_comm.hpp"
 #include "../train/trainer.hpp"
 #include "model.cuh"
-#include "pipeline.cuh"
+#include "stage.cuh"
 
 namespace loom {
 namespace gpu {
@@ -39,7 +40,9 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
   struct NoPipeline : ::loom::detail::SplitEngine<Net> {};
   static auto pipeline_type() {
     if constexpr (is_pipelined<Policy>)
-      return static_cast<PipelineEngine<Net, typename Policy::partition>*>(nullptr);
+      return static_cast<::loom::detail::PipelineEngine<Net, typename Policy::partition, Optimizer,
+                                                        typename Trainer::Loss, DeviceStages>*>(
+          nullptr);
     else
       return static_cast<NoPipeline*>(nullptr);
   }
@@ -468,27 +471,21 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
     }
   }
 
-  // ModelSplit or Hybrid on GPUs: stages planned for global batches up to `batch`
-  // (made again, weights and momentum carried over, when a larger one comes).
-  void plan_split(Trainer& t, std::size_t batch) override {
+  // ModelSplit or Hybrid on GPUs: the grid engine over GPU stages, made at
+  // the first fit() or evaluate() (its stages grow with the batches they
+  // are given), from the trainer's model_ and optimizer_ (a fresh
+  // optimizer's zeros, or a loaded checkpoint's state).
+  void plan_split(Trainer& t, std::size_t) override {
     if constexpr (is_pipelined<Policy>) {
-      if (pipeline_ && pipeline_->max_batch() >= batch) return;
-      // The old stages hand over weights and optimizer state; weights
-      // changed through model() since follow (scatter_if_changed). The
-      // first stages start from the trainer's model_ and optimizer_ (a fresh optimizer's
-      // zeros, or a loaded checkpoint's state).
-      const bool first = !pipeline_;
-      if (first) t.host_changed_ = false;
+      if (pipeline_) return;
+      t.host_changed_ = false;
       auto made = std::make_unique<Pipeline>(
-          t.devices_, t.model_, loom::gpu::device_optimizer(t.optimizer_.options()), t.grid_,
-          t.options_.schedule, t.options_.precision, t.options_.allow_tf32,
-          std::max(batch, pipeline_ ? pipeline_->max_batch() : std::size_t{1}),
-          pipeline_.get());
-      if (first) {
-        for (std::size_t b = 0; b < t.optimizer_.buffer_count(); ++b)
-          made->scatter_optimizer(b, t.optimizer_.buffer(b).data());
-        made->set_optimizer_steps(t.optimizer_.steps());
-      }
+          t.devices_, t.processes_, t.model_, t.optimizer_.options(), t.grid_,
+          t.options_.schedule,
+          DeviceStages{.precision = t.options_.precision, .allow_tf32 = t.options_.allow_tf32});
+      for (std::size_t b = 0; b < t.optimizer_.buffer_count(); ++b)
+        made->scatter_optimizer(b, t.optimizer_.buffer(b).data());
+      made->set_optimizer_steps(t.optimizer_.steps());
       pipeline_ = std::move(made);
     }
   }
@@ -508,10 +505,10 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
 
 // Found by the Trainer's constructor (argument-dependent lookup) in a
 // program nvcc compiles.
-template <class Net, class Policy, class Optimizer>
-std::unique_ptr<detail::GpuExecutor<Trainer<Net, Policy, Optimizer>>> make_gpu_executor(
-    Trainer<Net, Policy, Optimizer>&) {
-  return std::make_unique<gpu::TrainerExecutor<Trainer<Net, Policy, Optimizer>>>();
+template <class Net, class Policy, class Optimizer, class Loss>
+std::unique_ptr<detail::GpuExecutor<Trainer<Net, Policy, Optimizer, Loss>>> make_gpu_executor(
+    Trainer<Net, Policy, Optimizer, Loss>&) {
+  return std::make_unique<gpu::TrainerExecutor<Trainer<Net, Policy, Optimizer, Loss>>>();
 }
 
 namespace gpu {

@@ -127,12 +127,13 @@ class Trainer : public detail::TrainerCore {
     // brings gpu/trainer_executor.cuh); one built by the host compiler has
     // what its CUDA translation unit registered (gpu::register_trainers).
     if (on_gpu()) {
-      // The CUDA executor trains SoftmaxCrossEntropy only so far; the other
-      // losses' CUDA ops (backend/cuda/) join it with the one engine.
-      LOOM_CHECK((std::is_same_v<Loss, SoftmaxCrossEntropy>), Loss::name,
-                 " trains on CPU devices in this version; give CPU devices "
-                 "(devices::cpu(n))");
-      if constexpr (std::is_same_v<Loss, SoftmaxCrossEntropy>) {
+      // ModelSplit and Hybrid run on the grid engine, whose GPU stages take
+      // any loss; SingleDevice and DataParallel still run on DeviceModel,
+      // whose loss is SoftmaxCrossEntropy's kernels.
+      constexpr bool gpu_loss = is_pipelined<Policy> || std::is_same_v<Loss, SoftmaxCrossEntropy>;
+      LOOM_CHECK(gpu_loss, Loss::name, " trains on GPUs under ModelSplit or Hybrid in this "
+                 "version; under ", Policy::name, " give CPU devices (devices::cpu(n))");
+      if constexpr (gpu_loss) {
         if constexpr (requires(Trainer& t) { make_gpu_executor(t); })
           gpu_ = make_gpu_executor(*this);
         else if (detail::gpu_executor_factory<Trainer> != nullptr)
@@ -155,13 +156,13 @@ class Trainer : public detail::TrainerCore {
           processes ? static_cast<std::size_t>(processes.size()) * devices_.size()
                     : devices_.size(),
           trainer_options.replicas);
-      // On GPUs the stages are made by the first fit() or evaluate(), for its batch size.
+      // On GPUs the CUDA executor makes the same engine over GPU stages, at
+      // the first fit() or evaluate().
       if (devices_.front().kind == Device::Kind::cpu)
         pipeline_ = std::make_unique<Pipeline>(devices_, std::move(processes), model_, options,
                                                grid_, trainer_options.schedule);
       else
-        LOOM_CHECK(!processes, policy_name(), " across processes runs on CPU devices so far; on "
-                   "GPUs give one process all the stages' GPUs (a GPU may hold several stages)");
+        processes_ = std::move(processes);
     }
   }
 
@@ -621,7 +622,7 @@ class Trainer : public detail::TrainerCore {
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Pipeline> pipeline_;
   PipelineGrid grid_;  // pipelined policies: replicas, buckets, the policy's schedule
-  comm::Comm processes_;  // DataParallel on GPUs across processes (bootstraps NCCL)
+  comm::Comm processes_;  // on GPUs across processes (bootstraps NCCL)
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
   // On GPUs: the CUDA executor (gpu/trainer_executor.cuh), which holds
   // their replicas or stages.
