@@ -6,7 +6,8 @@
 // stages (the pipeline crosses from one process to the other between stages
 // 1 and 2) reach the single-device weights; the placement, and a mesh that
 // does not match processes x devices. Every rank runs every test case in
-// the same order (they are collective).
+// the same order (they are collective). Also the links a GPU stage splits
+// per direction from its world (detail::split_links), across processes.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 #include <loom/loom.hpp>
@@ -79,6 +80,16 @@ TEST_CASE("mpi threads: every policy over 2 processes x 2 threads reaches the si
   REQUIRE(split.model_split().report(1).stage == 2 * p + 1);
   test::require_close(split.model().parameters(), single.model().parameters(), tolerance,
                       "ModelSplit over 4 stages on 2 processes x 2 threads");
+}
+
+TEST_CASE("mpi threads: ModelSplit over 4 stages through links split per direction (as GPU stages make them) equals the mesh groups' bit for bit") {
+  // The pipe's pairs (1, 2) cross the processes: their communicators are
+  // split from the MixedComm world, as a GPU stage splits its NCCL world.
+  using Split = ModelSplit<Balanced<4>, OneFOneB<4>>;
+  const auto part = test::head(test::fashion().train, 180);
+  const auto own = test::engine_steps<Split, test::OwnLinkStages>(part, two_workers(), world());
+  const auto mesh = test::engine_steps<Split, detail::HostStages>(part, two_workers(), world());
+  test::require_equal(own, mesh, "split_links against the mesh groups over 2 x 2");
 }
 
 TEST_CASE("mpi threads: placement names each rank's process and thread") {

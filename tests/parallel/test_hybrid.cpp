@@ -5,7 +5,6 @@
 // evaluation, the overlap of a stage's reduction with backward, and errors.
 #include <loom/loom.hpp>
 #include <array>
-#include <memory>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -36,49 +35,6 @@ std::vector<float> grid(const data::Dataset& data, FitOptions fit) {
   return trained(trainer, data, fit);
 }
 
-// The CPU's stage over links split from the world per direction, as a GPU
-// stage makes them over NCCL (detail::split_links; StageLinks::own, so the
-// outboxes send from threads of their own).
-template <class StageNet, class Optimizer>
-class OwnLinkStage final : public detail::StageOf<StageNet, Optimizer> {
- public:
-  using detail::StageOf<StageNet, Optimizer>::StageOf;
-  detail::StageLinks links(const MeshGroups& groups, const Mesh& mesh,
-                           std::size_t rank) override {
-    return detail::split_links(groups.world, mesh, rank);
-  }
-};
-
-struct OwnLinkStages {
-  template <class StageNet, class Optimizer>
-  std::unique_ptr<detail::PipelineStage> make(std::span<const float> weights,
-                                              std::span<const float> state,
-                                              typename Optimizer::Options options,
-                                              std::size_t offset, std::size_t state_at,
-                                              LayerRange range, const Device&) const {
-    return std::make_unique<OwnLinkStage<StageNet, Optimizer>>(weights, state, options, offset,
-                                                               state_at, range);
-  }
-};
-
-// Three clipped steps of Grid straight on its engine, over `Stages`' links.
-template <class Grid, class Stages>
-std::vector<float> engine_steps(const data::Dataset& data) {
-  const Model<LeNet, float> initial(7);
-  detail::PipelineEngine<LeNet, typename Grid::partition, SGD, SoftmaxCrossEntropy, Stages> engine(
-      devices::cpu(Grid::devices_needed), {}, initial, sgd,
-      pipeline_grid<Grid>(Grid::devices_needed), {}, Stages{});
-  const Targets targets = data::targets_of(data);
-  for (std::size_t step = 0; step < 3; ++step) {
-    const std::size_t first = step * 60;
-    engine.micro_step(data.images.data() + first * data.sample_size(), targets.from(first), 60,
-                      60, false, true, {.lr = sgd.lr, .max_grad_norm = 0.5f});
-  }
-  Model<LeNet, float> whole(0);
-  engine.gather(whole);
-  return {whole.parameters().begin(), whole.parameters().end()};
-}
-
 }  // namespace
 
 TEST_CASE("Hybrid over links split per direction (as GPU stages make them) equals the mesh groups' bit for bit") {
@@ -87,8 +43,8 @@ TEST_CASE("Hybrid over links split per direction (as GPU stages make them) equal
   // data group split from the world; clipping scales through the stage.
   using Grid = Hybrid<2, ModelSplit<Balanced<3>, OneFOneB<4>>>;
   const auto part = head(fashion().train, 180);
-  const auto own = engine_steps<Grid, OwnLinkStages>(part);
-  const auto mesh = engine_steps<Grid, detail::HostStages>(part);
+  const auto own = test::engine_steps<Grid, test::OwnLinkStages>(part, devices::cpu(6), {});
+  const auto mesh = test::engine_steps<Grid, detail::HostStages>(part, devices::cpu(6), {});
   test::require_equal(own, mesh, "split_links against the mesh groups");
   const Model<LeNet, float> initial(7);
   REQUIRE(own != std::vector<float>(initial.parameters().begin(), initial.parameters().end()));

@@ -2,8 +2,12 @@
 // and the single-device weights every policy must reproduce.
 #pragma once
 
+#include <cstddef>
 #include <limits>
+#include <memory>
+#include <span>
 #include <loom/loom.hpp>
+#include <utility>
 #include <vector>
 
 #include "fashion_test.hpp"
@@ -82,6 +86,53 @@ void require_nan_stops_like_one_device(Trainer<Net, Policy>& trainer, Tolerance 
   require_close(trainer.model().parameters(), single.model().parameters(), tolerance,
                 "weights of step 3");
   trainer.fit(head(fashion().train, 200), fit);
+}
+
+// The CPU's stage over links split from the world per direction, as a GPU
+// stage makes them over NCCL (detail::split_links; StageLinks::own, so the
+// outboxes send from threads of their own).
+template <class StageNet, class Optimizer>
+class OwnLinkStage final : public detail::StageOf<StageNet, Optimizer> {
+ public:
+  using detail::StageOf<StageNet, Optimizer>::StageOf;
+  detail::StageLinks links(const MeshGroups& groups, const Mesh& mesh,
+                           std::size_t rank) override {
+    return detail::split_links(groups.world, mesh, rank);
+  }
+};
+
+struct OwnLinkStages {
+  template <class StageNet, class Optimizer>
+  std::unique_ptr<detail::PipelineStage> make(std::span<const float> weights,
+                                              std::span<const float> state,
+                                              typename Optimizer::Options options,
+                                              std::size_t offset, std::size_t state_at,
+                                              LayerRange range, const Device&) const {
+    return std::make_unique<OwnLinkStage<StageNet, Optimizer>>(weights, state, options, offset,
+                                                               state_at, range);
+  }
+};
+
+// Three clipped steps of 60 samples of LeNet under Grid (a pipelined
+// policy) straight on its engine over `Stages`' links, on `devices` of this
+// process (and the other processes of `processes`, if any); the weights.
+template <class Grid, class Stages>
+std::vector<float> engine_steps(const data::Dataset& data, const std::vector<Device>& devices,
+                                comm::Comm processes) {
+  const Model<LeNet, float> initial(7);
+  const std::size_t ranks =
+      devices.size() * (processes ? static_cast<std::size_t>(processes.size()) : 1);
+  detail::PipelineEngine<LeNet, typename Grid::partition, SGD, SoftmaxCrossEntropy, Stages> engine(
+      devices, std::move(processes), initial, sgd, pipeline_grid<Grid>(ranks), {}, Stages{});
+  const Targets targets = data::targets_of(data);
+  for (std::size_t step = 0; step < 3; ++step) {
+    const std::size_t first = step * 60;
+    engine.micro_step(data.images.data() + first * data.sample_size(), targets.from(first), 60,
+                      60, false, true, {.lr = sgd.lr, .max_grad_norm = 0.5f});
+  }
+  Model<LeNet, float> whole(0);
+  engine.gather(whole);
+  return {whole.parameters().begin(), whole.parameters().end()};
 }
 
 }  // namespace loom::test
