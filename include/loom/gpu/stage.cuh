@@ -198,31 +198,41 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     return find_nonfinite_output(slot, first);
   }
 
+  // Without a hook (every backward but a step's last): the layers'
+  // gradients are added into the step's accumulator at once, after the
+  // whole backward (DeviceLayers overwrites its gradients).
   void backward(std::size_t slot, bool accumulate, float* input_gradient) override {
-    backward(slot, accumulate, input_gradient, [](std::size_t) {});
+    on_device();
+    Layers& l = built();
+    check_input_gradient(input_gradient);
+    l.backward(slot, slots_.at(slot).samples);
+    take_gradients(0, l.parameters(), accumulate);
+    synchronize();
   }
-  // The layers' gradients are added into the step's accumulator after the
-  // whole backward, and only then is done(i) called, for every layer, last
-  // first: a bucket's all-reduce over the stage's copies no longer overlaps
-  // the backward of the layers before it (DeviceLayers overwrites its
-  // gradients, so a layer's sum is final only after the add).
+  // With a hook (the step's last backward, whose buckets the reducer thread
+  // all-reduces over the stage's copies): each layer's block is added into
+  // the accumulator as soon as the layer's backward is enqueued, and once
+  // the stream has run it, done(i) hands its buckets over, so that their
+  // all-reduce runs while the layers below still back-propagate. A layer's
+  // block is final then: the bias gradient a Linear's DRELU_BGRAD epilogue
+  // sums for the layer below lies in that layer's block, final at its own
+  // done. The wait per layer costs the GPU the host's time to enqueue the
+  // next layer.
   void backward(std::size_t slot, bool accumulate, float* input_gradient,
                 const std::function<void(std::size_t)>& done) override {
     on_device();
     Layers& l = built();
-    LOOM_CHECK(input_gradient == nullptr || input_gradient == l.input_gradient(), owner(),
-               ": backward leaves its input's gradient in input_gradient(), not elsewhere");
-    l.backward(slot, slots_.at(slot).samples);
-    const std::size_t total = l.parameters();
-    if (accumulate)
-      add_into(accumulator_.data(), l.grads(), total, stream());
-    else
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(accumulator_.data(), l.grads(), total * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream()));
+    check_input_gradient(input_gradient);
+    using layout = typename Layers::layout;
+    const std::size_t base = layout::starts[range_.first];
+    l.backward(slot, slots_.at(slot).samples, [&](std::size_t i) {
+      const std::size_t layer = range_.first + i;
+      take_gradients(layout::starts[layer] - base, layout::sizes[layer], accumulate);
+      synchronize();
+      done(i);
+    });
     synchronize();
-    for (std::size_t i = range_.last - range_.first; i-- > 0;) done(i);
   }
-
   void update(float lr) override {
     on_device();
     Layers& l = built();
@@ -479,6 +489,23 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     pending_optimizer_.clear();
     slot_count_ = slots;
     sends_ = sends;
+  }
+
+  void check_input_gradient(const float* input_gradient) const {
+    LOOM_CHECK(input_gradient == nullptr || input_gradient == layers_->input_gradient(), owner(),
+               ": backward leaves its input's gradient in input_gradient(), not elsewhere");
+  }
+  // The layers' gradients [at, at + count) into the accumulator: added to
+  // the step's earlier micro-batches', or in their place (enqueued).
+  void take_gradients(std::size_t at, std::size_t count, bool accumulate) {
+    if (count == 0) return;
+    float* to = accumulator_.data() + at;
+    const float* from = layers_->grads() + at;
+    if (accumulate)
+      add_into(to, from, count, stream());
+    else
+      LOOM_CUDA_CHECK(
+          cudaMemcpyAsync(to, from, count * sizeof(float), cudaMemcpyDeviceToDevice, stream()));
   }
 
   void carry(float* to, const float* from, std::size_t count) {
