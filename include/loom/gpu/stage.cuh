@@ -112,17 +112,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
         memory_(device) {
     refuse_synced_statistics(range);
     sends_ = range.first > 0;
-    input_size = host_.range_input_size();
-    output_size = host_.range_output_size();
-    parameter_offset = offset;
-    state_offset = state_at;
-    parameter_size = host_.parameters().size();
-    state_size = host_.state().size();
-    LOOM_CHECK(weights.size() == parameter_size && state.size() == state_size, owner(), ": given ",
-               weights.size(), " weights and ", state.size(), " running statistics for its ",
-               parameter_size, " and ", state_size);
-    std::ranges::copy(weights, host_.parameters().begin());
-    std::ranges::copy(state, host_.state().begin());
+    take_slice(host_, weights, state, offset, state_at);
   }
   DeviceStage(const DeviceStage&) = delete;
   DeviceStage& operator=(const DeviceStage&) = delete;
@@ -131,8 +121,6 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     LOOM_CUDA_RELEASE(cudaSetDevice(device_));
     LOOM_CUDA_RELEASE(cudaStreamSynchronize(stream()));
   }
-
-  int device() const { return device_; }
 
   void reserve(std::size_t micro_batch, std::size_t slots, bool receives) override {
     on_device();

@@ -475,7 +475,7 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
   // the first fit() or evaluate() (its stages grow with the batches they
   // are given), from the trainer's model_ and optimizer_ (a fresh
   // optimizer's zeros, or a loaded checkpoint's state).
-  void plan_split(Trainer& t, std::size_t) override {
+  void plan_split(Trainer& t) override {
     if constexpr (is_pipelined<Policy>) {
       if (pipeline_) return;
       t.host_changed_ = false;

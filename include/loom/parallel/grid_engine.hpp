@@ -313,6 +313,26 @@ class PipelineStage {
   // Where its slices start in the whole network's buffers, and their sizes.
   std::size_t parameter_offset = 0, state_offset = 0, parameter_size = 0, state_size = 0;
   std::vector<GradientBucket> buckets;  // the stage's gradients, reduced over its copies
+
+ protected:
+  // Where its slice lies (`offset`, `state_at`) and its sizes, from the
+  // range's host Model, which takes the slice's initial weights and
+  // running statistics.
+  template <class StageNet>
+  void take_slice(Model<StageNet, float>& model, std::span<const float> weights,
+                  std::span<const float> state, std::size_t offset, std::size_t state_at) {
+    input_size = model.range_input_size();
+    output_size = model.range_output_size();
+    parameter_offset = offset;
+    state_offset = state_at;
+    parameter_size = model.parameters().size();
+    state_size = model.state().size();
+    LOOM_CHECK(weights.size() == parameter_size && state.size() == state_size,
+               "a pipeline stage given ", weights.size(), " weights and ", state.size(),
+               " running statistics for its ", parameter_size, " and ", state_size);
+    std::ranges::copy(weights, model.parameters().begin());
+    std::ranges::copy(state, model.state().begin());
+  }
 };
 
 // A stage: the layers `range` of StageNet's executed list (all of them, or
@@ -326,14 +346,7 @@ class StageOf : public PipelineStage {
           typename Optimizer::Options options, std::size_t offset, std::size_t state_at,
           LayerRange range)
       : model_(range), optimizer_(options, model_.parameters().size()) {
-    input_size = model_.range_input_size();
-    output_size = model_.range_output_size();
-    parameter_offset = offset;
-    state_offset = state_at;
-    parameter_size = model_.parameters().size();
-    state_size = model_.state().size();
-    std::copy(weights.begin(), weights.end(), model_.parameters().begin());
-    std::copy(state.begin(), state.end(), model_.state().begin());
+    take_slice(model_, weights, state, offset, state_at);
   }
   void reserve(std::size_t micro_batch, std::size_t slots, bool receives) override {
     model_.reserve(micro_batch, slots);

@@ -201,8 +201,7 @@ class Trainer : public detail::TrainerCore {
     if (gpu_ && !is_pipelined<Policy>) {
       sums = gpu_->evaluate(*this, dataset, batch_size);
     } else if constexpr (is_pipelined<Policy>) {
-      // On GPUs: in pieces of at most the batch the stages were planned for.
-      if (gpu_ && !split_engine()) gpu_->plan_split(*this, batch_size == 0 ? 256 : batch_size);
+      if (gpu_ && !split_engine()) gpu_->plan_split(*this);
       scatter_if_changed();
       sums =
           split_engine()->evaluate(dataset, batch_size == 0 ? 256 : batch_size, options_.precision);
@@ -460,7 +459,7 @@ class Trainer : public detail::TrainerCore {
         gpu_->start_fit(*this, plan);
         return;
       }
-      gpu_->plan_split(*this, planned_batch);
+      gpu_->plan_split(*this);
     }
     cpu::set_threads(devices_.front().threads);
     if constexpr (!is_pipelined<Policy>) engine_->reserve(planned_batch);

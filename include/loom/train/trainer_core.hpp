@@ -270,9 +270,9 @@ class GpuExecutor {
   // onto the devices after one was loaded.
   virtual void pull(Trainer& trainer) = 0;
   virtual void push(Trainer& trainer) = 0;
-  // ModelSplit and Hybrid: the stages, planned for global batches up to
-  // `batch` (made again, state carried over, for a larger one); none until then.
-  virtual void plan_split(Trainer& trainer, std::size_t batch) = 0;
+  // ModelSplit and Hybrid: the grid engine over GPU stages, made once
+  // (its stages grow with the batches they are given); none until then.
+  virtual void plan_split(Trainer& trainer) = 0;
   virtual SplitEngine<typename Trainer::Net>* split() const = 0;
 };
 
