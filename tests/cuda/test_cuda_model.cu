@@ -12,6 +12,10 @@
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
 
+// A namespace of its own: this file is a part of test_cuda.cu, beside
+// other files with helpers of the same names.
+namespace cuda_model_tests {
+
 namespace test = loom::test;
 using namespace loom;
 using loom::test::fashion;
@@ -611,7 +615,6 @@ TEST_CASE("cuda DataParallel: several GPUs in one process are refused with what 
                                       "yet; start one process per GPU (mpirun -np 2)"));
 }
 
-LOOM_CUDA_TEST_MAIN
 
 TEST_CASE("cuda ModelSplit and Hybrid: BatchNorm, Residual, Dropout and GRU/LSTM stages follow the CPU") {
   // Each micro-batch normalises with its own statistics and draws its own
@@ -627,3 +630,5 @@ TEST_CASE("cuda trainer: a ResNet and a GRU/LSTM network fit on a GPU as on the 
   // One NCCL rank: SyncBatchNorm's all-reduce runs and sums one rank.
   split_follows_cpu<DataParallel<>, RowRnn>("GRU/LSTM, DataParallel, one rank", {});
 }
+
+}  // namespace cuda_model_tests

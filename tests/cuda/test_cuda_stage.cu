@@ -20,6 +20,10 @@
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
 
+// A namespace of its own: this file is a part of test_cuda.cu, beside
+// other files with helpers of the same names.
+namespace cuda_stage_tests {
+
 namespace test = loom::test;
 using namespace loom;
 
@@ -169,4 +173,4 @@ TEST_CASE("cuda stage: HostStagedComm over two LocalComm ranks moves device buff
   CHECK(received == std::vector<float>{4.0f, -5.0f, 6.5f});
 }
 
-LOOM_CUDA_TEST_MAIN
+}  // namespace cuda_stage_tests

@@ -20,6 +20,10 @@
 #include "stop_after.hpp"
 #include "temp_dir.hpp"
 
+// A namespace of its own: this file is a part of test_cuda.cu, beside
+// other files with helpers of the same names.
+namespace cuda_training_tests {
+
 namespace test = loom::test;
 using namespace loom;
 using loom::test::fashion;
@@ -995,4 +999,4 @@ TEST_CASE("cuda ModelSplit: a checkpoint saved on GPUs mid-epoch resumes on GPUs
                       "weights at the end, resumed on a CPU device");
 }
 
-LOOM_CUDA_TEST_MAIN
+}  // namespace cuda_training_tests
