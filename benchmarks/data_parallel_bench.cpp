@@ -67,7 +67,8 @@ template <std::size_t BucketBytes>
 DataParallelFigures data_parallel(const Batches& data, const loom::bench::Options& o,
                                   std::vector<loom::Device> devices) {
   using Policy = loom::DataParallel<BucketBytes>;
-  loom::detail::DataParallelEngine<LeNet, Policy, loom::SGD> engine(devices, {}, 0, sgd);
+  loom::detail::DataParallelEngine<LeNet, Policy, loom::SGD, loom::SoftmaxCrossEntropy> engine(
+      devices, {}, 0, sgd);
   engine.reserve(data.batch);
   std::vector<double> ms;
   double reduce = 0.0, hidden = 0.0;

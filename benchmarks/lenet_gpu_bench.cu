@@ -80,7 +80,7 @@ nlohmann::json fit_epoch(const loom::data::Dataset& train, std::size_t batch, co
                                       loom::devices::gpus().front());
   loom::Trainer<loom::bench::LeNet, Policy> trainer(gpu, {.lr = 0.01f, .momentum = 0.9f},
                                                     {.precision = precision});
-  // A first epoch captures the graphs; the second is timed.
+  // A first epoch warms up (plans, cuDNN and NCCL set up); the second is timed.
   trainer.fit(train, {.epochs = 1, .batch_size = batch});
   double seconds = 0.0;
   struct Time {

@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
     LOOM_CHECK(ranks == Grid::devices_needed, "Hybrid 2 x 2 takes 4 ranks: processes x --threads "
                "is ", ranks);
     const Model<DeepMlp, float> initial(0);
-    detail::PipelineEngine<DeepMlp, Grid::partition, SGD> engine(
+    detail::PipelineEngine<DeepMlp, Grid::partition, SGD, SoftmaxCrossEntropy> engine(
         workers, world, initial, sgd, pipeline_grid<Grid>(ranks), Grid::schedule);
 
     std::vector<double> step, hidden;

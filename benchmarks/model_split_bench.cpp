@@ -85,7 +85,7 @@ template <class Net, class Policy>
 PipelineFigures pipeline(const Batches& data, const Options& o, PipelineSchedule schedule) {
   constexpr std::size_t S = Policy::stages;
   const Model<Net, float> initial(0);
-  detail::PipelineEngine<Net, typename Policy::partition, SGD> engine(
+  detail::PipelineEngine<Net, typename Policy::partition, SGD, SoftmaxCrossEntropy> engine(
       devices::cpu(S), {}, initial, sgd, pipeline_grid<Policy>(S), schedule);
   std::vector<double> step, passes, bubble, mean_idle;
   std::vector<std::vector<double>> busy(S);
@@ -115,7 +115,8 @@ PipelineFigures pipeline(const Batches& data, const Options& o, PipelineSchedule
 
 template <class Net, class Policy>
 double data_parallel_ms(const Batches& data, const Options& o, int workers) {
-  detail::DataParallelEngine<Net, Policy, SGD> engine(devices::cpu(workers), {}, 0, sgd);
+  detail::DataParallelEngine<Net, Policy, SGD, SoftmaxCrossEntropy> engine(devices::cpu(workers), {},
+                                                                     0, sgd);
   engine.reserve(data.batch);
   std::vector<double> step;
   run_steps(engine, data, o, [&](double step_ms) { step.push_back(step_ms); });
@@ -177,7 +178,7 @@ struct HybridFigures {
 template <class Net, class Policy>
 HybridFigures hybrid(const Batches& data, const Options& o) {
   const Model<Net, float> initial(0);
-  detail::PipelineEngine<Net, typename Policy::partition, SGD> engine(
+  detail::PipelineEngine<Net, typename Policy::partition, SGD, SoftmaxCrossEntropy> engine(
       devices::cpu(Policy::devices_needed), {}, initial, sgd,
       pipeline_grid<Policy>(Policy::devices_needed), Policy::schedule);
   std::vector<double> step, hidden;

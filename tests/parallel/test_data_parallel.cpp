@@ -28,7 +28,46 @@ std::vector<float> data_parallel(int workers, const data::Dataset& data, FitOpti
   return trained(trainer, data, fit);
 }
 
+// Three clipped steps of 60 samples under DataParallel over 3 workers,
+// straight on its engine over `Stages`, driven through SplitEngine (as the
+// trainer drives every policy's engine on GPUs); the weights, and the
+// evaluation's sums over 200 test images.
+template <class Stages>
+std::pair<std::vector<float>, cpu::LossSums> data_parallel_engine(const data::Dataset& train,
+                                                                  const data::Dataset& test) {
+  const Model<LeNet, float> initial(7);
+  detail::DataParallelEngine<LeNet, DataParallel<>, SGD, SoftmaxCrossEntropy, Stages> made(
+      devices::cpu(3), {}, initial, sgd, Stages{});
+  detail::SplitEngine<LeNet>& engine = made;
+  const Targets targets = data::targets_of(train);
+  for (std::size_t step = 0; step < 3; ++step) {
+    const std::size_t first = step * 60;
+    engine.micro_step(train.images.data() + first * train.sample_size(), targets.from(first), 60,
+                      60, false, true, {.lr = sgd.lr, .max_grad_norm = 0.5f},
+                      {.training = true});
+  }
+  Model<LeNet, float> whole(0);
+  engine.gather(whole);
+  return {{whole.parameters().begin(), whole.parameters().end()},
+          engine.evaluate(test, 64, Precision::fp32)};
+}
+
 }  // namespace
+
+TEST_CASE("DataParallel over links split per direction (a GPU stage's), through SplitEngine, "
+          "equals the mesh groups' bit for bit") {
+  const auto train = head(fashion().train, 180);
+  const auto test = head(fashion().test, 200);
+  const auto [mesh_weights, mesh_sums] = data_parallel_engine<detail::HostStages>(train, test);
+  const auto [own_weights, own_sums] = data_parallel_engine<test::OwnLinkStages>(train, test);
+  test::require_equal(own_weights, mesh_weights, "weights after 3 clipped steps");
+  REQUIRE(own_sums.loss == mesh_sums.loss);
+  REQUIRE(own_sums.correct == mesh_sums.correct);
+  // And the trainer's DataParallel, on its own engine, took the same steps.
+  Trainer<LeNet, DataParallel<>> trainer(devices::cpu(3), sgd, {.seed = 7});
+  trainer.fit(train, {.epochs = 1, .batch_size = 60, .shuffle = false, .max_grad_norm = 0.5f});
+  test::require_equal(trainer.model().parameters(), mesh_weights, "the trainer's weights");
+}
 
 TEST_CASE("bucket plan: slices of the gradient buffer in reverse layer order, at compile time") {
   // LeNet's executed layers: conv1+relu (520), pool, conv2+relu (25050), pool,

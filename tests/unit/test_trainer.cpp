@@ -168,9 +168,11 @@ TEST_CASE("trainer: misuse is a clear loom::Error") {
 
 namespace {
 
-// A CPU trainer whose fit loop runs ahead, as the GPU's SingleDevice and
-// DataParallel steps do: each step's sums are read (finish_step) only once
-// the next step's first batch has run. `calls` records the order.
+// A CPU trainer whose fit loop runs ahead, as TrainerCore lets an engine
+// whose steps are queued on a device do (none does today: every engine's
+// step is done when run_batch returns): each step's sums are read
+// (finish_step) only once the next step's first batch has run. `calls`
+// records the order.
 class AheadTrainer : public Trainer<Mlp> {
  public:
   using Trainer<Mlp>::Trainer;

@@ -99,18 +99,22 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   using info = ::loom::detail::list_info<executed>;
 
  public:
+  // synced_statistics: SyncBatchNorm sums its statistics over the stage's
+  // copies (DataParallel's replicas), as the CPU's grid engine does only
+  // there; elsewhere it normalises over the rank's samples.
   DeviceStage(std::span<const float> weights, std::span<const float> state,
               typename Optimizer::Options options, std::size_t offset, std::size_t state_at,
-              LayerRange range, int device, Precision precision, bool allow_tf32)
+              LayerRange range, int device, Precision precision, bool allow_tf32,
+              bool synced_statistics = false)
       : device_(entered(device)),
         precision_(precision),
         allow_tf32_(allow_tf32),
+        synced_(synced_statistics && range_syncs(range)),
         optimizer_(device_optimizer(options)),
         range_(range),
         host_(range),
         update_(1, "a pipeline stage's update scalars"),
         memory_(device) {
-    refuse_synced_statistics(range);
     sends_ = range.first > 0;
     take_slice(host_, weights, state, offset, state_at);
   }
@@ -410,16 +414,13 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
            std::to_string(range_.first) + " to " + std::to_string(range_.last - 1) + ")";
   }
 
-  // SyncBatchNorm would sum its statistics over an NCCL group of the
-  // stage's copies that these stages do not make.
-  static void refuse_synced_statistics(LayerRange range) {
+  static bool range_syncs(LayerRange range) {
+    bool syncs = false;
     static_for<executed::size>([&](auto i) {
-      using L = type_at_t<i, executed>;
-      if constexpr (L::syncs)
-        LOOM_CHECK(i < range.first || i >= range.last, "SyncBatchNorm (layer ", L::index,
-                   ") on a GPU pipeline stage: its statistics are not summed over the stage's "
-                   "copies there yet; use BatchNorm2d, or DataParallel on GPUs");
+      if constexpr (type_at_t<i, executed>::syncs)
+        syncs = syncs || (i >= range.first && i < range.last);
     });
+    return syncs;
   }
 
   static std::size_t last_layer_index(LayerRange range) {
@@ -472,6 +473,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
       if (buffer.size() < batch * input_size)
         buffer = DeviceBuffer<float>(batch * input_size, owner() + "'s input slot");
     slots_.resize(slots);
+    made->set_replicas(statistics_.get());
     synchronize();
     layers_ = std::move(made);
     pending_optimizer_.clear();
@@ -605,6 +607,9 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   }
 
   ::loom::detail::StageLinks staged_links(const MeshGroups& groups, std::size_t stage) const {
+    LOOM_CHECK(!synced_, owner(), ": SyncBatchNorm sums its statistics over the replicas with "
+               "NCCL, which needs a GPU per rank, and ranks here share one; give each replica a "
+               "GPU of its own, or use BatchNorm");
     auto links = ::loom::detail::host_links(groups, stage);
     // One staged communicator per link: each has its staging buffers, and
     // the outbox threads and the rank's thread call them at once.
@@ -618,18 +623,28 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   // An NCCL world over groups.world, split as detail::split_links splits
   // it (the stage's copies, and a communicator per direction and pair of
   // neighbouring stages), its parts not sharing resources
-  // (NcclComm::set_share_on_split). A collective over groups.world.
+  // (NcclComm::set_share_on_split); and, for SyncBatchNorm, one more over
+  // the stage's copies, which the layers' forward and backward sum on
+  // their stream while the reducer's thread drives the data link. A
+  // collective over groups.world.
   ::loom::detail::StageLinks nccl_links(const MeshGroups& groups, const Mesh& mesh,
-                                        std::size_t rank) const {
+                                        std::size_t rank) {
     comm::Comm bootstrap = groups.world;
     comm::NcclComm world = comm::NcclComm::create(bootstrap, device_);
     world.set_share_on_split(false);
+    if (synced_) {
+      statistics_ = std::make_unique<comm::NcclComm>(
+          world.split(static_cast<int>(mesh.group(rank, MeshAxis::data)),
+                      static_cast<int>(mesh.rank_in_group(rank, MeshAxis::data))));
+      if (layers_) layers_->set_replicas(statistics_.get());
+    }
     return ::loom::detail::split_links(comm::Comm(std::move(world)), mesh, rank);
   }
 
   int device_;
   Precision precision_;
   bool allow_tf32_;
+  bool synced_;  // SyncBatchNorm in the range sums over the stage's copies
   DeviceOptimizer optimizer_;
   LayerRange range_;
   DeviceContext context_;  // made with device_ current; before the layers, which use it
@@ -649,6 +664,9 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   mutable PinnedBuffer<float> host_input_, host_output_, host_gradient_;
   ScalarStager scalars_;
   DeviceMemory memory_;
+  // SyncBatchNorm's sums over the stage's copies (synced_ on NCCL links);
+  // declared last, so destroyed first, before the layers' stream it is used on.
+  std::unique_ptr<comm::NcclComm> statistics_;
 };
 
 // The GPU's stages, for a policy's typed engine (as detail::HostStages
@@ -656,6 +674,8 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
 struct DeviceStages {
   Precision precision = Precision::fp32;
   bool allow_tf32 = false;
+  // DataParallel's: SyncBatchNorm sums over the replicas (see DeviceStage).
+  bool synced_statistics = false;
 
   template <class StageNet, class Optimizer>
   std::unique_ptr<::loom::detail::PipelineStage> make(std::span<const float> weights,
@@ -667,7 +687,8 @@ struct DeviceStages {
     LOOM_CHECK(device.kind == Device::Kind::cuda, "gpu::DeviceStages makes stages on GPUs; ",
                device.name(), " is not one (the CPU's stages are detail::HostStages)");
     return std::make_unique<DeviceStage<StageNet, Optimizer>>(
-        weights, state, options, offset, state_at, range, device.index, precision, allow_tf32);
+        weights, state, options, offset, state_at, range, device.index, precision, allow_tf32,
+        synced_statistics);
   }
 };
 

@@ -29,7 +29,6 @@
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../data/dataset.hpp"
-#include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "grid_engine.hpp"
 
@@ -72,11 +71,13 @@ void check_same_program(comm::Comm& c) {
   check_same_program<Net, Optimizer>(c, type_label<Policy>());
 }
 
-// DataParallel on CPU devices or processes, and SingleDevice on a CPU: the
-// grid engine over one stage, the whole network (StageOf<Net>), one replica
-// per rank.
-template <class Net, class Policy, class Optimizer, class Loss = SoftmaxCrossEntropy>
-class DataParallelEngine final : public GridEngine {
+// SingleDevice and DataParallel: the grid engine over one stage, the whole
+// network, one replica per rank; on CPU devices or processes the CPU's
+// stages (StageOf<Net>, HostStages), on GPUs gpu::DeviceStages. The CPU's
+// replicas' Models are reachable (model(), replica_model()); the trainer
+// reaches any backend's through SplitEngine.
+template <class Net, class Policy, class Optimizer, class Loss, class Stages = HostStages>
+class DataParallelEngine final : public GridSplitEngine<Net> {
  public:
   using OptimizerState = typename Optimizer::template State<float>;
 
@@ -85,39 +86,57 @@ class DataParallelEngine final : public GridEngine {
   DataParallelEngine(const std::vector<Device>& devices, comm::Comm processes, std::uint64_t seed,
                      typename Optimizer::Options options)
       : DataParallelEngine(devices, processes, Model<Net, float>(seed), options) {}
+  // The replicas start from `initial`'s weights and running statistics.
+  DataParallelEngine(const std::vector<Device>& devices, const comm::Comm& processes,
+                     const Model<Net, float>& initial, typename Optimizer::Options options,
+                     const Stages& stages = {})
+      : GridSplitEngine<Net>(
+            grid_net<Net, Optimizer, Loss>(1, is_data_parallel<Policy> && Net::syncs),
+            [&](std::size_t, const Device& device) {
+              return make_stage_of<Net, Optimizer>(initial, options, bucket_bytes(), device,
+                                                   Model<Net>::all_layers, stages);
+            },
+            devices, processes,
+            {.policy = Policy::name,
+             .identity = type_label<Policy>(),
+             .replicas = processes ? static_cast<std::size_t>(processes.size()) * devices.size()
+                                   : devices.size(),
+             .bucket_bytes = bucket_bytes(),
+             .schedule = {PipelineKind::one_f_one_b, 1}},
+            {}) {}
 
-  std::size_t local_replicas() const { return local_stages(); }
-  // Replica 0's (the first of this process); see share_first_replica().
+  std::size_t local_replicas() const { return this->local_stages(); }
+  // The CPU's stages only. Replica 0's (the first of this process); see
+  // share_first_replica().
   Model<Net, float>& model() { return replica_model(0); }
   const Model<Net, float>& model() const {
-    return static_cast<const Stage&>(stage(0)).model();
+    return static_cast<const Stage&>(this->stage(0)).model();
   }
-  Model<Net, float>& replica_model(std::size_t i) { return static_cast<Stage&>(stage(i)).model(); }
+  Model<Net, float>& replica_model(std::size_t i) {
+    return static_cast<Stage&>(this->stage(i)).model();
+  }
   OptimizerState& replica_optimizer(std::size_t i) {
-    return static_cast<Stage&>(stage(i)).optimizer();
+    return static_cast<Stage&>(this->stage(i)).optimizer();
   }
   // When the last step's backward and reductions ran on local replica i.
   StepTimeline last_timeline(std::size_t i = 0) const {
-    const auto r = report(i);
+    const auto r = this->report(i);
     return {r.backward_begin, r.backward_end, r.reduce_begin, r.reduce_end};
   }
 
   // One batch of an optimizer step (see GridEngine::micro_step).
   cpu::LossSums micro_step(const float* images, const Targets& targets, std::size_t n,
                            std::size_t group_samples, bool accumulate, bool last,
-                           const StepSettings& settings, const Pass& pass = {.training = true}) {
+                           const StepSettings& settings,
+                           const Pass& pass = {.training = true}) override {
     // A replica without a sample would miss the statistics' collectives.
     if constexpr (is_data_parallel<Policy> && Net::syncs)
-      LOOM_CHECK(n >= static_cast<std::size_t>(world()), Policy::name, ": a batch of ", n,
-                 " sample(s) over ", world(), " replicas leaves a replica without one, and "
+      LOOM_CHECK(n >= static_cast<std::size_t>(this->world()), Policy::name, ": a batch of ", n,
+                 " sample(s) over ", this->world(), " replicas leaves a replica without one, and "
                  "SyncBatchNorm needs every replica's statistics; use batches of at least ",
-                 world(), " (the last batch of an epoch included)");
-    return GridEngine::micro_step(images, targets, n, group_samples, accumulate, last, settings,
-                                  pass);
-  }
-  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
-                         Precision precision = Precision::fp32) {
-    return GridEngine::evaluate(dataset, batch, precision);
+                 this->world(), " (the last batch of an epoch included)");
+    return GridSplitEngine<Net>::micro_step(images, targets, n, group_samples, accumulate, last,
+                                            settings, pass);
   }
 
  private:
@@ -129,22 +148,6 @@ class DataParallelEngine final : public GridEngine {
     else
       return default_bucket_bytes;  // one replica: nothing is reduced
   }
-
-  DataParallelEngine(const std::vector<Device>& devices, const comm::Comm& processes,
-                     const Model<Net, float>& initial, typename Optimizer::Options options)
-      : GridEngine(
-            grid_net<Net, Optimizer, Loss>(1, is_data_parallel<Policy> && Net::syncs),
-            [&](std::size_t, const Device& device) {
-              return make_stage_of<Net, Optimizer>(initial, options, bucket_bytes(), device);
-            },
-            devices, processes,
-            {.policy = Policy::name,
-             .identity = type_label<Policy>(),
-             .replicas = processes ? static_cast<std::size_t>(processes.size()) * devices.size()
-                                   : devices.size(),
-             .bucket_bytes = bucket_bytes(),
-             .schedule = {PipelineKind::one_f_one_b, 1}},
-            {}) {}
 };
 
 }  // namespace detail

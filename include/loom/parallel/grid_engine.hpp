@@ -65,6 +65,7 @@
 #include "mesh.hpp"
 #include "reducer.hpp"
 #include "schedule.hpp"
+#include "split_engine.hpp"
 #include "step_protocol.hpp"
 
 #if defined(LOOM_WITH_MPI)
@@ -915,6 +916,49 @@ class GridEngine {
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::atomic<bool> started_ = false;  // every rank's groups exist
   Crew<Job> crew_;  // after ranks_: its threads stop before the ranks go
+};
+
+// A GridEngine behind the trainer's interface (SplitEngine): what
+// DataParallelEngine and PipelineEngine answer alike.
+template <class Net>
+class GridSplitEngine : public SplitEngine<Net>, public GridEngine {
+ public:
+  using GridEngine::GridEngine;
+
+  bool all_local() const override { return GridEngine::all_local(); }
+  cpu::LossSums micro_step(const float* images, const Targets& targets, std::size_t n,
+                           std::size_t group_samples, bool accumulate, bool last,
+                           const StepSettings& settings,
+                           const Pass& pass = {.training = true}) override {
+    return GridEngine::micro_step(images, targets, n, group_samples, accumulate, last, settings,
+                                  pass);
+  }
+  const NonFiniteSpot& fault() const override { return GridEngine::fault(); }
+  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
+                         Precision precision = Precision::fp32) override {
+    return GridEngine::evaluate(dataset, batch, precision);
+  }
+  void gather(Model<Net, float>& whole) override {
+    GridEngine::gather(whole.parameters().data(), whole.state().data());
+  }
+  void scatter(const Model<Net, float>& whole) override {
+    GridEngine::scatter(whole.parameters().data(), whole.state().data());
+  }
+  void gather_optimizer(std::size_t b, float* whole) override {
+    GridEngine::gather_optimizer(b, whole);
+  }
+  void scatter_optimizer(std::size_t b, const float* whole) override {
+    GridEngine::scatter_optimizer(b, whole);
+  }
+  std::uint64_t optimizer_steps() const override { return GridEngine::optimizer_steps(); }
+  void set_optimizer_steps(std::uint64_t steps) override {
+    GridEngine::set_optimizer_steps(steps);
+  }
+  double sum_over_ranks(double value) override { return GridEngine::sum_over_ranks(value); }
+  std::vector<double> gather_rows(std::span<const double> row) override {
+    return GridEngine::gather_rows(row);
+  }
+  std::vector<double> step_seconds() const override { return GridEngine::step_seconds(); }
 };
 
 #if LOOM_IMPLEMENT

@@ -32,12 +32,10 @@
 #include "../core/device.hpp"
 #include "../core/error.hpp"
 #include "../data/dataset.hpp"
-#include "../loss/softmax_cross_entropy.hpp"
 #include "../net/model.hpp"
 #include "grid_engine.hpp"
 #include "partition.hpp"
 #include "schedule.hpp"
-#include "split_engine.hpp"
 
 namespace loom {
 
@@ -180,53 +178,22 @@ namespace detail {
 // stages), each made from the whole network's initial weights on its
 // rank's device, as `stages` makes them (HostStages: the CPU's;
 // gpu::DeviceStages).
-template <class Net, class Partition, class Optimizer, class Loss = SoftmaxCrossEntropy,
-          class Stages = HostStages>
-class PipelineEngine final : public SplitEngine<Net>, public GridEngine {
+template <class Net, class Partition, class Optimizer, class Loss, class Stages = HostStages>
+class PipelineEngine final : public GridSplitEngine<Net> {
  public:
   PipelineEngine(const std::vector<Device>& devices, comm::Comm processes,
                  const Model<Net, float>& initial, typename Optimizer::Options options,
                  PipelineGrid grid, PipelineSchedule schedule, const Stages& stages = {})
-      : GridEngine(grid_net<Net, Optimizer, Loss>(grid.stages, false),
-                   [&](std::size_t k, const Device& device) {
-                     return make_stage(grid.stages, k, initial, options, grid.bucket_bytes,
-                                       device, stages);
-                   },
-                   devices, std::move(processes), grid, schedule) {}
-
-  bool all_local() const override { return GridEngine::all_local(); }
-  cpu::LossSums micro_step(const float* images, const Targets& targets, std::size_t n,
-                           std::size_t group_samples, bool accumulate, bool last,
-                           const StepSettings& settings,
-                           const Pass& pass = {.training = true}) override {
-    return GridEngine::micro_step(images, targets, n, group_samples, accumulate, last, settings,
-                                  pass);
-  }
-  const NonFiniteSpot& fault() const override { return GridEngine::fault(); }
-  cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
-                         Precision precision = Precision::fp32) override {
-    return GridEngine::evaluate(dataset, batch, precision);
-  }
-  void gather(Model<Net, float>& whole) override {
-    GridEngine::gather(whole.parameters().data(), whole.state().data());
-  }
-  void scatter(const Model<Net, float>& whole) override {
-    GridEngine::scatter(whole.parameters().data(), whole.state().data());
-  }
-  void gather_optimizer(std::size_t b, float* whole) override {
-    GridEngine::gather_optimizer(b, whole);
-  }
-  void scatter_optimizer(std::size_t b, const float* whole) override {
-    GridEngine::scatter_optimizer(b, whole);
-  }
-  std::uint64_t optimizer_steps() const override { return GridEngine::optimizer_steps(); }
-  void set_optimizer_steps(std::uint64_t steps) override {
-    GridEngine::set_optimizer_steps(steps);
-  }
+      : GridSplitEngine<Net>(grid_net<Net, Optimizer, Loss>(grid.stages, false),
+                             [&](std::size_t k, const Device& device) {
+                               return make_stage(grid.stages, k, initial, options,
+                                                 grid.bucket_bytes, device, stages);
+                             },
+                             devices, std::move(processes), grid, schedule) {}
 
   // A rank's stage weights (Hybrid: the replicas' copies stay equal).
   std::span<const float> stage_parameters(std::size_t i) {
-    return GridEngine::stage(i).parameters();
+    return this->stage(i).parameters();
   }
 
  private:

@@ -1,12 +1,15 @@
-// What a trainer asks of a pipelined policy's engine (ModelSplit, Hybrid):
-// PipelineEngine in model_split.hpp, over the CPU's stages or the GPUs'
-// (gpu/stage.cuh), on worker threads, MPI processes or both. One interface
-// per network, so the trainer's step, checkpoint and evaluation code is
-// written once for every backend.
+// What a trainer asks of a grid engine whose stages hold the weights, away
+// from the trainer's Model: ModelSplit and Hybrid (PipelineEngine,
+// model_split.hpp) on every backend, and every policy on GPUs
+// (DataParallelEngine over gpu::DeviceStages too), on worker threads, MPI
+// processes or both. One interface per network, so the trainer's step,
+// checkpoint and evaluation code is written once for every backend.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "../backend/cpu/loss_sums.hpp"
 #include "../core/precision.hpp"
@@ -46,6 +49,12 @@ class SplitEngine {
   virtual void scatter_optimizer(std::size_t b, const float* whole) = 0;
   virtual std::uint64_t optimizer_steps() const = 0;
   virtual void set_optimizer_steps(std::uint64_t steps) = 0;
+  // Collectives over the processes (GridEngine's): the sum of `value`, and
+  // every process's row.
+  virtual double sum_over_ranks(double value) = 0;
+  virtual std::vector<double> gather_rows(std::span<const double> row) = 0;
+  // Each local rank's time in the last optimizer step.
+  virtual std::vector<double> step_seconds() const = 0;
 };
 
 }  // namespace loom::detail

@@ -126,19 +126,13 @@ class Trainer : public detail::TrainerCore {
     // GPUs run on the CUDA executor: a program built by nvcc has it (loom.hpp
     // brings gpu/trainer_executor.cuh); one built by the host compiler has
     // what its CUDA translation unit registered (gpu::register_trainers).
+    // Every policy runs there on the grid engine over GPU stages, which
+    // take any loss.
     if (on_gpu()) {
-      // ModelSplit and Hybrid run on the grid engine, whose GPU stages take
-      // any loss; SingleDevice and DataParallel still run on DeviceModel,
-      // whose loss is SoftmaxCrossEntropy's kernels.
-      constexpr bool gpu_loss = is_pipelined<Policy> || std::is_same_v<Loss, SoftmaxCrossEntropy>;
-      LOOM_CHECK(gpu_loss, Loss::name, " trains on GPUs under ModelSplit or Hybrid in this "
-                 "version; under ", Policy::name, " give CPU devices (devices::cpu(n))");
-      if constexpr (gpu_loss) {
-        if constexpr (requires(Trainer& t) { make_gpu_executor(t); })
-          gpu_ = make_gpu_executor(*this);
-        else if (detail::gpu_executor_factory<Trainer> != nullptr)
-          gpu_ = detail::gpu_executor_factory<Trainer>();
-      }
+      if constexpr (requires(Trainer& t) { make_gpu_executor(t); })
+        gpu_ = make_gpu_executor(*this);
+      else if (detail::gpu_executor_factory<Trainer> != nullptr)
+        gpu_ = detail::gpu_executor_factory<Trainer>();
       LOOM_CHECK(gpu_ != nullptr, "device ", devices_.front().name(),
                  " needs the CUDA backend: compile with nvcc, including <loom/loom.hpp>, or "
                  "register this trainer from a CUDA translation unit "
@@ -197,16 +191,12 @@ class Trainer : public detail::TrainerCore {
   // pieces of that size (the sums are the same).
   EvalResult evaluate(const data::Dataset& dataset, std::size_t batch_size = 0) {
     check_dataset(dataset, "evaluate");
+    if (gpu_ && !split_engine()) gpu_->plan_split(*this);
+    scatter_if_changed();
     cpu::LossSums sums;
-    if (gpu_ && !is_pipelined<Policy>) {
-      sums = gpu_->evaluate(*this, dataset, batch_size);
-    } else if constexpr (is_pipelined<Policy>) {
-      if (gpu_ && !split_engine()) gpu_->plan_split(*this);
-      scatter_if_changed();
-      sums =
-          split_engine()->evaluate(dataset, batch_size == 0 ? 256 : batch_size, options_.precision);
-    } else {
-      scatter_if_changed();
+    if (auto* split = split_engine()) {
+      sums = split->evaluate(dataset, batch_size == 0 ? 256 : batch_size, options_.precision);
+    } else if constexpr (!is_pipelined<Policy>) {
       // One device evaluates in pieces of its training batch (the arena holds it).
       const std::size_t planned = engine_->model().capacity();
       if (batch_size == 0) batch_size = !is_data_parallel<Policy> && planned > 0 ? planned : 256;
@@ -225,14 +215,13 @@ class Trainer : public detail::TrainerCore {
     return result;
   }
 
-  // On a GPU the device holds the weights: this copies them here first, and
-  // the next fit() or evaluate() copies them back, so changes made through
-  // the reference count. The const overload returns them as of the end of
-  // the last fit(). (The GPU keeps its own optimizer state: optimizer()'s
-  // buffers are the CPU's, and take the GPU's when save() writes them.)
-  //
-  // ModelSplit: the stages' weights gathered into one Model (a copy, like
-  // the GPU's); across processes, as of the end of the last epoch.
+  // ModelSplit and Hybrid, and every policy on GPUs: the stages' weights
+  // gathered into one Model (a copy), which the stages take back at the next
+  // fit() or evaluate(), so changes made through the reference count;
+  // across processes, as of the end of the last epoch. The const overload
+  // returns them as of the end of the last epoch. (The stages keep their
+  // own optimizer state: optimizer()'s buffers take theirs when save()
+  // writes them.)
   // SingleDevice and DataParallel on CPUs: (replica 0's) Model; the other
   // replicas take its weights and running statistics at the next fit() or
   // evaluate() (within one process; across processes it is read-only, like
@@ -243,21 +232,17 @@ class Trainer : public detail::TrainerCore {
         host_changed_ = true;  // the other replicas take replica 0's weights next
         return engine_->model();
       }
-    if constexpr (is_pipelined<Policy>) {
-      // Across processes nothing is gathered: the copy is read-only there
-      // (a change would overwrite the stages with old weights). Gathered
-      // once: a second call must not overwrite the first one's changes.
-      if (auto* split = split_engine()) {
-        if (split->all_local() && !host_changed_) {
-          split->gather(model_);
-          host_changed_ = true;
-        }
-      } else {
+    // Across processes nothing is gathered: the copy is read-only there
+    // (a change would overwrite the stages with old weights). Gathered
+    // once: a second call must not overwrite the first one's changes.
+    if (auto* split = split_engine()) {
+      if (split->all_local() && !host_changed_) {
+        split->gather(model_);
         host_changed_ = true;
       }
-      return model_;
+    } else {
+      host_changed_ = true;
     }
-    if (gpu_) gpu_->weights_to_host(*this);
     return model_;
   }
   const Model<Net, float>& model() const {
@@ -271,7 +256,7 @@ class Trainer : public detail::TrainerCore {
     requires is_pipelined<Policy>
   {
     LOOM_CHECK(pipeline_ != nullptr, "Trainer::model_split(): the engine is the CPU devices'; "
-               "on GPUs the stages are DeviceStages");
+               "on GPUs the stages are gpu::DeviceStages");
     return *pipeline_;
   }
 
@@ -280,7 +265,7 @@ class Trainer : public detail::TrainerCore {
     requires is_data_parallel<Policy>
   {
     LOOM_CHECK(engine_ != nullptr, "Trainer::data_parallel(): the engine is the CPU devices'; on "
-               "GPUs the replicas are DeviceModels");
+               "GPUs the replicas are gpu::DeviceStages");
     return *engine_;
   }
   const std::vector<Device>& devices() const { return devices_; }
@@ -317,13 +302,12 @@ class Trainer : public detail::TrainerCore {
   }
   // Each local device's time in the last optimizer step (a data-parallel
   // replica or pipeline stage: its own jobs; wait for others included);
-  // empty on GPUs, whose steps run asynchronously.
+  // empty before the first step on GPUs.
   std::vector<double> device_step_seconds() const {
-    if (on_gpu()) return {};
-    if constexpr (is_pipelined<Policy>)
-      return pipeline_->step_seconds();
-    else
-      return engine_->step_seconds();
+    if (auto* split = split_engine()) return split->step_seconds();
+    if constexpr (!is_pipelined<Policy>)
+      if (engine_) return engine_->step_seconds();
+    return {};
   }
 
  private:
@@ -342,7 +326,7 @@ class Trainer : public detail::TrainerCore {
       // Found now rather than when the epoch's last batch comes.
       const std::size_t last = train.count % options.batch_size;
       const auto replicas = engine_ ? static_cast<std::size_t>(engine_->world())
-                                    : std::max<std::size_t>(process_count_, 1);
+                                    : std::max<std::size_t>(process_count_, 1) * devices_.size();
       LOOM_CHECK(options.drop_last || last == 0 || last >= replicas, "fit: the last batch of an "
                  "epoch of '", train.name, "' has ", last, " sample(s) for ", replicas,
                  " replicas, and SyncBatchNorm needs a sample on each; set "
@@ -376,15 +360,14 @@ class Trainer : public detail::TrainerCore {
   // statistics and optimizer state from the devices, in the whole
   // network's layout, and back.
   void fill_image(detail::CheckpointImage& image) {
-    if (gpu_) gpu_->pull(*this);
     Model<Net, float>* model = &model_;
     if constexpr (!is_pipelined<Policy>)
       if (!on_gpu()) model = &engine_->model();
-    // A pipeline on GPUs made by no fit yet: model_ and optimizer_ hold all.
+    // GPU stages made by no fit yet: model_ and optimizer_ hold all.
     auto* const split = split_engine();
-    if constexpr (is_pipelined<Policy>) {
+    if (split) {
       scatter_if_changed();  // weights edited through model() count
-      if (split) split->gather(model_);
+      split->gather(model_);
     }
     image.parameters.assign(model->parameters().begin(), model->parameters().end());
     image.state.assign(model->state().begin(), model->state().end());
@@ -424,7 +407,6 @@ class Trainer : public detail::TrainerCore {
     if (resume) detail::check_resumed_options(image, options, path.string());
     return image;
   }
-  // fp16's scale is restored first: the GPU executor's push hands it on.
   void restore_image(const detail::CheckpointImage& image, bool resume) {
     const auto put = [&](Model<Net, float>& model, auto& optimizer) {
       std::ranges::copy(image.parameters, model.parameters().begin());
@@ -439,8 +421,7 @@ class Trainer : public detail::TrainerCore {
       if (!on_gpu())
         for (std::size_t r = 0; r < engine_->local_replicas(); ++r)
           put(engine_->replica_model(r), engine_->replica_optimizer(r));
-    if (gpu_) gpu_->push(*this);
-    // A pipeline on GPUs made by a later fit starts from model_ and optimizer_.
+    // GPU stages made by a later fit start from model_ and optimizer_.
     if (auto* split = split_engine()) {
       split->scatter(model_);
       for (std::size_t b = 0; b < image.buffers.size(); ++b)
@@ -453,48 +434,30 @@ class Trainer : public detail::TrainerCore {
  protected:
   // The fit loop's calls (TrainerCore::run_fit), protected so that a
   // subclass may wrap them (tests run the CPU's steps ahead, as a GPU's).
-  void start_fit(const detail::FitPlan& plan, std::size_t planned_batch) override {
-    if (gpu_) {
-      if constexpr (!is_pipelined<Policy>) {
-        gpu_->start_fit(*this, plan);
-        return;
-      }
-      gpu_->plan_split(*this);
-    }
+  void start_fit(const detail::FitPlan&, std::size_t planned_batch) override {
+    if (gpu_) gpu_->plan_split(*this);
     cpu::set_threads(devices_.front().threads);
-    if constexpr (!is_pipelined<Policy>) engine_->reserve(planned_batch);
+    if constexpr (!is_pipelined<Policy>)
+      if (engine_) engine_->reserve(planned_batch);
     scatter_if_changed();
   }
   void before_step() override { scatter_if_changed(); }
-  // SingleDevice and DataParallel on GPUs run ahead of the host (the GPU
-  // executor's steps).
-  bool gpu_steps() const { return !is_pipelined<Policy> && gpu_; }
-  bool runs_ahead(const FitOptions& options) const override {
-    return gpu_steps() && gpu_->runs_ahead(*this, options);
+  // Every engine's step is done when run_batch returns: none runs ahead of
+  // the host (TrainerCore's protocol for one that does: finish_step).
+  bool runs_ahead(const FitOptions&) const override { return false; }
+  cpu::LossSums finish_step(int, std::size_t, const FitOptions&) override {
+    LOOM_FAIL("finish_step: no step of ", Policy::name, " runs ahead of the host");
   }
-  cpu::LossSums finish_step(int epoch, std::size_t step, const FitOptions& options) override {
-    LOOM_CHECK(gpu_steps(), "finish_step: only the GPU's steps run ahead");
-    return gpu_->finish_step(*this, epoch, step, options);
-  }
-  void epoch_begin() override {
-    if (gpu_steps()) gpu_->epoch_begin(*this);
-  }
-  // Before the callbacks, like the GPU's copy; across processes model()
-  // cannot gather (it is not collective) and returns these.
+  void epoch_begin() override {}
+  // Before the callbacks; across processes model() cannot gather (it is not
+  // collective) and returns these.
   void epoch_done() override {
-    if constexpr (is_pipelined<Policy>) split_engine()->gather(model_);
-    if (gpu_steps()) gpu_->epoch_done(*this);
+    if (auto* split = split_engine()) split->gather(model_);
   }
-  // One batch of an optimizer step on the CPU (the engine runs the step
-  // protocol), or of a pipeline on GPUs; or enqueued on the GPUs'
-  // replicas, whose results finish_step() reads.
+  // One batch of an optimizer step (the engine runs the step protocol).
   std::optional<cpu::LossSums> run_batch(const data::Batch& batch, std::size_t group_samples,
                                          bool accumulate, bool last, int epoch, std::size_t step,
                                          const FitOptions& fit) override {
-    if (gpu_steps()) {
-      gpu_->run_batch(*this, batch, group_samples, accumulate, last);
-      return std::nullopt;
-    }
     const float max_grad_norm = fit.max_grad_norm;
     nonfinite_.clear();
     const Pass pass{.training = true, .seed = options_.seed, .step = batches_++};
@@ -511,8 +474,7 @@ class Trainer : public detail::TrainerCore {
     const NonFiniteSpot spot = engine.fault();
     // GPU stages say so when their gradients were not finite and the host
     // found no spot to name.
-    bool gradients_bad = false;
-    if constexpr (is_pipelined<Policy>) gradients_bad = engine.gradients_nonfinite();
+    const bool gradients_bad = engine.gradients_nonfinite();
     // The ranks skipped their update. An fp16 overflow's spot (at the
     // minimum scale) is the scale's to report.
     if (sums.overflowed ||
@@ -525,29 +487,22 @@ class Trainer : public detail::TrainerCore {
   std::string spot_text(const NonFiniteSpot& spot) const override {
     return detail::spot_text<Net>(spot);
   }
+  // Over the engine's ranks, or the processes' world before GPU stages
+  // are made (the agreement before the first fit).
   double sum_over_processes(double value) override {
     if (process_count_ <= 1) return value;
-    if constexpr (is_data_parallel<Policy>) {
-      if (on_gpu()) {
-        processes_.all_reduce(std::span<double>(&value, 1), comm::ReduceOp::sum);
-        return value;
-      }
-      return engine_->sum_over_ranks(value);
-    }
-    else if constexpr (is_pipelined<Policy>)
-      return pipeline_->sum_over_ranks(value);
-    else
-      return value;
+    if (auto* split = split_engine()) return split->sum_over_ranks(value);
+    if constexpr (!is_pipelined<Policy>)
+      if (engine_) return engine_->sum_over_ranks(value);
+    processes_.all_reduce(std::span<double>(&value, 1), comm::ReduceOp::sum);
+    return value;
   }
   std::vector<double> gather_over_processes(std::span<const double> row) override {
-    if constexpr (is_data_parallel<Policy>) {
-      if (on_gpu()) return comm::gather_rows(processes_, row);
-      return engine_->gather_rows(row);
-    } else if constexpr (is_pipelined<Policy>) {
-      return pipeline_->gather_rows(row);
-    } else {
-      return {row.begin(), row.end()};
-    }
+    if (process_count_ <= 1) return {row.begin(), row.end()};
+    if (auto* split = split_engine()) return split->gather_rows(row);
+    if constexpr (!is_pipelined<Policy>)
+      if (engine_) return engine_->gather_rows(row);
+    return comm::gather_rows(processes_, row);
   }
 
   const Device& device_of_process() const override { return devices_.front(); }
@@ -564,25 +519,30 @@ class Trainer : public detail::TrainerCore {
   // other replicas take replica 0's. (Across processes model() is
   // read-only: the other processes could not know to take part.)
   void scatter_if_changed() {
-    if constexpr (is_pipelined<Policy>)
-      if (split_engine() && std::exchange(host_changed_, false)) split_engine()->scatter(model_);
+    if (auto* split = split_engine()) {
+      if (std::exchange(host_changed_, false)) split->scatter(model_);
+      return;
+    }
     if constexpr (!is_pipelined<Policy>)
-      if (!on_gpu() && std::exchange(host_changed_, false) && engine_->all_local())
+      if (engine_ && std::exchange(host_changed_, false) && engine_->all_local())
         engine_->share_first_replica();
   }
 
-  // The engine of a step on CPUs, or of ModelSplit and Hybrid on GPUs too.
-  auto& engine_for_step() {
+  // The engine of a step: the one whose stages hold the weights, or
+  // SingleDevice's and DataParallel's on CPUs.
+  detail::SplitEngine<Net>& engine_for_step() {
     if constexpr (!is_pipelined<Policy>)
-      return *engine_;
-    else
-      return *split_engine();
+      if (!gpu_) return *engine_;
+    return *split_engine();
   }
-  // ModelSplit and Hybrid: the engine, the GPUs' or the CPU devices' (on
-  // GPUs none until a fit or evaluate() planned the stages).
+  // The engine whose stages hold the weights, away from model_: ModelSplit's
+  // and Hybrid's on CPU devices, and every policy's on GPUs (none there
+  // until a fit or evaluate() planned the stages); SingleDevice and
+  // DataParallel on CPUs hold theirs in their replicas' Models (none here).
   detail::SplitEngine<Net>* split_engine() const {
+    if (gpu_) return gpu_->split();
     if constexpr (is_pipelined<Policy>)
-      return gpu_ ? gpu_->split() : pipeline_.get();
+      return pipeline_.get();
     else
       return nullptr;
   }
@@ -621,10 +581,10 @@ class Trainer : public detail::TrainerCore {
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<Pipeline> pipeline_;
   PipelineGrid grid_;  // pipelined policies: replicas, buckets, the policy's schedule
-  comm::Comm processes_;  // on GPUs across processes (bootstraps NCCL)
+  comm::Comm processes_;  // on GPUs across processes (the engine's, bootstraps NCCL)
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
   // On GPUs: the CUDA executor (gpu/trainer_executor.cuh), which holds
-  // their replicas or stages.
+  // the grid engine over their stages.
   std::unique_ptr<detail::GpuExecutor<Trainer>> gpu_;
 };
 

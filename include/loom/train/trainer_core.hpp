@@ -45,10 +45,8 @@ namespace loom {
 struct TrainerOptions {
   // Weight initialisation and Dropout's masks (a loaded checkpoint brings its own).
   std::uint64_t seed = 0;
-  // On a GPU: capture each training step as a CUDA graph and replay it (off
-  // launches every kernel directly, for debuggers and profilers), and allow
-  // TF32 tensor-core math (faster, inputs rounded to a 10-bit mantissa).
-  bool cuda_graphs = true;
+  // On a GPU: allow TF32 tensor-core math (faster, inputs rounded to a
+  // 10-bit mantissa).
   bool allow_tf32 = false;
   // ModelSplit: the pipeline schedule and micro-batch count to run instead
   // of the policy's (micro_batches 0: keep the policy's schedule).
@@ -242,36 +240,16 @@ struct FitPlan {
 };
 
 // What a backend other than the host's does for a Trainer: the CUDA one
-// (gpu/trainer_executor.cuh), which loom.hpp brings when nvcc compiles. It runs
-// SingleDevice and DataParallel steps on the GPUs' streams, a step ahead of
-// the host, in the trainer's fit loop (TrainerCore::run_fit, whose executor
-// calls of the same names it answers), and makes the GPU stages of
-// ModelSplit and Hybrid, whose steps the trainer runs as it runs the CPU's.
+// (gpu/trainer_executor.cuh), which loom.hpp brings when nvcc compiles. It
+// makes the grid engine over GPU stages for every policy, whose steps,
+// evaluation and checkpoints the trainer runs as it runs the CPU's.
 template <class Trainer>
 class GpuExecutor {
  public:
   virtual ~GpuExecutor() = default;
-  // SingleDevice and DataParallel: the fit loop's steps, and evaluate().
-  virtual void start_fit(Trainer& trainer, const FitPlan& plan) = 0;
-  virtual bool runs_ahead(const Trainer& trainer, const FitOptions& options) const = 0;
-  virtual void epoch_begin(Trainer& trainer) = 0;
-  virtual void run_batch(Trainer& trainer, const data::Batch& batch, std::size_t group_samples,
-                         bool accumulate, bool last) = 0;
-  virtual cpu::LossSums finish_step(Trainer& trainer, int epoch, std::size_t step,
-                                    const FitOptions& options) = 0;
-  virtual void epoch_done(Trainer& trainer) = 0;
-  virtual cpu::LossSums evaluate(Trainer& trainer, const data::Dataset& dataset,
-                                 std::size_t batch_size) = 0;
-  // The devices' weights into the trainer's model() (a fit's GPUs take
-  // them back before their next step).
-  virtual void weights_to_host(Trainer& trainer) = 0;
-  // The devices' weights, running statistics and optimizer state into the
-  // trainer's, for a checkpoint; and the trainer's (fp16's loss scale too)
-  // onto the devices after one was loaded.
-  virtual void pull(Trainer& trainer) = 0;
-  virtual void push(Trainer& trainer) = 0;
-  // ModelSplit and Hybrid: the grid engine over GPU stages, made once
-  // (its stages grow with the batches they are given); none until then.
+  // The grid engine over GPU stages, made once (its stages grow with the
+  // batches they are given) from the trainer's model and optimizer state;
+  // none until then.
   virtual void plan_split(Trainer& trainer) = 0;
   virtual SplitEngine<typename Trainer::Net>* split() const = 0;
 };
