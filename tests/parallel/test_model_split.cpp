@@ -213,3 +213,20 @@ TEST_CASE("ModelSplit: a failing stage's own error reaches fit, the others do no
   REQUIRE_THROWS_WITH((Trainer<LeNet, ModelSplit<Balanced<3>>>(devices::cpu(2), sgd)),
                       Catch::Contains("ModelSplit runs on 3 device(s) but 2 were given"));
 }
+
+TEST_CASE("ModelSplit: a weight changed through model() at an epoch's last step is kept") {
+  using Split = Trainer<LeNet, ModelSplit<Balanced<2>>>;
+  // The epoch's end gathers the stages' weights: the edit reaches them first.
+  struct EditAtLastStep {
+    void on_step(const StepInfo& s, Split& trainer) {
+      if (s.step == s.steps) trainer.model().parameters()[0] = 0.25f;
+    }
+  };
+  Split trainer(devices::cpu(2), sgd, {.seed = 1});
+  trainer.fit(head(fashion().train, 120), {.epochs = 1, .batch_size = 60}, EditAtLastStep{});
+  REQUIRE(trainer.model().parameters()[0] == 0.25f);
+  // Without the edit the weight is another, so the check above can fail.
+  Split reference(devices::cpu(2), sgd, {.seed = 1});
+  reference.fit(head(fashion().train, 120), {.epochs = 1, .batch_size = 60});
+  REQUIRE(reference.model().parameters()[0] != 0.25f);
+}

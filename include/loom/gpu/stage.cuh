@@ -632,13 +632,19 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     comm::Comm bootstrap = groups.world;
     comm::NcclComm world = comm::NcclComm::create(bootstrap, device_);
     world.set_share_on_split(false);
+    comm::NcclComm* statistics = nullptr;
     if (synced_) {
       statistics_ = std::make_unique<comm::NcclComm>(
           world.split(static_cast<int>(mesh.group(rank, MeshAxis::data)),
                       static_cast<int>(mesh.rank_in_group(rank, MeshAxis::data))));
-      if (layers_) layers_->set_replicas(statistics_.get());
+      statistics = statistics_.get();
+      if (layers_) layers_->set_replicas(statistics);
     }
-    return ::loom::detail::split_links(comm::Comm(std::move(world)), mesh, rank);
+    auto links = ::loom::detail::split_links(comm::Comm(std::move(world)), mesh, rank);
+    // A copy of the same communicator (NcclComm's state is shared): a
+    // failing rank's cancel aborts it too, so no rank waits in its sums.
+    if (statistics != nullptr) links.layers = comm::Comm(*statistics);
+    return links;
   }
 
   int device_;

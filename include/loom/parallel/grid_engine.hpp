@@ -187,6 +187,9 @@ struct Link {
 struct StageLinks {
   Link to_next, from_next, to_previous, from_previous;
   comm::Comm data;
+  // A communicator the stage's layers call on their own (a GPU's
+  // SyncBatchNorm sums over its copies): the engine only cancels it.
+  comm::Comm layers;
   // Made by the stage: their sends may wait for the receive (NCCL's), as
   // MPI's do, so the outboxes send from threads of their own.
   bool own = false;
@@ -780,6 +783,7 @@ class GridEngine {
       if (started_ && link->comm) link->comm.cancel(why);
     // Made by the start job: read only once every rank has made it.
     if (started_ && r.statistics.comm) r.statistics.comm.cancel(why);
+    if (started_ && r.links.layers) r.links.layers.cancel(why);
   }
 
   void work(Rank& r, const Job& job);

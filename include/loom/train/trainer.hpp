@@ -185,10 +185,10 @@ class Trainer : public detail::TrainerCore {
     fit_with(train, options, events);
   }
 
-  // batch_size 0: the training batch size when fit() has run (the arena
-  // already holds it), else 256.
-  // On a GPU, a batch size above the one fit() planned for is evaluated in
-  // pieces of that size (the sums are the same).
+  // batch_size 0: one device on CPUs, the training batch size when fit()
+  // has run (the arena already holds it); else 256. Each replica evaluates
+  // its share of the data set in pieces of batch_size samples (its stages
+  // grow to hold one).
   EvalResult evaluate(const data::Dataset& dataset, std::size_t batch_size = 0) {
     check_dataset(dataset, "evaluate");
     if (gpu_ && !split_engine()) gpu_->plan_split(*this);
@@ -302,7 +302,7 @@ class Trainer : public detail::TrainerCore {
   }
   // Each local device's time in the last optimizer step (a data-parallel
   // replica or pipeline stage: its own jobs; wait for others included);
-  // empty before the first step on GPUs.
+  // on GPUs empty before the stages are made, zeros before the first step.
   std::vector<double> device_step_seconds() const {
     if (auto* split = split_engine()) return split->step_seconds();
     if constexpr (!is_pipelined<Policy>)
@@ -450,9 +450,13 @@ class Trainer : public detail::TrainerCore {
   }
   void epoch_begin() override {}
   // Before the callbacks; across processes model() cannot gather (it is not
-  // collective) and returns these.
+  // collective) and returns these. Weights a step callback changed through
+  // model() reach the stages first, so the gather keeps them.
   void epoch_done() override {
-    if (auto* split = split_engine()) split->gather(model_);
+    if (auto* split = split_engine()) {
+      scatter_if_changed();
+      split->gather(model_);
+    }
   }
   // One batch of an optimizer step (the engine runs the step protocol).
   std::optional<cpu::LossSums> run_batch(const data::Batch& batch, std::size_t group_samples,
