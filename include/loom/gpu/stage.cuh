@@ -1,8 +1,8 @@
 // The CUDA backend's stage of the grid engine (parallel/grid_engine.hpp):
 // gpu::DeviceStage runs the layers `range` of a stage's network on one GPU
 // (DeviceLayers, as DeviceModel runs a whole network), behind the engine's
-// type-erased PipelineStage, so GPU ModelSplit and Hybrid run on the same
-// engine, schedules and step protocol as the CPU's policies. gpu::DeviceStages
+// type-erased PipelineStage, so every policy on GPUs runs on the same
+// engine, schedules and step protocol as on CPUs. gpu::DeviceStages
 // is the maker a policy's typed engine takes (like detail::HostStages).
 //
 // Correctness first: every call enqueues its work on the stage's stream and
