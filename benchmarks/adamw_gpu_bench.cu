@@ -1,6 +1,6 @@
-// loom's AdamW update on the GPU (gpu::optimizer_update, the kernel a
-// DeviceModel runs: one pass over the flat buffers), with and without
-// clipping by global norm, against a device-to-device copy of the same
+// loom's AdamW update on the GPU (gpu::optimizer_update, the kernel a GPU
+// stage runs: one pass over the flat buffers), with and without clipping by
+// global norm (the norm summed on the device), against a device-to-device copy of the same
 // buffers in the same run (what memory allows). Its PyTorch peer,
 // benchmarks/pytorch/adamw.py --device cuda, times AdamW(fused=True) on the
 // same parameter counts; scripts/gpu-check pairs the lines by "benchmark"
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
       const std::size_t scratch_bytes = loom::gpu::squared_norm_bytes(n);
       loom::gpu::DeviceBuffer<unsigned char> scratch(std::max<std::size_t>(scratch_bytes, 1),
                                                      "norm scratch");
-      // Each update is step t's, as a DeviceModel stages it: its scalars
+      // Each update is step t's, as a GPU stage stages it: its scalars
       // copied first (AdamW's bias corrections change every step).
       std::vector<loom::gpu::UpdateScalars> staged(static_cast<std::size_t>(warmup + steps));
       const auto update = [&](int s, bool clip) {

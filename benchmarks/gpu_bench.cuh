@@ -1,14 +1,20 @@
-// What loom's GPU benchmarks share: steps timed the way the PyTorch peers
-// time theirs (a CUDA event before and after each step, no host wait between
-// steps, after warm-up; the median step, and the mean from the first start
-// to the last stop), and the name of the GPU for the JSON lines.
+// What loom's GPU benchmarks share: kernels timed the way the PyTorch peers
+// time theirs (a CUDA event before and after each, no host wait between
+// them, after warm-up; the median, and the mean from the first start to the
+// last stop); training steps on the grid engine's GPU stages, timed on the
+// host (each waits for its work); and the name of the GPU for the JSON
+// lines.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <loom/backend/cuda/check.hpp>
 #include <loom/core/error.hpp>
+#include <loom/gpu/stage.cuh>
+#include <loom/loom.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -63,14 +69,61 @@ StepTimes time_gpu_steps(cudaStream_t stream, int warmup, int steps, Step&& step
   return {median, stops.back().since(starts.front()) / steps};
 }
 
-// A timed run whose loss went non-finite skipped its updates: its figures
-// would not be a training step's. (Model: a gpu::DeviceModel.)
-template <class Model>
-void require_trained(Model& model, const char* what) {
-  const auto totals = model.wait_totals(0);
-  LOOM_CHECK(totals.halted == 0, what, ": the loss stopped being finite (", loss_text(totals.halt_loss),
-             ") during the timed steps, so later updates were skipped; the figures are void");
+// step(s) runs step s whole, its host waiting for it: s = 0 .. warmup - 1
+// untimed, then `steps` timed on the host's steady clock.
+template <class Step>
+StepTimes time_host_steps(int warmup, int steps, Step&& step) {
+  using clock = std::chrono::steady_clock;
+  for (int s = 0; s < warmup; ++s) step(s);
+  std::vector<double> ms;
+  const auto first = clock::now();
+  for (int i = 0; i < steps; ++i) {
+    const auto start = clock::now();
+    step(warmup + i);
+    ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - start).count());
+  }
+  const double total = std::chrono::duration<double, std::milli>(clock::now() - first).count();
+  std::sort(ms.begin(), ms.end());
+  const std::size_t n = ms.size();
+  const double median = n % 2 ? ms[n / 2] : (ms[n / 2 - 1] + ms[n / 2]) / 2;
+  return {median, total / steps};
 }
+
+// One GPU's training steps as the Trainer runs them under Policy
+// (SingleDevice; DataParallel<> makes the GPU one replica of its own
+// group): the grid engine over gpu::DeviceStages, each step's batch taken
+// from host memory, SGD. Every stage call waits for its stream, so a
+// step's host time is its time. fp16 scales the loss by a fixed 1024 (the
+// trainer's scaler would move it; LeNet's and the MLP's gradients do not
+// overflow there).
+template <class Net, class Policy = SingleDevice>
+class EngineSteps {
+ public:
+  EngineSteps(SGD::Options sgd, gpu::DeviceStages stages)
+      : engine_({devices::gpus().front()}, {}, Model<Net, float>(0), sgd, stages),
+        settings_{.lr = sgd.lr,
+                  .precision = stages.precision,
+                  .loss_scale = stages.precision == Precision::fp16 ? 1024.0f : 1.0f} {}
+
+  // One optimizer step on n samples; a step whose loss is not finite, or
+  // which fp16 skipped, voids the figures.
+  void step(const float* images, const std::int32_t* labels, std::size_t n) {
+    const cpu::LossSums sums = engine_.micro_step(images, labels, n, n, false, true, settings_);
+    LOOM_CHECK(std::isfinite(sums.loss) && !sums.overflowed,
+               "a timed step's loss went ", loss_text(sums.loss),
+               sums.overflowed ? " and its fp16 gradients overflowed" : "",
+               ": the update was skipped, so the figures are void");
+  }
+  // Forwards and backwards captured as CUDA graphs.
+  std::size_t graphs() {
+    return dynamic_cast<gpu::DeviceStage<Net, SGD>&>(engine_.stage(0)).graphs();
+  }
+
+ private:
+  ::loom::detail::DataParallelEngine<Net, Policy, SGD, SoftmaxCrossEntropy, gpu::DeviceStages>
+      engine_;
+  StepSettings settings_;
+};
 
 inline std::string gpu_name() {
   int device = 0;

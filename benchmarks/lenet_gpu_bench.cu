@@ -1,12 +1,15 @@
-// LeNet training throughput on one GPU (loom's DeviceModel): whole training
-// steps, each one CUDA-graph launch, on real Fashion-MNIST batches already in
-// GPU memory (consecutive batches over the whole training set, as the
-// PyTorch peer takes them), FP32 without TF32. One JSON line per batch size
-// in the format of benchmarks/pytorch/lenet.py, so scripts/gpu-check sets
-// them side by side. Each step starts with a device-to-device copy of its
-// batch into the model's input slot (~3 MB at batch 1024), counted in the time.
+// LeNet training throughput on one GPU: whole training steps as the
+// Trainer's SingleDevice runs them (the grid engine over one GPU stage: its
+// forward and backward replayed from CUDA graphs, the softmax loss on the
+// device, the host waiting at each stage call), on real Fashion-MNIST
+// batches (consecutive batches over the whole training set, as the PyTorch
+// peer takes them), FP32 without TF32. Each step copies its batch from
+// host memory (through pinned memory; ~3 MB at batch 1024), counted in the
+// time, where the PyTorch peer's batches already lie in GPU memory. One
+// JSON line per batch size in the format of benchmarks/pytorch/lenet.py, so
+// scripts/gpu-check sets them side by side.
 // With --precision bf16 (or fp16) the same steps in bf16 (fp16, its loss
-// scaled on the device; tensor cores, fp32 master weights) make
+// scaled by a fixed 1024; tensor cores, fp32 master weights) make
 // "lenet_train_step_bf16" ("_fp16") lines, paired in the same run with the
 // fp32 step ("library":"loom-fp32") and PyTorch's autocast peer.
 //
@@ -23,7 +26,6 @@
 // ("library":"loom-fp32").
 #include <algorithm>
 #include <iostream>
-#include <loom/gpu/model.cuh>
 #include <string>
 #include <vector>
 
@@ -37,23 +39,12 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
   loom::bench::check_batch(batch, train.count);
   const std::size_t batches = train.count / batch;
   const std::size_t sample = train.sample_size();
-  loom::gpu::DeviceBuffer<float> images(batches * batch * sample, "benchmark images");
-  loom::gpu::DeviceBuffer<std::int32_t> labels(batches * batch, "benchmark labels");
-  LOOM_CUDA_CHECK(cudaMemcpy(images.data(), train.images.data(), images.size() * sizeof(float),
-                             cudaMemcpyHostToDevice));
-  LOOM_CUDA_CHECK(cudaMemcpy(labels.data(), train.labels.data(),
-                             labels.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
-  loom::Model<loom::bench::LeNet, float> initial(0);
-  loom::gpu::DeviceModel<loom::bench::LeNet> model(initial, batch,
-                                                   loom::SGD::Options{.lr = 0.01f, .momentum = 0.9f},
-                                                   {.precision = precision});
-  LOOM_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto times =
-      loom::bench::time_gpu_steps(model.stream(), options.warmup, options.steps, [&](int s) {
-        const std::size_t first = static_cast<std::size_t>(s) % batches * batch;
-        model.enqueue_train_step(images.data() + first * sample, labels.data() + first, batch);
-      });
-  loom::bench::require_trained(model, "lenet_gpu_bench");
+  loom::bench::EngineSteps<loom::bench::LeNet> steps({.lr = 0.01f, .momentum = 0.9f},
+                                                     {.precision = precision});
+  const auto times = loom::bench::time_host_steps(options.warmup, options.steps, [&](int s) {
+    const std::size_t first = static_cast<std::size_t>(s) % batches * batch;
+    steps.step(train.images.data() + first * sample, train.labels.data() + first, batch);
+  });
   const auto n = static_cast<double>(batch);
   const bool fp32 = precision == loom::Precision::fp32;
   return {{"benchmark", fp32 ? std::string("lenet_train_step")
@@ -66,7 +57,8 @@ nlohmann::json measure(const loom::data::Dataset& train, std::size_t batch,
           {"mean_step_ms", times.mean_ms},
           {"images_per_s", 1000.0 * n / times.median_ms},
           {"gflop_per_s", n * loom::bench::flops_per_sample() / times.median_ms / 1e6},
-          {"graphs", model.graphs()},
+          {"graphs", steps.graphs()},
+          {"input", "host memory"},
           {"data", "fashion-mnist"},
           {"device", loom::bench::gpu_name()},
           {"precision", std::string(loom::precision_name(precision))}};

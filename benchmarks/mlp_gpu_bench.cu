@@ -1,7 +1,9 @@
 // An MLP of 4 x (Linear 4096 + ReLU) trained at batch 8192 on one GPU, FP32,
-// TF32 and bf16 (tensor cores, fp32 master weights): how close loom's whole training step (11 GEMMs with their
-// epilogues, the loss, the update) comes to the cuBLASLt GEMM peak measured in
-// the same run. The peak is the best of the step's three GEMM layouts
+// TF32 and bf16 (tensor cores, fp32 master weights): how close loom's whole
+// training step (11 GEMMs with their epilogues, the loss, the update), as
+// the Trainer's SingleDevice runs it (the grid engine over one GPU stage,
+// each batch copied from host memory), comes to the cuBLASLt GEMM peak
+// measured in the same run. The peak is the best of the step's three GEMM layouts
 // (forward X W^T, weight gradient dZ^T X, input gradient dZ W) timed alone,
 // without epilogues, at the step's precision; the step's useful work is the
 // 11 GEMMs' 2MNK FLOPs.
@@ -18,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <iostream>
-#include <loom/gpu/model.cuh>
 #include <loom/loom.hpp>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -85,20 +86,6 @@ double gemm_peak_tflops(std::size_t batch, const std::string& precision, const O
   return best;
 }
 
-// The two input batches, one per input slot of the model: each step then
-// trains on its slot without a copy (slot s % 2 at step s).
-template <class Model>
-void fill_slots(Model& model, const loom::gpu::DeviceBuffer<float>& images,
-                const loom::gpu::DeviceBuffer<std::int32_t>& labels, std::size_t batch) {
-  for (std::size_t s = 0; s < 2; ++s) {
-    const auto& slot = model.input_slots()[s];
-    LOOM_CUDA_CHECK(cudaMemcpy(slot.images, images.data() + s * batch * width,
-                               batch * width * sizeof(float), cudaMemcpyDeviceToDevice));
-    LOOM_CUDA_CHECK(cudaMemcpy(slot.labels, labels.data() + s * batch,
-                               batch * sizeof(std::int32_t), cudaMemcpyDeviceToDevice));
-  }
-}
-
 // fp32_ms: the fp32 step's median from the same run (0: not measured), a
 // "loom-fp32" peer for the bf16 rows.
 std::vector<nlohmann::json> measure(const std::string& precision, const Options& options,
@@ -115,25 +102,19 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
   std::vector<std::int32_t> host_labels(2 * batch);
   std::uniform_int_distribution<std::int32_t> label(0, static_cast<std::int32_t>(width) - 1);
   for (auto& y : host_labels) y = label(random);
-  loom::gpu::DeviceBuffer<float> images(host.size(), "MLP inputs");
-  loom::gpu::DeviceBuffer<std::int32_t> labels(host_labels.size(), "MLP labels");
-  LOOM_CUDA_CHECK(cudaMemcpy(images.data(), host.data(), host.size() * sizeof(float),
-                             cudaMemcpyHostToDevice));
-  LOOM_CUDA_CHECK(cudaMemcpy(labels.data(), host_labels.data(),
-                             host_labels.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
-
+  // Each step copies its batch from host memory, as the Trainer's do.
+  const auto step_on = [&](auto& steps, int s) {
+    const std::size_t first = static_cast<std::size_t>(s % 2) * batch;
+    steps.step(host.data() + first * width, host_labels.data() + first, batch);
+  };
   const double step_flops = gemm_flops_per_step(batch);
   std::vector<nlohmann::json> lines;
   const std::string name = "mlp_4x4096_" + precision;
   {
-    loom::Model<Mlp, float> initial(0);
-    loom::gpu::DeviceModel<Mlp> model(initial, batch, {.lr = 1e-3f, .momentum = 0.9f},
-                                      {.allow_tf32 = tf32, .precision = compute});
-    fill_slots(model, images, labels, batch);
-    const auto times = loom::bench::time_gpu_steps(
-        model.stream(), options.warmup, options.steps,
-        [&](int s) { model.train_step(s % 2, batch); });
-    loom::bench::require_trained(model, "mlp_gpu_bench");
+    loom::bench::EngineSteps<Mlp> steps({.lr = 1e-3f, .momentum = 0.9f},
+                                        {.precision = compute, .allow_tf32 = tf32});
+    const auto times = loom::bench::time_host_steps(options.warmup, options.steps,
+                                                    [&](int s) { step_on(steps, s); });
     loom_ms = times.median_ms;
     lines.push_back({{"benchmark", name},
                      {"library", "loom"},
@@ -156,46 +137,14 @@ std::vector<nlohmann::json> measure(const std::string& precision, const Options&
                        {"data", "random"},
                        {"device", loom::bench::gpu_name()}});
   }
-  {
-    // The same step as one NCCL rank of DataParallel (gradient buckets
-    // all-reduced on a communication stream): the policy's cost on a GPU,
-    // paired with the plain step above as "loom-single-device".
-    int device = 0;
-    LOOM_CUDA_CHECK(cudaGetDevice(&device));
-    auto ranks = loom::comm::NcclComm::create_local({device});
-    loom::Model<Mlp, float> initial(0);
-    loom::gpu::DeviceModel<Mlp> model(initial, batch, {.lr = 1e-3f, .momentum = 0.9f},
-                                      {.allow_tf32 = tf32,
-                                       .precision = compute,
-                                       .data_parallel = &ranks.front()});
-    fill_slots(model, images, labels, batch);
-    const auto times =
-        loom::bench::time_gpu_steps(model.stream(), options.warmup, options.steps, [&](int s) {
-          model.train_step(s % 2, batch, batch);
-        });
-    loom::bench::require_trained(model, "mlp_gpu_bench (DataParallel)");
-    const std::string dp = name + "_data_parallel";
-    for (const auto& [library, ms] : {std::pair{"loom", times.median_ms},
-                                      std::pair{"loom-single-device", loom_ms}})
-      lines.push_back({{"benchmark", dp},
-                       {"library", library},
-                       {"batch", batch},
-                       {"median_step_ms", ms},
-                       {"images_per_s", 1000.0 * static_cast<double>(batch) / ms},
-                       {"steps", options.steps},
-                       {"precision", precision},
-                       {"ranks", 1},
-                       {"data", "random"},
-                       {"device", loom::bench::gpu_name()}});
-  }
   // The models' memory is back before the peak's operands take theirs.
   loom::gpu::DeviceBuffer<float> a(batch * width, "GEMM peak A");
   loom::gpu::DeviceBuffer<float> b(width * std::max(batch, width), "GEMM peak B");
   loom::gpu::DeviceBuffer<float> c(width * std::max(batch, width), "GEMM peak C");
-  LOOM_CUDA_CHECK(cudaMemcpy(a.data(), images.data(), a.size() * sizeof(float),
-                             cudaMemcpyDeviceToDevice));
-  LOOM_CUDA_CHECK(cudaMemcpy(b.data(), images.data(), std::min(b.size(), images.size()) * sizeof(float),
-                             cudaMemcpyDeviceToDevice));
+  LOOM_CUDA_CHECK(cudaMemcpy(a.data(), host.data(), a.size() * sizeof(float),
+                             cudaMemcpyHostToDevice));
+  LOOM_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), std::min(b.size(), host.size()) * sizeof(float),
+                             cudaMemcpyHostToDevice));
   const double peak = gemm_peak_tflops(batch, precision, options, a, b, c);
   const double peak_ms = step_flops / peak / 1e9;
   lines.push_back({{"benchmark", name},

@@ -1,17 +1,20 @@
 // Whole training steps on the GPU against the CPU backend: the same initial
 // weights, the same real Fashion-MNIST batches, FP32 without TF32 on both
-// sides; graph replay against direct launches; the Trainer on a GPU.
+// sides, the GPU's on the grid engine's stage as the Trainer runs it; graph
+// replay against direct launches; the Trainer on a GPU.
 #include <loom/loom.hpp>
 #include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cuda_test.hpp"
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
+#include "one_device.hpp"
 
 // A namespace of its own: this file is a part of test_cuda.cu, beside
 // other files with helpers of the same names.
@@ -55,58 +58,37 @@ using RowRnn = Sequential<Input<1, 28, 28>, Reshape<28, 28>, GRU<30, true>, LSTM
                           SyncBatchNorm1d, Sigmoid, Dropout<0.1>, Linear<10>>;
 
 // Batches of the given sizes taken in order from the training set, trained
-// on the CPU and on the GPU from the same initial weights, each step with
-// the same Pass (BatchNorm's batch statistics, Dropout's masks); returns
-// the GPU's model (weights and running statistics) after checking each
-// step's loss against the CPU's. `slack`: predictions allowed to differ.
+// on one CPU and one GPU (the grid engine's stages, as the Trainer's
+// SingleDevice runs them) from the same initial weights, each step with the
+// same Pass (BatchNorm's batch statistics, Dropout's masks); checks each
+// step's loss and returns both models (weights and running statistics)
+// after the steps. `slack`: predictions allowed to differ.
 template <class Net>
-Model<Net, float> train_both_model(Model<Net, float>& cpu_model,
-                                   const std::vector<std::size_t>& sizes,
-                                   gpu::DeviceModelOptions options, std::uint64_t seed,
-                                   long slack = 0) {
+std::pair<Model<Net, float>, Model<Net, float>> train_both(const std::vector<std::size_t>& sizes,
+                                                           bool graphs, std::uint64_t seed = 3,
+                                                           long slack = 0) {
   const auto& train = fashion().train;
   const SGD::Options sgd{.lr = 0.01f, .momentum = 0.9f};
-  std::size_t largest = 0;
-  for (auto n : sizes) largest = std::max(largest, n);
-  Model<Net, float> initial(seed);
-  cpu_model = Model<Net, float>(seed, largest);
-  SGD::State<float> cpu_sgd(sgd, Net::parameter_count);
-  gpu::DeviceModel<Net> gpu_model(initial, largest, sgd, options);
-
+  const Model<Net, float> initial(seed);
+  test::OneCpu<Net> cpu(devices::cpu(1).front(), initial, sgd);
+  test::OneGpu<Net> gpu(test::gpu0, initial, sgd, {.graphs = graphs});
+  const Targets targets = data::targets_of(train);
   const std::size_t sample = train.sample_size();
   std::size_t first = 0;
   for (std::size_t step = 0; step < sizes.size(); ++step) {
     const std::size_t n = sizes[step];
     INFO("step " << step << " of " << n << " samples");
     const float* images = train.images.data() + first * sample;
-    const std::int32_t* labels = train.labels.data() + first;
+    const Pass pass{.seed = seed, .step = step};
+    const auto cpu_sums = cpu.train_step(images, targets.from(first), n, pass);
+    const auto gpu_sums = gpu.train_step(images, targets.from(first), n, pass);
     first += n;
-    const float* logits =
-        cpu_model.forward(images, n, 0, {.training = true, .seed = seed, .step = step});
-    const auto cpu_sums = SoftmaxCrossEntropy::evaluate<float>(
-        logits, labels, n, Net::output_shape::size, n, cpu_model.output_gradient());
-    cpu_model.backward();
-    cpu_sgd.step(cpu_model.parameters(), cpu_model.gradients());
-
-    auto d_images = test::to_device(std::vector<float>(images, images + n * sample));
-    auto d_labels = test::to_device(std::vector<std::int32_t>(labels, labels + n));
-    gpu_model.set_pass({.seed = seed, .step = step});
-    const auto gpu_sums = gpu_model.train_step(d_images.data(), d_labels.data(), n);
     // Sums over the batch in another order: the loss to 1e-4 relative.
     REQUIRE(gpu_sums.loss == Approx(cpu_sums.loss).epsilon(1e-4));
     REQUIRE(std::abs(static_cast<long>(gpu_sums.correct) - static_cast<long>(cpu_sums.correct)) <=
             slack);
   }
-  Model<Net, float> from_gpu(0);
-  gpu_model.copy_parameters_to(from_gpu);
-  return from_gpu;
-}
-
-template <class Net>
-std::vector<float> train_both(Model<Net, float>& cpu_model, const std::vector<std::size_t>& sizes,
-                              gpu::DeviceModelOptions options, std::uint64_t seed = 3) {
-  const auto from_gpu = train_both_model(cpu_model, sizes, options, seed);
-  return {from_gpu.parameters().begin(), from_gpu.parameters().end()};
+  return {cpu.model(), gpu.model()};
 }
 
 // The same for networks whose layers take a Pass, then their running
@@ -115,25 +97,19 @@ std::vector<float> train_both(Model<Net, float>& cpu_model, const std::vector<st
 // prediction.
 template <class Net>
 void contextual_follows_cpu(const std::vector<std::size_t>& sizes, bool graphs) {
-  Model<Net, float> cpu_model(0);
-  const auto from_gpu = train_both_model(cpu_model, sizes, {.graphs = graphs}, 11, 1);
-  test::require_close(from_gpu.parameters(), cpu_model.parameters(), {1e-5, 1e-3},
+  const auto [cpu_model, gpu_model] = train_both<Net>(sizes, graphs, 11, 1);
+  test::require_close(gpu_model.parameters(), cpu_model.parameters(), {1e-5, 1e-3},
                       "weights after the steps");
-  test::require_close(from_gpu.state(), cpu_model.state(), {1e-5, 1e-4},
+  test::require_close(gpu_model.state(), cpu_model.state(), {1e-5, 1e-4},
                       "running statistics after the steps");
 
   // Evaluation: the running statistics, no dropout.
   const auto& test_set = fashion().test;
-  const std::size_t n = 200, sample = test_set.sample_size();
-  const float* logits = cpu_model.forward(test_set.images.data(), n);
-  const auto cpu_eval = SoftmaxCrossEntropy::evaluate<float>(
-      logits, test_set.labels.data(), n, Net::output_shape::size, n, nullptr);
-  auto d_images = test::to_device(
-      std::vector<float>(test_set.images.begin(), test_set.images.begin() + n * sample));
-  auto d_labels = test::to_device(
-      std::vector<std::int32_t>(test_set.labels.begin(), test_set.labels.begin() + n));
-  gpu::DeviceModel<Net> evaluator(from_gpu, n, {.lr = 0.01f});
-  const auto gpu_eval = evaluator.evaluate(d_images.data(), d_labels.data(), n);
+  const std::size_t n = 200;
+  test::OneCpu<Net> cpu(devices::cpu(1).front(), cpu_model, {.lr = 0.01f});
+  test::OneGpu<Net> gpu(test::gpu0, gpu_model, {.lr = 0.01f}, {.graphs = graphs});
+  const auto cpu_eval = cpu.evaluate(test_set.images.data(), test_set.labels.data(), n);
+  const auto gpu_eval = gpu.evaluate(test_set.images.data(), test_set.labels.data(), n);
   REQUIRE(gpu_eval.loss == Approx(cpu_eval.loss).epsilon(1e-4));
   REQUIRE(std::abs(static_cast<long>(gpu_eval.correct) - static_cast<long>(cpu_eval.correct)) <= 1);
 }
@@ -163,26 +139,29 @@ using Conv1dSeq = Sequential<Input<24, 10>, Conv1d<12, 5, 2, 2>, BatchNorm1d, Re
 using Conv1dGru =
     Sequential<Input<24, 10>, Conv1d<12, 5, 2, 2>, BatchNorm1d, ReLU, GRU<9, true>, Linear<6>>;
 
-// Training steps of Net (Conv1dSeq or Conv1dGru) with the given lengths per step (empty: no
-// lengths) on the CPU and the GPU from the same weights, NaN in every
-// padded input frame; then an evaluation with the last step's lengths.
+constexpr std::size_t seq_frames = 24, seq_features = 10, seq_sample = seq_frames * seq_features;
+
+// A batch of n random sequences, NaN in every padded input frame.
+std::vector<float> sequences(const std::vector<std::int32_t>& lengths, std::size_t n,
+                             std::uint64_t seed) {
+  auto x = test::random_vector<float>(n * seq_sample, seed);
+  for (std::size_t s = 0; s < lengths.size(); ++s)
+    for (std::size_t i = static_cast<std::size_t>(lengths[s]) * seq_features; i < seq_sample; ++i)
+      x[s * seq_sample + i] = std::numeric_limits<float>::quiet_NaN();
+  return x;
+}
+
+// Training steps of Net (Conv1dSeq or Conv1dGru) with the given lengths per
+// step (empty: no lengths) on the CPU and the GPU from the same weights;
+// then an evaluation with the first step's lengths.
 template <class Net>
 void sequences_follow_cpu(const std::vector<std::vector<std::int32_t>>& steps,
                           std::size_t batch, bool graphs) {
-  constexpr std::size_t frames = 24, features = 10, sample = frames * features;
   constexpr std::size_t classes = Net::output_shape::size;
   const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
-  Model<Net, float> cpu_model(7, batch);
-  SGD::State<float> cpu_sgd(sgd, Net::parameter_count);
-  gpu::DeviceModel<Net> gpu_model(Model<Net, float>(7), batch, sgd, {.graphs = graphs});
-  const auto batch_of = [&](const std::vector<std::int32_t>& lengths, std::size_t n,
-                            std::uint64_t seed) {
-    auto x = test::random_vector<float>(n * sample, seed);
-    for (std::size_t s = 0; s < lengths.size(); ++s)
-      for (std::size_t i = static_cast<std::size_t>(lengths[s]) * features; i < sample; ++i)
-        x[s * sample + i] = std::numeric_limits<float>::quiet_NaN();
-    return x;
-  };
+  const Model<Net, float> initial(7);
+  test::OneCpu<Net> cpu(devices::cpu(1).front(), initial, sgd);
+  test::OneGpu<Net> gpu(test::gpu0, initial, sgd, {.graphs = graphs});
   const auto labels_of = [&](std::size_t n, std::uint64_t seed) {
     std::vector<std::int32_t> labels(n);
     for (std::size_t s = 0; s < n; ++s)
@@ -192,44 +171,30 @@ void sequences_follow_cpu(const std::vector<std::vector<std::int32_t>>& steps,
   for (std::size_t step = 0; step < steps.size(); ++step) {
     const auto& lengths = steps[step];
     const std::size_t n = lengths.empty() ? batch : lengths.size();
-    const std::int32_t* frames_of = lengths.empty() ? nullptr : lengths.data();
+    const Pass pass{.frames = lengths.empty() ? nullptr : lengths.data()};
     INFO("step " << step << " of " << n << " samples" << (lengths.empty() ? ", no lengths" : ""));
-    const auto x = batch_of(lengths, n, 100 + step);
+    const auto x = sequences(lengths, n, 100 + step);
     const auto labels = labels_of(n, step);
-    const float* logits =
-        cpu_model.forward(x.data(), n, 0, {.training = true, .frames = frames_of});
-    const auto cpu_sums = SoftmaxCrossEntropy::evaluate<float>(
-        logits, labels.data(), n, classes, n, cpu_model.output_gradient());
-    cpu_model.backward();
-    cpu_sgd.step(cpu_model.parameters(), cpu_model.gradients());
-
-    auto d_x = test::to_device(x);
-    auto d_labels = test::to_device(labels);
-    gpu_model.set_frames(frames_of, n);
-    const auto gpu_sums = gpu_model.train_step(d_x.data(), d_labels.data(), n);
+    const auto cpu_sums = cpu.train_step(x.data(), labels.data(), n, pass);
+    const auto gpu_sums = gpu.train_step(x.data(), labels.data(), n, pass);
     // FP32 sums in another order: the loss to 1e-4 relative (a NaN from
     // the padding fails it).
     REQUIRE(gpu_sums.loss == Approx(cpu_sums.loss).epsilon(1e-4));
   }
-  Model<Net, float> from_gpu(0);
-  gpu_model.copy_parameters_to(from_gpu);
+  const auto cpu_model = cpu.model();
+  const auto gpu_model = gpu.model();
   // As the other networks' steps: FP32 rounding carried through a few SGD steps.
-  test::require_close(from_gpu.parameters(), cpu_model.parameters(), {1e-5, 1e-3},
+  test::require_close(gpu_model.parameters(), cpu_model.parameters(), {1e-5, 1e-3},
                       "weights after the steps");
-  test::require_close(from_gpu.state(), cpu_model.state(), {1e-5, 1e-4},
+  test::require_close(gpu_model.state(), cpu_model.state(), {1e-5, 1e-4},
                       "running statistics after the steps");
 
   const auto& lengths = steps.front();
   const std::size_t n = lengths.size();
-  const auto x = batch_of(lengths, n, 99);
+  const auto x = sequences(lengths, n, 99);
   const auto labels = labels_of(n, 99);
-  const float* logits = cpu_model.forward(x.data(), n, 0, {.frames = lengths.data()});
-  const auto cpu_eval =
-      SoftmaxCrossEntropy::evaluate<float>(logits, labels.data(), n, classes, n, nullptr);
-  auto d_x = test::to_device(x);
-  auto d_labels = test::to_device(labels);
-  gpu_model.set_frames(lengths.data(), n);
-  const auto gpu_eval = gpu_model.evaluate(d_x.data(), d_labels.data(), n);
+  const auto cpu_eval = cpu.evaluate(x.data(), labels.data(), n, lengths.data());
+  const auto gpu_eval = gpu.evaluate(x.data(), labels.data(), n, lengths.data());
   REQUIRE(gpu_eval.loss == Approx(cpu_eval.loss).epsilon(1e-4));
 }
 
@@ -238,10 +203,12 @@ void sequences_follow_cpu(const std::vector<std::vector<std::int32_t>>& steps,
 TEST_CASE(
     "cuda model: Conv1d, BatchNorm1d over time, a GRU and Linear per position follow the CPU "
     "on sequences with lengths") {
-  // Two steps of 8 with other lengths (the second replays the first's graph,
-  // which must read the new lengths), a short batch, a step without lengths.
+  // Three steps of 8 with other lengths (the second captures the graphs
+  // of the first's shape, the third replays them, which must read its own
+  // lengths), a short batch, a step without lengths.
   const std::vector<std::vector<std::int32_t>> steps{{24, 17, 5, 11, 24, 9, 3, 20},
                                                      {8, 24, 24, 1, 13, 6, 19, 22},
+                                                     {2, 21, 16, 24, 4, 10, 24, 7},
                                                      {24, 2, 15, 7, 10},
                                                      {}};
   for (const bool graphs : {true, false}) {
@@ -252,104 +219,65 @@ TEST_CASE(
 }
 
 TEST_CASE("cuda model: lengths a sequence network cannot take are a loom::Error") {
-  gpu::DeviceModel<Conv1dSeq> model(Model<Conv1dSeq, float>(1), 4, {.lr = 0.01f});
+  test::OneGpu<Conv1dSeq> gpu(test::gpu0, Model<Conv1dSeq, float>(1), {.lr = 0.01f});
+  const auto x = sequences({}, 2, 5);
+  const std::vector<std::int32_t> labels{0, 1};
   const std::vector<std::int32_t> too_long{24, 25};
-  REQUIRE_THROWS_WITH(model.set_frames(too_long.data(), 2),
+  REQUIRE_THROWS_WITH(gpu.train_step(x.data(), labels.data(), 2, {.frames = too_long.data()}),
                       Catch::Contains("sample 1 of the batch has length 25, outside 0..24"));
   // Padded by 2 at both ends, 0 frames leave the window of 5 no output frame.
   const std::vector<std::int32_t> empty{24, 0};
-  REQUIRE_THROWS_WITH(model.set_frames(empty.data(), 2),
+  REQUIRE_THROWS_WITH(gpu.train_step(x.data(), labels.data(), 2, {.frames = empty.data()}),
                       Catch::Contains("sample 1 of the batch has 0 frames"));
-  const std::vector<std::int32_t> two{24, 20};
-  model.set_frames(two.data(), 2);
-  auto images = test::to_device(std::vector<float>(3 * 240, 0.5f));
-  auto labels = test::to_device(std::vector<std::int32_t>{0, 1, 2});
-  REQUIRE_THROWS_WITH(model.train_step(images.data(), labels.data(), 3),
-                      Catch::Contains("a step of 3 samples but set_frames gave the lengths of 2"));
 }
 
 TEST_CASE("cuda model: three LeNet training steps equal the CPU backend's") {
-  Model<LeNet, float> cpu_model(0);
-  const auto gpu = train_both(cpu_model, {64, 64, 64}, {});
+  const auto [cpu, gpu] = train_both<LeNet>({64, 64, 64}, true);
   // After three steps the weights differ by FP32 summation order only.
-  test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "weights after 3 steps");
+  test::require_close(gpu.parameters(), cpu.parameters(), {1e-5, 1e-3}, "weights after 3 steps");
 }
 
 TEST_CASE("cuda model: batches of several sizes (a short last batch) follow the CPU") {
-  Model<LeNet, float> cpu_model(0);
-  const auto gpu = train_both(cpu_model, {128, 17, 128, 1}, {});
-  test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "weights after 4 steps");
+  const auto [cpu, gpu] = train_both<LeNet>({128, 17, 128, 1}, true);
+  test::require_close(gpu.parameters(), cpu.parameters(), {1e-5, 1e-3}, "weights after 4 steps");
 }
 
 TEST_CASE("cuda model: Linear+ReLU chains (DRELU_BGRAD epilogues) follow the CPU") {
-  Model<Mlp, float> cpu_model(0);
-  const auto gpu = train_both(cpu_model, {64, 64, 64, 31}, {});
-  test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "MLP weights after 4 steps");
+  const auto [cpu, gpu] = train_both<Mlp>({64, 64, 64, 31}, true);
+  test::require_close(gpu.parameters(), cpu.parameters(), {1e-5, 1e-3},
+                      "MLP weights after 4 steps");
 }
 
 TEST_CASE("cuda model: a Linear+ReLU without a Linear after it follows the CPU") {
-  Model<ReluLast, float> cpu_model(0);
-  const auto gpu = train_both(cpu_model, {64, 64, 20}, {});
-  test::require_close(gpu, cpu_model.parameters(), {1e-5, 1e-3}, "weights after 3 steps");
+  const auto [cpu, gpu] = train_both<ReluLast>({64, 64, 20}, true);
+  test::require_close(gpu.parameters(), cpu.parameters(), {1e-5, 1e-3}, "weights after 3 steps");
 }
 
-TEST_CASE("cuda model: a step replayed from a CUDA graph equals the step launched directly") {
-  Model<LeNet, float> cpu_model(0);
-  const auto replayed = train_both(cpu_model, {64, 64, 40, 64}, {.graphs = true});
-  const auto direct = train_both(cpu_model, {64, 64, 40, 64}, {.graphs = false});
-  test::require_equal(replayed, direct, "weights after 4 steps, graphs on and off");
+TEST_CASE("cuda model: steps replayed from CUDA graphs equal the steps launched directly") {
+  const auto replayed = train_both<LeNet>({64, 64, 40, 64}, true).second;
+  const auto direct = train_both<LeNet>({64, 64, 40, 64}, false).second;
+  test::require_equal(replayed.parameters(), direct.parameters(),
+                      "weights after 4 steps, graphs on and off");
 }
 
-TEST_CASE("cuda model: each (kind, batch size, input slot) runs uncaptured once, is captured next, then replayed") {
+TEST_CASE("cuda model: each forward and backward shape runs uncaptured once, is captured next, then "
+          "replayed") {
   const auto& train = fashion().train;
-  Model<LeNet, float> initial(1);
-  gpu::DeviceModel<LeNet> model(initial, 32, {.lr = 0.01f});
-  auto images = test::to_device(std::vector<float>(train.images.begin(),
-                                                   train.images.begin() + 32 * 784));
-  auto labels = test::to_device(std::vector<std::int32_t>(train.labels.begin(),
-                                                          train.labels.begin() + 32));
-  model.train_step(images.data(), labels.data(), 32);
-  REQUIRE(model.graphs() == 0);
-  for (int i = 0; i < 2; ++i) model.train_step(images.data(), labels.data(), 32);
-  REQUIRE(model.graphs() == 1);
-  model.train_step(images.data(), labels.data(), 5);
-  REQUIRE(model.graphs() == 1);
-  model.evaluate(images.data(), labels.data(), 32);
-  model.evaluate(images.data(), labels.data(), 32);
-  REQUIRE(model.graphs() == 2);
-  REQUIRE_THROWS_WITH(model.train_step(images.data(), labels.data(), 33),
-                      Catch::Contains("a batch of 33 samples; this model was planned for 1 to 32"));
-}
-
-TEST_CASE("cuda model: a non-finite loss halts the update and keeps the last good weights") {
-  const auto& train = fashion().train;
-  Model<Logistic, float> initial(2);
-  gpu::DeviceModel<Logistic> model(initial, 8, {.lr = 0.01f, .momentum = 0.9f});
-  std::vector<float> host(train.images.begin(), train.images.begin() + 8 * 784);
-  auto images = test::to_device(host);
-  auto labels = test::to_device(std::vector<std::int32_t>(train.labels.begin(),
-                                                          train.labels.begin() + 8));
-  model.train_step(images.data(), labels.data(), 8);
-  Model<Logistic, float> good(0);
-  model.copy_parameters_to(good);
-
-  host[3 * 784 + 100] = std::numeric_limits<float>::quiet_NaN();
-  auto poisoned = test::to_device(host);
-  REQUIRE_THROWS_WITH(model.train_step(poisoned.data(), labels.data(), 8),
-                      Catch::Contains("the training loss became nan") &&
-                          Catch::Contains("the weights are kept from the step before"));
-  Model<Logistic, float> after(0);
-  model.copy_parameters_to(after);
-  test::require_equal(after.parameters(), good.parameters(), "weights after the NaN step");
-
-  // The next step starts afresh (the totals are reset) and trains again.
-  model.train_step(images.data(), labels.data(), 8);
-  model.copy_parameters_to(after);
-  REQUIRE(after.parameters()[0] != good.parameters()[0]);
-
-  auto bad_labels = test::to_device(std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 10, 7});
-  REQUIRE_THROWS_WITH(model.train_step(images.data(), bad_labels.data(), 8),
-                      Catch::Contains("label 10 of sample 6 is outside the network's 10 classes"));
+  test::OneGpu<LeNet> gpu(test::gpu0, Model<LeNet, float>(1), {.lr = 0.01f});
+  auto& stage = dynamic_cast<gpu::DeviceStage<LeNet, SGD>&>(gpu.stage());
+  const float* images = train.images.data();
+  const std::int32_t* labels = train.labels.data();
+  gpu.train_step(images, labels, 32);
+  REQUIRE(stage.graphs() == 0);
+  // The second step captures its forward and its backward.
+  for (int i = 0; i < 2; ++i) gpu.train_step(images, labels, 32);
+  REQUIRE(stage.graphs() == 2);
+  gpu.train_step(images, labels, 5);
+  REQUIRE(stage.graphs() == 2);
+  // An evaluation's forward is another shape (no training).
+  gpu.evaluate(images, labels, 32);
+  gpu.evaluate(images, labels, 32);
+  REQUIRE(stage.graphs() == 3);
 }
 
 TEST_CASE("cuda trainer: fit on a GPU follows fit on the CPU, step by step") {

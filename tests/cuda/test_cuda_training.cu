@@ -17,6 +17,7 @@
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
 #include "nonfinite_test.hpp"
+#include "one_device.hpp"
 #include "stop_after.hpp"
 #include "temp_dir.hpp"
 
@@ -145,7 +146,7 @@ void reduced_follows_cpu(Precision precision, std::size_t samples, const SGD::Op
 constexpr LossScaling overflowing{.initial_scale = 0x1p24f, .growth_interval = 4};
 
 // One step (SGD, lr 1) of a network on 64 real images: the CPU emulation's
-// weights against a DeviceModel's in `precision` (fp16 with a loss scale of
+// weights against one GPU's in `precision` (fp16 with a loss scale of
 // `scale`). Each weight moves by its gradient, w - g, the same float
 // operation on both sides; the GPU rounds where the CPU does, so its
 // gradients part from the CPU's only where a sum summed in another order
@@ -166,14 +167,11 @@ void one_step_like_cpu(Precision precision, float scale = 1.0f) {
   for (std::size_t i = 0; i < want.size(); ++i) want[i] -= g[i];
 
   const Model<Net, float> initial(7);
-  gpu::DeviceModel<Net> device(initial, 64, SGD::Options{.lr = 1.0f},
-                               {.precision = precision,
-                                .loss_scaling = {.initial_scale = scale, .min_scale = scale}});
-  const auto images = test::to_device(data.images);
-  const auto labels = test::to_device(data.labels);
-  device.train_step(images.data(), labels.data(), 64);
-  Model<Net, float> after(0);
-  device.copy_parameters_to(after);
+  test::OneGpu<Net> device(test::gpu0, initial, SGD::Options{.lr = 1.0f},
+                           {.precision = precision}, precision);
+  device.settings().loss_scale = scale;
+  device.train_step(data.images.data(), data.labels.data(), 64);
+  const Model<Net, float> after = device.model();
   const auto got = after.parameters();
   std::size_t same = 0, moved = 0;
   for (std::size_t i = 0; i < want.size(); ++i) {

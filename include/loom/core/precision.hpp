@@ -56,9 +56,8 @@ inline void round_to(Precision p, float* values, std::size_t n) {
 // Doubles (gradient checks) are never rounded: the precisions are float's.
 inline void round_to(Precision, double*, std::size_t) {}
 
-// fp16's dynamic loss scaling (optim/loss_scaler.hpp, and the GPU's
-// backend/cuda/loss_scaling.cuh): its options, a type of core because both
-// the scaler and the device kernels take it.
+// fp16's dynamic loss scaling (optim/loss_scaler.hpp): its options, a type
+// of core because the trainer's options and the scaler take it.
 struct LossScaling {
   float initial_scale = 65536.0f;
   float growth_factor = 2.0f;

@@ -37,8 +37,8 @@
 //     call, which must then run outside any capture. capturable(call) says
 //     so, and a call with lengths on a capturing stream throws instead of
 //     baking this batch's lengths into a graph.
-// The owner (DeviceModel) must run a step whose batch has per-sample frames
-// directly, not through its graphs, whenever the network has a layer on
+// The owner (the GPU stage) must run a pass whose batch has per-sample
+// frames directly, not through its graphs, whenever the network has a layer on
 // this runner; host_frames need only live for the call (cuDNN copies them
 // into the descriptor), frames until the call's work has run.
 //

@@ -1,7 +1,7 @@
 // What every CUDA layer runner is given: the GPU's library handles
 // (DeviceContext) and, per forward or backward call, the pointers into the
-// owner's arena (LayerCall). DeviceLayers (DeviceModel's and the pipeline
-// stages') fills a LayerCall for each executed layer; runners never
+// owner's arena (LayerCall). DeviceLayers (a grid engine stage's) fills a
+// LayerCall for each executed layer; runners never
 // allocate in a step (cuDNN's RNN runner allocates its own buffers once,
 // when it is made).
 #pragma once

@@ -8,7 +8,7 @@
 // d(loss)/d(h_t-1); then one GEMM for dW_ih (its epilogue sums b_ih's
 // gradient) and one for dx. Gradients are overwritten, never accumulated
 // across calls, and every sum runs in a fixed order (no atomics). It runs a
-// GRU or LSTM inside a Residual block (model.cuh); one direction only, and
+// GRU or LSTM inside a Residual block (device_layers.cuh); one direction only, and
 // every sample over all the steps: a call with per-sample lengths is
 // refused (cudnn_rnn.cuh's runner, used outside blocks, has both).
 #pragma once

@@ -1,15 +1,24 @@
 // The CUDA backend's stage of the grid engine (parallel/grid_engine.hpp):
 // gpu::DeviceStage runs the layers `range` of a stage's network on one GPU
-// (DeviceLayers, as DeviceModel runs a whole network), behind the engine's
+// (DeviceLayers, device_layers.cuh), behind the engine's
 // type-erased PipelineStage, so every policy on GPUs runs on the same
 // engine, schedules and step protocol as on CPUs. gpu::DeviceStages
 // is the maker a policy's typed engine takes (like detail::HostStages).
 //
 // Correctness first: every call enqueues its work on the stage's stream and
 // waits for it before returning (the engine is host-driven, and the links
-// read and write the stage's memory from other threads). The engine calls
-// a rank's stage from that rank's own thread, and several ranks may share a
-// GPU: every call makes the stage's device current first.
+// read and write the stage's memory from other threads). A forward, and a
+// backward without a hook, run as CUDA graphs (StepGraphs): each
+// (slot, samples, training or accumulating, lengths) runs directly the
+// first time, which sets up what cuDNN, cuBLASLt and NCCL (SyncBatchNorm's
+// sums) make on first use, is captured the second time and replayed after;
+// the scalars they read (Dropout's pass, the lengths) are written to device
+// memory before the launch. A backward with a hook waits layer by layer,
+// and a batch with lengths that cuDNN's RNN plans from the host runs
+// directly (cudnn_rnn.cuh). The engine calls a rank's stage from that
+// rank's own thread, and several ranks may share a GPU (then every call is
+// launched directly, see links()): every call makes the stage's device
+// current first.
 //
 // Buffers handed to the engine are the device's: parameters() and
 // gradients() are DeviceLayers' padded layout (gaps of zeros between the
@@ -29,23 +38,30 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "../backend/cuda/graph.hpp"
 #include "../backend/cuda/launch.hpp"
 #include "../backend/cuda/memory.hpp"
+#include "../backend/cuda/softmax_xent.cuh"
 #include "../backend/cuda/staging.hpp"
 #include "../backend/cuda/stream.hpp"
 #include "../comm/nccl_comm.hpp"
 #include "../comm/staged_comm.hpp"
+#include "../loss/softmax_cross_entropy.hpp"
 #include "../parallel/grid_engine.hpp"
-#include "model.cuh"
+#include "device_layers.cuh"
 
 namespace loom::gpu {
 
@@ -58,6 +74,17 @@ inline __global__ void scale_values(float* values, std::size_t count, float fact
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride)
     values[i] *= factor;
+}
+
+// *found = 1 when some value is NaN or infinite (every writer writes 1).
+inline __global__ void find_nonfinite(const float* values, std::size_t count, int* found) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride)
+    if (!isfinite(values[i])) {
+      *found = 1;
+      return;
+    }
 }
 
 }  // namespace kernels
@@ -105,11 +132,12 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   DeviceStage(std::span<const float> weights, std::span<const float> state,
               typename Optimizer::Options options, std::size_t offset, std::size_t state_at,
               LayerRange range, int device, Precision precision, bool allow_tf32,
-              bool synced_statistics = false)
+              bool synced_statistics = false, bool graphs = true)
       : device_(entered(device)),
         precision_(precision),
         allow_tf32_(allow_tf32),
         synced_(synced_statistics && range_syncs(range)),
+        capture_(graphs),
         optimizer_(device_optimizer(options)),
         range_(range),
         host_(range),
@@ -152,7 +180,9 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
           l.pass(slot),
           DevicePass{.seed = pass.seed, .step = pass.step, .first_sample = pass.first_sample},
           stream());
-    l.forward(slot, x, n, pass.training);
+    l.bind(slot, x, pass.training);
+    run_graph({false, slot, n, pass.training, l.frames_count(slot) > 0}, slot, n,
+              [&] { l.forward(slot, x, n, pass.training); });
     slots_.at(slot) = {n, pass.first_sample};
     synchronize();
     return l.output(slot);
@@ -162,14 +192,18 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     return layers_ ? layers_->output_frames(slot) : nullptr;
   }
 
-  // The loss runs on the host (LossOps, loss/loss.hpp) over the output
-  // copied back: any Loss type trains on a GPU stage (softmax
-  // cross-entropy, CTC, per-position), at the cost of a round trip per
-  // micro-batch; a device loss per type is a later speed-up.
+  // SoftmaxCrossEntropy runs on the device (softmax_xent.cuh: the CPU's
+  // formulas, within ULPs): the labels go over, three sums come back. Any other Loss
+  // type runs on the host (LossOps, loss/loss.hpp) over the output copied
+  // back (CTC, per-position: a device loss of their own is a later
+  // speed-up), and so does a softmax batch holding a label outside the
+  // classes, so that its error is the CPU's, word for word.
   cpu::LossSums loss(const ::loom::detail::LossOps& ops, std::size_t slot, std::size_t n,
                      const Targets& targets, float scale, bool train) override {
     on_device();
     Layers& l = built();
+    if (std::string_view(ops.name()) == SoftmaxCrossEntropy::name)
+      if (const auto sums = device_softmax_loss(slot, n, targets, scale, train)) return *sums;
     const std::size_t count = n * output_size;
     const float* output = output_on_host(slot, n);
     float* gradient = train ? room(host_gradient_, count) : nullptr;
@@ -177,7 +211,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     if (train) {
       LOOM_CUDA_CHECK(cudaMemcpyAsync(l.output_gradient(), gradient, count * sizeof(float),
                                       cudaMemcpyHostToDevice, stream()));
-      // Rounded as DeviceModel rounds its loss gradient (fp16: after the
+      // Rounded as the CPU's emulation rounds its loss gradient (fp16: after the
       // scale, which `scale` carries).
       round_values(precision_, l.output_gradient(), count, stream());
       synchronize();
@@ -197,8 +231,11 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     on_device();
     Layers& l = built();
     check_input_gradient(input_gradient);
-    l.backward(slot, slots_.at(slot).samples);
-    take_gradients(0, l.parameters(), accumulate);
+    const std::size_t n = slots_.at(slot).samples;
+    run_graph({true, slot, n, accumulate, l.frames_count(slot) > 0}, slot, n, [&] {
+      l.backward(slot, n);
+      take_gradients(0, l.parameters(), accumulate);
+    });
     synchronize();
   }
   // With a hook (the step's last backward, whose buckets the reducer thread
@@ -309,12 +346,23 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     synchronize();
   }
 
-  // On the host, over the accumulator copied back in the Model's order
-  // (every step: correctness first; a device reduction would bring back
-  // one double).
+  // On the device, over the accumulator (its gaps are zeros): one flag
+  // comes back. Where a value is not finite, find_nonfinite_gradient
+  // copies them to the host to name it.
   bool gradients_finite() const override {
-    gradients_to_host();
-    return ::loom::detail::all_finite(host_.gradients().data(), host_.gradients().size());
+    on_device();
+    built();
+    const std::size_t count = accumulator_.size();
+    if (count == 0) return true;
+    LOOM_CUDA_CHECK(cudaMemsetAsync(found_.data(), 0, sizeof(int), stream()));
+    kernels::find_nonfinite<<<grid_blocks(count), block_threads, 0, stream()>>>(
+        accumulator_.data(), count, found_.data());
+    LOOM_CUDA_LAUNCH_CHECK("find_nonfinite");
+    int found = 0;
+    LOOM_CUDA_CHECK(
+        cudaMemcpyAsync(&found, found_.data(), sizeof found, cudaMemcpyDeviceToHost, stream()));
+    synchronize();
+    return found == 0;
   }
 
   // The CPU looks at every layer's output in turn; here only the slot's
@@ -375,13 +423,21 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   const ::loom::detail::MemorySpace& memory() const override { return memory_; }
 
   // NCCL where every rank of the grid has a GPU of its own, else the host
-  // groups staged through host memory (see the file comment).
+  // groups staged through host memory (see the file comment). Ranks that
+  // share a GPU launch their kernels directly: one rank's capture would
+  // share the device with the others' allocations and frees.
   ::loom::detail::StageLinks links(const MeshGroups& groups, const Mesh& mesh,
                                    std::size_t rank) override {
     on_device();
-    if (!distinct_devices(groups.world)) return staged_links(groups, mesh.coordinates(rank).pipe);
+    if (!distinct_devices(groups.world)) {
+      capture_ = false;
+      return staged_links(groups, mesh.coordinates(rank).pipe);
+    }
     return nccl_links(groups, mesh, rank);
   }
+
+  // The forwards and backwards captured as graphs so far (for tests).
+  std::size_t graphs() const { return graphs_ ? graphs_->graphs() : 0; }
 
   // The accumulated gradients into `host` (the range's slice of the
   // Model's order), for tests and the host-side checks.
@@ -401,6 +457,21 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     std::size_t samples = 0;       // of its last forward
     std::size_t first_sample = 0;  // that forward's first, in the step's batch
   };
+  // What a captured call depends on: backward (or forward), the slot, its
+  // samples, accumulating (backward) or training (forward), lengths given.
+  using GraphKey = std::tuple<bool, std::size_t, std::size_t, bool, bool>;
+
+  // Enqueues work (a forward or backward of n samples in slot) directly or
+  // through its graph (see the file comment). The plans are made first:
+  // planning may run kernels, which a capture must not take.
+  template <class Work>
+  void run_graph(const GraphKey& key, std::size_t slot, std::size_t n, Work&& work) {
+    layers_->prepare(n);
+    if (!capture_ || (layers_->frames_count(slot) > 0 && Layers::lengths_on_host))
+      work();
+    else
+      graphs_->run(key, stream(), [&](cudaStream_t) { work(); });
+  }
 
   static int entered(int device) {
     LOOM_CUDA_CHECK(cudaSetDevice(device));
@@ -475,6 +546,8 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     slots_.resize(slots);
     made->set_replicas(statistics_.get());
     synchronize();
+    // The graphs captured the old layers' and slots' pointers.
+    graphs_ = std::make_unique<StepGraphs<GraphKey>>();
     layers_ = std::move(made);
     pending_optimizer_.clear();
     slot_count_ = slots;
@@ -541,10 +614,42 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     on_device();
     return to_host(built().output(slot), n * output_size, host_output_);
   }
-  // Pinned room for count floats (grown, never shrunk).
-  static float* room(PinnedBuffer<float>& buffer, std::size_t count) {
-    if (buffer.size() < count) buffer = PinnedBuffer<float>(count);
+  // Pinned room for count values (grown, never shrunk).
+  template <class T>
+  static T* room(PinnedBuffer<T>& buffer, std::size_t count) {
+    if (buffer.size() < count) buffer = PinnedBuffer<T>(count);
     return buffer.data();
+  }
+
+  // The softmax loss of slot's last forward on the device, and with `train`
+  // its gradient (times scale, as the host's), rounded for the precision;
+  // nothing when the host must compute it (see loss()).
+  std::optional<cpu::LossSums> device_softmax_loss(std::size_t slot, std::size_t n,
+                                                   const Targets& targets, float scale,
+                                                   bool train) {
+    if (n == 0) return std::nullopt;  // a rank without samples: the host's empty sums
+    Layers& l = *layers_;
+    if (!softmax_ || softmax_->max_batch() < n) {
+      softmax_ = std::make_unique<SoftmaxXentWorkspace>(l.max_batch());
+      labels_ = DeviceBuffer<std::int32_t>(l.max_batch(), owner() + "'s labels");
+    }
+    std::copy_n(targets.labels, n, room(host_labels_, n));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(labels_.data(), host_labels_.data(), n * sizeof(std::int32_t),
+                                    cudaMemcpyHostToDevice, stream()));
+    // The gradient is (softmax - one-hot) x scale: the kernel's global
+    // batch of 1 and loss scale `scale` give that factor.
+    scalars_.copy(loss_scale_.data(), scale, stream());
+    softmax_xent_async(l.output(slot), labels_.data(), n, output_size, 1,
+                       train ? l.output_gradient() : nullptr, *softmax_, stream(),
+                       loss_scale_.data());
+    if (train) round_values(precision_, l.output_gradient(), n * output_size, stream());
+    const SoftmaxXentSums back = read_sums(*softmax_, stream());
+    if (back.bad_row != ~0ull) return std::nullopt;
+    cpu::LossSums sums;
+    sums.loss = back.loss;
+    sums.correct = static_cast<std::size_t>(back.correct);
+    sums.denominator = static_cast<double>(n);
+    return sums;
   }
 
   void gradients_to_host() const { read_gradients(host_.gradients()); }
@@ -651,6 +756,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   Precision precision_;
   bool allow_tf32_;
   bool synced_;  // SyncBatchNorm in the range sums over the stage's copies
+  bool capture_;  // forwards and backwards run as CUDA graphs (not where ranks share the GPU)
   DeviceOptimizer optimizer_;
   LayerRange range_;
   DeviceContext context_;  // made with device_ current; before the layers, which use it
@@ -659,6 +765,8 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   mutable Model<StageNet, float> host_;
   std::vector<std::vector<float>> pending_optimizer_;  // written before the layers were built
   std::unique_ptr<Layers> layers_;
+  // Declared after the layers: destroyed first (each graph holds their pointers).
+  std::unique_ptr<StepGraphs<GraphKey>> graphs_;
   std::size_t slot_count_ = 0;
   bool sends_ = false;  // the layers pass their input's gradient back
   bool buckets_placed_ = false;
@@ -668,6 +776,12 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   DeviceBuffer<UpdateScalars> update_;
   std::uint64_t steps_ = 0;  // optimizer steps taken
   mutable PinnedBuffer<float> host_input_, host_output_, host_gradient_;
+  // The device softmax loss's workspace and labels.
+  std::unique_ptr<SoftmaxXentWorkspace> softmax_;
+  DeviceBuffer<std::int32_t> labels_;
+  DeviceBuffer<float> loss_scale_{1, "a stage's loss gradient scale"};
+  mutable DeviceBuffer<int> found_{1, "a stage's non-finite gradient flag"};
+  PinnedBuffer<std::int32_t> host_labels_;
   ScalarStager scalars_;
   DeviceMemory memory_;
   // SyncBatchNorm's sums over the stage's copies (synced_ on NCCL links);
@@ -682,6 +796,9 @@ struct DeviceStages {
   bool allow_tf32 = false;
   // DataParallel's: SyncBatchNorm sums over the replicas (see DeviceStage).
   bool synced_statistics = false;
+  // Forwards and backwards replayed from CUDA graphs (off: launched
+  // directly, for debugging and to compare).
+  bool graphs = true;
 
   template <class StageNet, class Optimizer>
   std::unique_ptr<::loom::detail::PipelineStage> make(std::span<const float> weights,
@@ -694,7 +811,7 @@ struct DeviceStages {
                device.name(), " is not one (the CPU's stages are detail::HostStages)");
     return std::make_unique<DeviceStage<StageNet, Optimizer>>(
         weights, state, options, offset, state_at, range, device.index, precision, allow_tf32,
-        synced_statistics);
+        synced_statistics, graphs);
   }
 };
 

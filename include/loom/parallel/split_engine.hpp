@@ -35,10 +35,8 @@ class SplitEngine {
                                    bool last, const StepSettings& settings,
                                    const Pass& pass) = 0;
   // After a step that every rank skipped as non-finite: where first, when
-  // the engine looked; and whether the gradients were non-finite where no
-  // spot was found (a GPU's summed gradients).
+  // the engine looked.
   virtual const NonFiniteSpot& fault() const = 0;
-  virtual bool gradients_nonfinite() const { return false; }
   virtual cpu::LossSums evaluate(const data::Dataset& dataset, std::size_t batch,
                                  Precision precision) = 0;
   // The stages' weights and running statistics into the whole network, and

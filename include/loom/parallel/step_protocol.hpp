@@ -1,11 +1,8 @@
 // The end of every optimizer step, written once for every policy and
 // backend: once the step's gradients are summed (and reduced over the
 // replicas), check them, unscale fp16's, clip, then update, or skip the step
-// and put the running statistics back. The CPU's grid engine (every CPU
-// policy, one device included), the GPUs' pipeline and DeviceModel (one
-// GPU, DataParallel on GPUs) call step_protocol over their own executor;
-// DeviceModel's enqueues it in its captured step, each pass predicated on
-// flags the device sets (gpu/model.cuh, FlaggedStep).
+// and put the running statistics back. The grid engine calls step_protocol
+// over its ranks' stages (every policy, on CPUs and GPUs alike).
 #pragma once
 
 #include <cmath>

@@ -476,13 +476,9 @@ class Trainer : public detail::TrainerCore {
                                         accumulate, last, settings, pass);
     if (!last) return std::nullopt;
     const NonFiniteSpot spot = engine.fault();
-    // GPU stages say so when their gradients were not finite and the host
-    // found no spot to name.
-    const bool gradients_bad = engine.gradients_nonfinite();
     // The ranks skipped their update. An fp16 overflow's spot (at the
     // minimum scale) is the scale's to report.
-    if (sums.overflowed ||
-        !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite, {}, gradients_bad))
+    if (sums.overflowed || !handle_nonfinite(sums.loss, spot, epoch, step, fit.on_nonfinite))
       note_overflow(sums, spot, epoch, step, fit.on_nonfinite);
     return sums;
   }

@@ -61,10 +61,8 @@ struct TrainerOptions {
   // skipping the steps whose gradients overflow. A step that overflows even
   // at the minimum scale is a non-finite step (FitOptions::on_nonfinite).
   // CPU devices emulate both; on GPUs both run on tensor cores
-  // (backend/cuda/precision.cuh), the loss scale kept on the device under
-  // SingleDevice and DataParallel (loss_scaling.cuh) and by the trainer, as
-  // on CPU devices, under ModelSplit and Hybrid, whose host reads every
-  // step's end.
+  // (backend/cuda/precision.cuh). The trainer keeps the loss scale on every
+  // backend (optim/loss_scaler.hpp).
   Precision precision = Precision::fp32;
   LossScaling loss_scaling{};
 };
@@ -473,13 +471,11 @@ class TrainerCore {
 
   // After a step that every device skipped when its loss or gradients
   // were not finite (`spot`: where first, when a device looked;
-  // `scale_note`: the words for fp16's overflow at its minimum scale;
-  // `gradients_bad`: a GPU found them non-finite without a spot):
+  // `scale_note`: the words for fp16's overflow at its minimum scale):
   // raises, or (NonFinite::skip) counts it and says why in nonfinite_.
   // False for a finite step.
   bool handle_nonfinite(double loss, const NonFiniteSpot& spot, int epoch, std::size_t step,
-                        NonFinite on_nonfinite, const std::string& scale_note = {},
-                        bool gradients_bad = false);
+                        NonFinite on_nonfinite, const std::string& scale_note = {});
 
   static std::string min_scale_note(float scale) {
     return ", even at fp16's minimum loss scale " + detail::number_text(scale) +
@@ -620,8 +616,8 @@ LOOM_DECL detail::Disagreement TrainerCore::compare_processes(detail::AgreementP
 
 LOOM_DECL bool TrainerCore::handle_nonfinite(double loss, const NonFiniteSpot& spot, int epoch,
                                              std::size_t step, NonFinite on_nonfinite,
-                                             const std::string& scale_note, bool gradients_bad) {
-  if (std::isfinite(loss) && !spot && scale_note.empty() && !gradients_bad) return false;
+                                             const std::string& scale_note) {
+  if (std::isfinite(loss) && !spot && scale_note.empty()) return false;
   const std::string what = (std::isfinite(loss) ? std::string("the gradients became non-finite")
                                                 : "the training loss became " + loss_text(loss)) +
                            " at epoch " + std::to_string(epoch) + ", step " + std::to_string(step) +

@@ -1,4 +1,4 @@
-// The optimizers a DeviceModel updates with (SGD, Adam, AdamW), and
+// The optimizers a GPU stage updates with (SGD, Adam, AdamW), and
 // gradient clipping by global norm, on the GPU. Each update is one
 // grid-stride pass over the flat parameter buffer with the CPU backend's
 // arithmetic: the per-step scalars (Adam's bias corrections, AdamW's decay)
@@ -22,9 +22,10 @@
 
 namespace loom::gpu {
 
-// Which update a DeviceModel applies, with its fixed options (lr is set per
-// step: schedules change it). One DeviceModel type serves every optimizer:
-// the rule is chosen at run time, so a trainer does not multiply nvcc's work.
+// Which update a GPU stage applies, with its fixed options (lr is set per
+// step: schedules change it). The rule is chosen at run time, so the
+// layers' code serves every optimizer and a trainer does not multiply
+// nvcc's work.
 struct DeviceOptimizer {
   enum class Rule { sgd, adam };
   Rule rule = Rule::sgd;
@@ -37,8 +38,8 @@ struct DeviceOptimizer {
   bool decoupled = false;
   float weight_decay = 0.0f;
 
-  // Not an aggregate: `{.lr = 0.01f}` then means SGD::Options alone, as
-  // DeviceModel's callers have always written it.
+  // Not an aggregate: `{.lr = 0.01f}` then means SGD::Options alone
+  // wherever both are taken.
   DeviceOptimizer() = default;
 
   // Buffers per parameter: SGD's velocity; Adam's two moments.

@@ -1,6 +1,8 @@
 // Softmax + cross-entropy on the GPU, forward and backward in one kernel (one
 // warp per row: rows are short, 10 classes for LeNet), then the loss and
-// correct-count sums with CUB. The same arithmetic as cpu::softmax_xent.
+// correct-count sums with CUB. cpu::softmax_xent's formulas, in its order
+// within a row; CUDA's exp and log, the warp's sum of the exponentials and
+// CUB's sum over the rows differ from the CPU's by ULPs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -63,8 +65,10 @@ __global__ void softmax_xent(const T* logits, const std::int32_t* labels, std::s
     return;
   }
   if (lane == 0) {
-    // Not a negation, which would give a NaN loss the sign bit ("-nan").
-    row_loss[row] = static_cast<double>(best + log_total - x[label]);
+    // The CPU's order (0 - (x - top - log total): a confident row keeps
+    // log_total's digits); a subtraction, not a negation, which would give
+    // a NaN loss the sign bit ("-nan").
+    row_loss[row] = 0.0 - static_cast<double>(x[label] - best - log_total);
     row_correct[row] = best_index == static_cast<std::size_t>(label) ? 1 : 0;
   }
   if (dlogits == nullptr) return;
@@ -75,133 +79,6 @@ __global__ void softmax_xent(const T* logits, const std::int32_t* labels, std::s
     dlogits[row * classes + c] =
         (p - (c == static_cast<std::size_t>(label) ? T(1) : T(0))) * grad_scale;
   }
-}
-
-}  // namespace kernels
-
-// What the loss steps since the last reset added up to, kept on the device
-// so that a step never waits for the host. `halted` is sticky: once set, the
-// steps after it add nothing and the SGD update skips (it reads the flag).
-struct LossTotals {
-  double loss = 0.0;  // sum of per-sample losses
-  unsigned long long correct = 0;
-  unsigned long long samples = 0;
-  unsigned long long steps = 0;
-  int halted = 0;  // a Halt
-  int bad_label = 0;
-  unsigned long long bad_row = 0;  // within the batch that halted
-  double halt_loss = 0.0;          // that batch's loss sum
-  // Skipping non-finite steps (rather than halting): the current optimizer
-  // step's update is skipped because its loss or gradients went non-finite
-  // (a Skipped), and the sum of its non-finite batch losses (as non-finite
-  // as the step's whole sum). Cleared at each step's first batch; a
-  // non-finite batch loss is not added to `loss`, its hits and samples are.
-  int skipped = 0;
-  double nonfinite_loss = 0.0;
-};
-
-// Why the current step's update is skipped (LossTotals::skipped).
-enum Skipped : int {
-  skipped_none = 0,
-  skipped_loss = 1,       // a batch's loss is not finite
-  skipped_gradients = 2,  // the loss is finite, the summed gradients are not
-};
-
-// halt_gradient_overflow: fp16's scaled gradients overflowed at the
-// minimum loss scale (loss_scaling.cuh), where backing off cannot help.
-// halt_nonfinite_gradients: fp32's or bf16's summed gradients are not
-// finite under a finite loss.
-enum Halt : int {
-  halt_none = 0,
-  halt_nonfinite_loss = 1,
-  halt_bad_label = 2,
-  halt_gradient_overflow = 3,
-  halt_nonfinite_gradients = 4,
-};
-
-namespace kernels {
-
-// A training batch's non-finite loss: marks the step skipped when
-// *skip_nonfinite is set (its samples still count), else halts the totals.
-// True when the loss is finite.
-inline __device__ bool take_loss(double loss, const int* skip_nonfinite, LossTotals* totals) {
-  if (isfinite(loss)) return true;
-  if (skip_nonfinite != nullptr && *skip_nonfinite != 0) {
-    const bool earlier = totals->skipped == skipped_loss;  // a batch before this one
-    totals->nonfinite_loss = earlier ? totals->nonfinite_loss + loss : loss;
-    totals->skipped = skipped_loss;
-    return false;
-  }
-  totals->halted = halt_nonfinite_loss;
-  totals->halt_loss = loss;
-  return false;
-}
-
-// One thread: folds a batch's sums into the totals, or halts them.
-// skip_nonfinite (device memory, may be null): see take_loss.
-inline __global__ void accumulate_loss(const double* loss, const int* hits,
-                                       const unsigned long long* bad_row,
-                                       const std::int32_t* labels, std::size_t batch,
-                                       bool stop_on_nonfinite, const int* skip_nonfinite,
-                                       LossTotals* totals) {
-  if (totals->halted != halt_none) return;
-  if (*bad_row != ~0ull) {
-    totals->halted = halt_bad_label;
-    totals->bad_row = *bad_row;
-    totals->bad_label = labels[*bad_row];
-    return;
-  }
-  if (stop_on_nonfinite && !take_loss(*loss, skip_nonfinite, totals)) {
-    if (totals->halted != halt_none) return;
-    totals->correct += static_cast<unsigned long long>(*hits);
-    totals->samples += batch;
-    totals->steps += 1;
-    return;
-  }
-  totals->loss += *loss;
-  totals->correct += static_cast<unsigned long long>(*hits);
-  totals->samples += batch;
-  totals->steps += 1;
-}
-
-// Data parallelism: this rank's loss sum, correct count and "a label was
-// bad" (0 or 1) as doubles, to be summed over the ranks. A rank with no
-// samples this step contributes zeros.
-inline __global__ void local_loss_stats(const double* loss, const int* hits,
-                                        const unsigned long long* bad_row, bool has_samples,
-                                        double* stats) {
-  stats[0] = has_samples ? *loss : 0.0;
-  stats[1] = has_samples ? static_cast<double>(*hits) : 0.0;
-  stats[2] = has_samples && *bad_row != ~0ull ? 1.0 : 0.0;
-}
-
-// Folds the ranks' summed stats into the totals: every rank sees the same
-// sums, so all halt or none does. The bad row and label are this rank's
-// when it had one (else bad_row stays all ones: another rank had it).
-inline __global__ void accumulate_global_loss(const double* stats,
-                                              const unsigned long long* bad_row,
-                                              const std::int32_t* labels, bool has_samples,
-                                              std::size_t global_batch, bool stop_on_nonfinite,
-                                              const int* skip_nonfinite, LossTotals* totals) {
-  if (totals->halted != halt_none) return;
-  if (stats[2] > 0.0) {
-    totals->halted = halt_bad_label;
-    const bool mine = has_samples && *bad_row != ~0ull;
-    totals->bad_row = mine ? *bad_row : ~0ull;
-    totals->bad_label = mine ? labels[*bad_row] : 0;
-    return;
-  }
-  if (stop_on_nonfinite && !take_loss(stats[0], skip_nonfinite, totals)) {
-    if (totals->halted != halt_none) return;
-    totals->correct += static_cast<unsigned long long>(stats[1]);
-    totals->samples += global_batch;
-    totals->steps += 1;
-    return;
-  }
-  totals->loss += stats[0];
-  totals->correct += static_cast<unsigned long long>(stats[1]);
-  totals->samples += global_batch;
-  totals->steps += 1;
 }
 
 }  // namespace kernels
@@ -282,41 +159,44 @@ void softmax_xent_async(const T* logits, const std::int32_t* labels, std::size_t
                                          ws.hits_.data(), static_cast<int>(batch), stream));
 }
 
-// Folds the last softmax_xent_async into `totals` (see LossTotals).
-// skip_nonfinite: see kernels::take_loss.
-inline void accumulate_loss(const SoftmaxXentWorkspace& ws, const std::int32_t* labels,
-                            std::size_t batch, bool stop_on_nonfinite, LossTotals* totals,
-                            cudaStream_t stream, const int* skip_nonfinite = nullptr) {
-  kernels::accumulate_loss<<<1, 1, 0, stream>>>(ws.loss_sum(), ws.correct(), ws.bad_row(), labels,
-                                                batch, stop_on_nonfinite, skip_nonfinite, totals);
-  LOOM_CUDA_LAUNCH_CHECK("accumulate_loss");
+// The sums of the last softmax_xent_async on `stream`, read back once it
+// has run (waits): the loss, the correct count and the first row whose
+// label is outside the classes (all ones when none).
+struct SoftmaxXentSums {
+  double loss = 0.0;
+  int correct = 0;
+  unsigned long long bad_row = ~0ull;
+};
+inline SoftmaxXentSums read_sums(const SoftmaxXentWorkspace& ws, cudaStream_t stream) {
+  SoftmaxXentSums sums;
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(&sums.loss, ws.loss_sum(), sizeof sums.loss,
+                                  cudaMemcpyDeviceToHost, stream));
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(&sums.correct, ws.correct(), sizeof sums.correct,
+                                  cudaMemcpyDeviceToHost, stream));
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(&sums.bad_row, ws.bad_row(), sizeof sums.bad_row,
+                                  cudaMemcpyDeviceToHost, stream));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return sums;
 }
 
-// softmax_xent_async, then waits for `stream` and returns the sums: for
-// tests and callers that want the loss of one batch now.
+// softmax_xent_async, then waits for `stream` and returns the sums, or the
+// CPU's error for a label outside the classes: for tests and callers that
+// want the loss of one batch now.
 template <class T>
 cpu::LossSums softmax_xent(const T* logits, const std::int32_t* labels, std::size_t batch,
                            std::size_t classes, std::size_t global_batch, T* dlogits,
                            SoftmaxXentWorkspace& ws, cudaStream_t stream) {
   if (batch == 0) return {};
   softmax_xent_async(logits, labels, batch, classes, global_batch, dlogits, ws, stream);
-  double loss = 0.0;
-  int hits = 0;
-  unsigned long long bad_row = 0;
-  LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(&loss, ws.loss_sum(), sizeof loss, cudaMemcpyDeviceToHost, stream));
-  LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(&hits, ws.correct(), sizeof hits, cudaMemcpyDeviceToHost, stream));
-  LOOM_CUDA_CHECK(
-      cudaMemcpyAsync(&bad_row, ws.bad_row(), sizeof bad_row, cudaMemcpyDeviceToHost, stream));
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (bad_row != ~0ull) {
+  const SoftmaxXentSums sums = read_sums(ws, stream);
+  if (sums.bad_row != ~0ull) {
     std::int32_t label = 0;
-    LOOM_CUDA_CHECK(cudaMemcpy(&label, labels + bad_row, sizeof label, cudaMemcpyDeviceToHost));
-    LOOM_FAIL("label ", label, " of sample ", bad_row, " is outside the network's ", classes,
+    LOOM_CUDA_CHECK(
+        cudaMemcpy(&label, labels + sums.bad_row, sizeof label, cudaMemcpyDeviceToHost));
+    LOOM_FAIL("label ", label, " of sample ", sums.bad_row, " is outside the network's ", classes,
               " classes");
   }
-  return {loss, static_cast<std::size_t>(hits)};
+  return {sums.loss, static_cast<std::size_t>(sums.correct)};
 }
 
 }  // namespace loom::gpu

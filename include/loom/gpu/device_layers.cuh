@@ -1,11 +1,9 @@
-// DeviceModel<Net>: a network's executed layer list training on one GPU.
-// Weights come from a CPU Model of the same network (the same seed gives the
-// same starting point on both backends). Its layers run on DeviceLayers,
-// which a grid engine's stage (stage.cuh) runs over a range of them: the
-// parameters, gradients, optimizer state, activations, ReLU masks and
-// workspace live in the layers' device arena, the step's scalars, flags and
-// two input slots in the model's, both sized up front; each layer's
-// cuBLASLt/cuDNN plan is made once per batch size.
+// DeviceLayers<Net>: a range of a network's executed layers on one GPU,
+// which the grid engine's stage (stage.cuh) runs: the range's parameters,
+// gradients, optimizer state, activations, ReLU masks and workspace live in
+// one device arena sized up front, and each layer's cuBLASLt/cuDNN plan is
+// made once per batch size. Weights come from a CPU Model of the same
+// network (the same seed gives the same starting point on both backends).
 //
 // Layer by layer: Linear is one GEMM with a bias(+ReLU) epilogue forward and
 // two GEMMs backward. Where a Linear+ReLU feeds another Linear, the forward
@@ -13,44 +11,29 @@
 // input-gradient GEMM applies the ReLU derivative and sums the bias gradient
 // in its epilogue (DRELU_BGRAD): that layer's backward is then its weight
 // GEMM alone, with no elementwise or bias kernel. Conv2d is cuDNN (fused
-// conv+bias+ReLU where it offers it); pooling, standalone activations, the
-// loss and the optimizer updates (SGD, Adam, AdamW; clipping by global norm)
-// are loom's kernels. Sequences: a batch's lengths (set_frames, the CPU's
-// Pass::frames) are mapped through the layers on the host and written to
-// the device before each step; Conv1d (conv1d.cuh), BatchNorm over time
-// (layers.cuh) and the recurrent runners read them there.
+// conv+bias+ReLU where it offers it); pooling, standalone activations and
+// the optimizer updates (SGD, Adam, AdamW) are loom's kernels. Sequences: a
+// batch's lengths (set_frames, the CPU's Pass::frames) are mapped through
+// the layers on the host and written to the device before each pass;
+// Conv1d (conv1d.cuh), BatchNorm over time (layers.cuh) and the recurrent
+// runners read them there.
 //
-// A step (forward, loss, backward, update) only enqueues work: it runs
-// directly the first time a (kind, batch size, input slot) is seen (what
-// cuDNN, cuBLASLt, NCCL and CUDA set up on first use may not be legal in a
-// capture), is captured as a CUDA graph the second time and replayed after,
-// and it never waits for the host. The scalars the host sets for a step
-// (learning rate and step number, loss scale, Dropout's pass) reach the
-// device through pinned staging (ScalarStager), which keeps the copies from
-// synchronising the host with the stream. Loss sums accumulate on
-// the device (LossTotals); a non-finite loss, or non-finite gradients under
-// a finite one (checked before every update, as on the CPU), halts the
-// totals and makes every later update a no-op, so the weights and running
-// statistics stay those of the last good step until the host reads the
-// totals and reports it. With set_skip_nonfinite such a step is skipped
-// instead (LossTotals::skipped says why) and the next goes on.
+// A forward or backward only enqueues work and never waits for the host, so
+// the stage can capture it in a CUDA graph; the plans are made before
+// (prepare), as planning may run kernels.
 //
-// bf16 and fp16 (DeviceModelOptions::precision) keep the buffers fp32 and
-// round what the CPU backend's emulation rounds (precision.cuh): each step
-// first rounds the fp32 master weights into a copy the layers compute with,
-// and its input batch (in place, in its slot); the loss gradient, and each
-// layer's output, weight gradients and passed-back gradient are rounded as
-// they are made. The optimizer updates the master weights. fp16 scales the
-// loss gradient by a scale kept on the device and unscales the gradients
-// before the update, skipping it (running statistics included) when they
-// overflowed (loss_scaling.cuh).
+// bf16 and fp16 keep the buffers fp32 and round what the CPU backend's
+// emulation rounds (precision.cuh): the stage rounds the fp32 master weights
+// into a copy the layers compute with (round_weights) and the loss gradient;
+// the layers round the network's input (in place, in its slot), and each
+// layer's output, weight gradients and passed-back gradient as they are
+// made. The optimizer updates the master weights.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <array>
-#include <charconv>
 #include <cstddef>
 #include <cmath>
 #include <cstdint>
@@ -69,12 +52,9 @@
 #include "../backend/cuda/conv.cuh"
 #include "../backend/cuda/epilogue.cuh"
 #include "../backend/cuda/gemm.hpp"
-#include "../backend/cuda/graph.hpp"
-#include "../backend/cuda/loss_scaling.cuh"
 #include "../backend/cuda/optimizer.cuh"
 #include "../backend/cuda/pool.cuh"
 #include "../backend/cuda/precision.cuh"
-#include "../backend/cuda/softmax_xent.cuh"
 #include "../backend/cuda/staging.hpp"
 #include "../backend/cuda/stream.hpp"
 #include "../comm/nccl_comm.hpp"
@@ -82,10 +62,7 @@
 #include "../net/model.hpp"
 #include "../optim/adam.hpp"
 #include "../optim/any_optimizer.hpp"
-#include "../optim/loss_scaler.hpp"
 #include "../optim/sgd.hpp"
-#include "../parallel/buckets.hpp"
-#include "../parallel/step_protocol.hpp"
 #include "conv1d.cuh"
 #include "cudnn_rnn.cuh"
 #include "layer_call.hpp"
@@ -129,30 +106,6 @@ inline DeviceOptimizer device_optimizer(const AdamW::Options& o) {
 inline DeviceOptimizer device_optimizer(const AnyOptimizer::Options& o) {
   return std::visit([](const auto& chosen) { return device_optimizer(chosen); }, o.chosen());
 }
-
-struct DeviceModelOptions {
-  // Capture each step as a CUDA graph and replay it; off runs every kernel
-  // launch directly (for debugging with compute-sanitizer or a profiler).
-  bool graphs = true;
-  // TF32 tensor-core math for GEMMs and convolutions: faster, inputs rounded
-  // to a 10-bit mantissa. Off, results match the CPU backend to FP32 rounding.
-  bool allow_tf32 = false;
-  // fp32, or bf16 or fp16 on tensor cores (see the file comment; allow_tf32
-  // is then moot). fp16 scales the loss dynamically by `loss_scaling`.
-  Precision precision = Precision::fp32;
-  LossScaling loss_scaling{};
-  // Data parallelism: this model is one rank of `data_parallel` (which must
-  // outlive it). Each step then sums the ranks' loss statistics before it
-  // decides to update, and all-reduces the gradients in buckets of about
-  // `bucket_bytes` (slices of the flat gradient buffer in reverse layer
-  // order) on a communication stream, each as soon as backward has produced
-  // it; the update waits for the last.
-  comm::NcclComm* data_parallel = nullptr;
-  std::size_t bucket_bytes = std::size_t{64} << 10;
-  // Room for gradient accumulation (train_micro_step): one more buffer the
-  // size of the parameters.
-  bool gradient_accumulation = false;
-};
 
 namespace detail {
 
@@ -848,9 +801,9 @@ class PlanCache {
 // for each batch size, weights (and in bf16 and fp16 the rounded copy the
 // layers compute with), gradients, optimizer buffers, running statistics
 // (and their copy at a step's start), and the activations of `slots`
-// batches of up to max_batch samples in flight. DeviceModel runs the whole
-// network on it (one slot), a grid engine's stage its share (stage.cuh): one
-// type for both, and for every stage of every cut between executed layers.
+// batches of up to max_batch samples in flight. A grid engine's stage
+// (stage.cuh) runs its share on it: one type for every stage of every cut
+// between executed layers, the whole network included.
 // The device layout is the whole network's (device_layout) from the range's
 // first block on, and host buffers are the range's slice of the CPU Model's.
 // A range after the network's first layer (or `sends`, a later stage's own
@@ -1040,14 +993,23 @@ class DeviceLayers {
     plans_.get(n);
   }
 
+  // What slot's next forward takes, and its backward reads on the host:
+  // its input, and whether it trains. forward sets them; an owner that
+  // replays a captured forward (whose host code does not run) sets them
+  // first.
+  void bind(std::size_t slot, float* input, bool training) {
+    Slot& s = slots_[slot];
+    s.input = input;
+    s.training = training;
+  }
+
   // Runs the range on n samples at `input` (n x input_size(), in device
   // memory that stays until backward) in `slot`.
   void forward(std::size_t slot, float* input, std::size_t n, bool training) {
     check_batch(n);
     auto& plan = plans_.get(n);
-    Slot& s = slots_[slot];
-    s.input = input;
-    s.training = training;
+    bind(slot, input, training);
+    const Slot& s = slots_[slot];
     // The network's input (a later stage's, the stage before rounded).
     // Rounding it again (a slot stepped on twice) changes nothing.
     if (!sends_) round_values(precision_, input, n * in_size_, stream());
@@ -1283,612 +1245,6 @@ class DeviceLayers {
   std::array<float*, 2> grad_buffers_{};
   float* input_gradient_ = nullptr;
   unsigned char* scratch_ = nullptr;
-};
-
-template <class Net_>
-class DeviceModel {
- public:
-  using Net = Net_;
-  using executed = typename Net::executed;
-  using layout = detail::device_layout<executed>;
-  static constexpr std::size_t layer_count = executed::size;
-  static constexpr std::size_t parameter_count = Net::parameter_count;
-  static constexpr std::size_t sample_size = Net::input_shape::size;
-  static constexpr std::size_t classes = Net::output_shape::size;
-  static constexpr std::size_t state_count = ::loom::detail::list_info<executed>::state_count;
-
-  // Copies the weights of `initial` to the current GPU; steps then take
-  // batches of 1 to `max_batch` samples and update with `optimizer` (its
-  // state starts at zero: copy_optimizer_from sets another).
-  DeviceModel(const Model<Net, float>& initial, std::size_t max_batch, DeviceOptimizer optimizer,
-              DeviceModelOptions options = {})
-      : max_batch_(max_batch),
-        optimizer_(optimizer),
-        options_(options),
-        graphs_(options.graphs),
-        layers_(context_, DeviceLayers<Net>::all_layers, checked_batch(max_batch), 1,
-                optimizer.buffers(), options.precision,
-                tensor_math(options.precision, options.allow_tf32), owner()),
-        loss_(max_batch),
-        scaler_(options.loss_scaling),
-        snapshots_(2),
-        scale_snapshots_(2) {
-    arena_ = make_arena([&](auto&& take) { lay_out(take); }, owner());
-    skip_ = flags_;
-    bad_gradients_ = flags_ + 1;
-    skip_nonfinite_ = flags_ + 2;
-    LOOM_CUDA_CHECK(cudaMemsetAsync(flags_, 0, 3 * sizeof(int), stream()));
-    if (accum_ != nullptr)
-      LOOM_CUDA_CHECK(cudaMemsetAsync(accum_, 0, layout::total * sizeof(float), stream()));
-    if constexpr (Net::syncs) layers_.set_replicas(options.data_parallel);
-    copy_parameters(initial.parameters().data(), cudaMemcpyHostToDevice);
-    copy_running_state(initial.state().data(), cudaMemcpyHostToDevice);
-    set_pass({});
-    set_lr(optimizer.lr);
-    if (fp16()) set_loss_scale({.scale = options.loss_scaling.initial_scale});
-    reset_totals();
-    if (auto* comm = options.data_parallel) {
-      buckets_ = plan_buckets(options.bucket_bytes);
-      bucket_ready_.resize(buckets_.size());
-      // Every rank starts from rank 0's weights.
-      LOOM_CUDA_CHECK(cudaStreamSynchronize(stream()));
-      comm->broadcast(std::span<float>(layers_.params(), layout::total), 0);
-    }
-  }
-
-  DeviceModel(const Model<Net, float>& initial, std::size_t max_batch, SGD::Options sgd,
-              DeviceModelOptions options = {})
-      : DeviceModel(initial, max_batch, device_optimizer(sgd), options) {}
-
-  DeviceModel(const DeviceModel&) = delete;
-  DeviceModel& operator=(const DeviceModel&) = delete;
-  // Steps still in flight read the arena: they finish before it goes.
-  ~DeviceModel() { LOOM_CUDA_RELEASE(cudaStreamSynchronize(context_.stream.get())); }
-
-  std::size_t max_batch() const { return max_batch_; }
-  cudaStream_t stream() const { return context_.stream.get(); }
-  const DeviceModelOptions& options() const { return options_; }
-
-  // Where a batch for `slot` (0 or 1) is written before train_step(slot, n)
-  // or evaluate_step(slot, n): images N x input, labels N.
-  const std::array<StagingSlot, 2>& input_slots() const { return inputs_; }
-
-  // Enqueue one SGD step on the n samples in input slot `slot`, and a copy
-  // of the totals after it for wait_totals(slot). Nothing waits for the host.
-  // With data parallelism n is this rank's share (0 allowed) of a global
-  // batch of global_n samples, whose mean loss the step minimises.
-  void train_step(int slot, std::size_t n, std::size_t global_n = 0) {
-    const std::size_t all = global(n, global_n);
-    step({.train = true, .n = n, .global = all, .group = all, .slot = slot});
-  }
-  // Gradient accumulation: one batch of an optimizer step over group_n
-  // samples (the loss is their mean). accumulate: add to the gradients of
-  // the step's earlier batches; last: (reduce and) update. Needs
-  // DeviceModelOptions::gradient_accumulation.
-  void train_micro_step(int slot, std::size_t n, std::size_t global_n, std::size_t group_n,
-                        bool accumulate, bool last) {
-    LOOM_CHECK(accum_ != nullptr || (!accumulate && last),
-               "DeviceModel: gradient accumulation needs DeviceModelOptions::gradient_accumulation");
-    const std::size_t all = global(n, global_n);
-    const std::size_t group = group_n == 0 ? all : group_n;
-    LOOM_CHECK(group >= all, "DeviceModel: a batch of ", all, " samples in an optimizer step over ",
-               group);
-    step({.train = true, .n = n, .global = all, .group = group, .accumulate = accumulate,
-          .last = last, .slot = slot});
-  }
-  // Enqueue the loss of the n samples in `slot`, no update.
-  void evaluate_step(int slot, std::size_t n, std::size_t global_n = 0) {
-    const std::size_t all = global(n, global_n);
-    step({.train = false, .n = n, .global = all, .group = all, .slot = slot});
-  }
-
-  // Waits for the last step enqueued on `slot` and returns the totals as
-  // they were after it.
-  LossTotals wait_totals(int slot) {
-    check_slot(slot);
-    // Under data parallelism the step holds NCCL kernels that wait for the
-    // other ranks: a lost rank must end in an error, not a wait for ever.
-    if (auto* comm = options_.data_parallel)
-      comm->wait_event(done_[slot].get(), "a training step's gradient all-reduce");
-    else
-      done_[slot].synchronize();
-    return snapshots_.data()[slot];
-  }
-
-  // Enqueues zeroing the totals (and clearing a halt).
-  void reset_totals() {
-    LOOM_CUDA_CHECK(cudaMemsetAsync(totals_, 0, sizeof(LossTotals), stream()));
-  }
-
-  // Every later update uses this learning rate (read on the device, so the
-  // captured steps need no new capture).
-  void set_lr(float lr) { lr_ = lr; }
-  // Steps enqueued after this whose loss or gradients go non-finite are
-  // skipped (LossTotals::skipped) rather than halting the totals (read on
-  // the device).
-  void set_skip_nonfinite(bool skip) {
-    skip_nonfinite_value_ = skip ? 1 : 0;
-    scalars_.copy(skip_nonfinite_, skip_nonfinite_value_, stream());
-  }
-  // Every later update first clips the gradients by their global norm
-  // (after the all-reduce under data parallelism: the norm of the summed
-  // gradients, as on the CPU); 0: no clipping.
-  void set_max_grad_norm(float max_norm) {
-    LOOM_CHECK(max_norm >= 0.0f && std::isfinite(max_norm),
-               "DeviceModel: max_grad_norm must be a finite number >= 0, got ", max_norm);
-    max_norm_ = max_norm;
-  }
-  // fp16: the loss scale and its counters every later step starts from
-  // (enqueued; a checkpoint's, say), brought within LossScaling's bounds as
-  // LossScaler::restore brings them.
-  void set_loss_scale(const LossScaleState& state) {
-    LOOM_CHECK(fp16(), "DeviceModel: a loss scale is fp16's; this model computes in ",
-               precision_name(options_.precision));
-    scaler_.restore(state.scale, state.good_steps);
-    scalars_.copy(scale_state_,
-                  LossScaleState{.scale = scaler_.scale(),
-                                 .good_steps = state.good_steps,
-                                 .skipped_steps = state.skipped_steps},
-                  stream());
-  }
-  // fp16: the scale as the last step enqueued on `slot` left it, once
-  // wait_totals(slot) returned (`overflowed`: that step's update was
-  // skipped for an overflow; see also the totals' `skipped`).
-  LossScaleState loss_scale(int slot) {
-    check_slot(slot);
-    LOOM_CHECK(fp16(), "DeviceModel: a loss scale is fp16's; this model computes in ",
-               precision_name(options_.precision));
-    return scale_snapshots_.data()[slot];
-  }
-  const DeviceOptimizer& optimizer() const { return optimizer_; }
-  // Optimizer steps enqueued (Adam's bias corrections count them; a step
-  // halted on the device counts too, and halts every later one; so do one
-  // that fp16 skipped for an overflow and one skipped as non-finite, until
-  // the owner, who learns it from loss_scale(slot) or the totals' `skipped`,
-  // takes it back with set_optimizer_steps).
-  std::uint64_t optimizer_steps() const { return updates_; }
-  void set_optimizer_steps(std::uint64_t steps) { updates_ = steps; }
-
-  // One step on a device batch of n samples anywhere in device memory (it is
-  // copied into input slot 0 first), waiting for its loss: for tests and
-  // one-off use. A halted step raises loom::Error.
-  cpu::LossSums train_step(const float* images, const std::int32_t* labels, std::size_t n) {
-    return blocking_step(true, images, labels, n);
-  }
-  cpu::LossSums evaluate(const float* images, const std::int32_t* labels, std::size_t n) {
-    return blocking_step(false, images, labels, n);
-  }
-  // The same without waiting: train_step(0, n) on data copied into slot 0.
-  void enqueue_train_step(const float* images, const std::int32_t* labels, std::size_t n) {
-    refuse_when_parallel("enqueue_train_step");
-    fill_slot(0, images, labels, n);
-    train_step(0, n);
-  }
-
-  // What a training step's Dropout draws from: the trainer's seed, the
-  // step's number and where this device's samples start in the global
-  // batch (as loom::Pass). Enqueued: applies to the steps enqueued after.
-  void set_pass(const DevicePass& pass) { scalars_.copy(layers_.pass(0), pass, stream()); }
-
-  // Sequences: each sample's frames at the network's input (loom::Pass::
-  // frames) for the steps enqueued after this, until the next call: n of
-  // them, of which a step of m <= n samples reads the first m; null: every
-  // sample has all its frames. Checked and mapped through the layers here
-  // (DeviceLayers::set_frames), written to the device enqueued: a replayed
-  // graph reads the lengths of its own step.
-  void set_frames(const std::int32_t* frames, std::size_t n) { layers_.set_frames(0, frames, n); }
-
-  // Waits for the stream and copies the weights and running statistics
-  // into `host` (same network).
-  void copy_parameters_to(Model<Net, float>& host) {
-    copy_parameters(host.parameters().data(), cudaMemcpyDeviceToHost);
-    copy_running_state(host.state().data(), cudaMemcpyDeviceToHost);
-    context_.stream.synchronize();
-  }
-  // Replaces the device weights and running statistics with `host`'s (enqueued).
-  void copy_parameters_from(const Model<Net, float>& host) {
-    copy_parameters(host.parameters().data(), cudaMemcpyHostToDevice);
-    copy_running_state(host.state().data(), cudaMemcpyHostToDevice);
-  }
-
-  // The optimizer's buffer b (SGD's velocity; Adam's exp_avg, exp_avg_sq)
-  // in the CPU Model's order: to `host` (waits), or from it (enqueued; read
-  // on return, as pageable copies are). For checkpoints.
-  void copy_optimizer_to(std::size_t b, std::span<float> host) {
-    check_optimizer_buffer(b, host.size());
-    layers_.copy_parameters(layers_.moment(b), host.data(), cudaMemcpyDeviceToHost);
-    context_.stream.synchronize();
-  }
-  void copy_optimizer_from(std::size_t b, std::span<const float> host) {
-    check_optimizer_buffer(b, host.size());
-    layers_.copy_parameters(layers_.moment(b), const_cast<float*>(host.data()),
-                            cudaMemcpyHostToDevice);
-  }
-
-  // Takes the weights, optimizer state and running statistics of another
-  // model of the same network and optimizer on the same GPU (e.g. one
-  // planned for smaller batches).
-  void copy_state_from(DeviceModel& other) {
-    LOOM_CHECK(other.optimizer_.rule == optimizer_.rule, "DeviceModel::copy_state_from: ",
-               other.optimizer_.name(), "'s state into a ", optimizer_.name(), " model");
-    other.context_.stream.synchronize();
-    for (auto [to, from] : {std::pair{layers_.params(), other.layers_.params()},
-                            std::pair{layers_.moment(0), other.layers_.moment(0)},
-                            std::pair{layers_.moment(1), other.layers_.moment(1)}})
-      if (to != nullptr)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, layout::total * sizeof(float),
-                                        cudaMemcpyDeviceToDevice, stream()));
-    updates_ = other.updates_;
-    lr_ = other.lr_;
-    max_norm_ = other.max_norm_;
-    set_skip_nonfinite(other.skip_nonfinite_value_ != 0);
-    if constexpr (state_count > 0)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(layers_.state(), other.layers_.state(),
-                                      state_count * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream()));
-    if (fp16() && other.fp16())
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_state_, other.scale_state_, sizeof(LossScaleState),
-                                      cudaMemcpyDeviceToDevice, stream()));
-    // `other` may be destroyed as soon as this returns.
-    context_.stream.synchronize();
-  }
-
-  // Graphs captured so far (0 with graphs off).
-  std::size_t graphs() const { return graphs_.graphs(); }
-
- private:
-  static std::string owner() {
-    return "DeviceModel on cuda:" + std::to_string(current_device());
-  }
-  static int current_device() { return gpu::detail::current_device(); }
-  static std::size_t checked_batch(std::size_t max_batch) {
-    LOOM_CHECK(max_batch >= 1, "DeviceModel: the largest batch must be at least 1 sample");
-    return max_batch;
-  }
-  bool fp16() const { return options_.precision == Precision::fp16; }
-
-  // take(pointer, count) for every buffer besides the layers', in the
-  // arena's order (make_arena).
-  template <class Take>
-  void lay_out(Take&& take) {
-    take(update_, 1);
-    take(norm_, 1);
-    take(norm_scratch_, norm_scratch_bytes_);
-    take(totals_, 1);
-    take(stats_, 3);
-    if (fp16()) take(scale_state_, 1);
-    take(flags_, 3);
-    if (options_.gradient_accumulation) take(accum_, layout::total);
-    for (auto& slot : inputs_) {
-      take(slot.images, max_batch_ * sample_size);
-      take(slot.labels, max_batch_);
-    }
-  }
-
-  // The running statistics (BatchNorm's) in the CPU Model's order, to or
-  // from the host (enqueued).
-  void copy_running_state(const float* host_src_or_dst, cudaMemcpyKind kind) {
-    layers_.copy_running_state(const_cast<float*>(host_src_or_dst), kind);
-  }
-
-  // Host flat buffer (the CPU Model's order) to or from the padded device one.
-  void copy_parameters(const float* host_src_or_dst, cudaMemcpyKind kind) {
-    layers_.copy_parameters(layers_.params(), const_cast<float*>(host_src_or_dst), kind);
-    // A host-to-device copy from pageable memory has read its source on return.
-  }
-
-  // With data parallelism a step needs the global batch size: each rank
-  // scales its gradient by it, and the ranks' gradients are summed.
-  std::size_t global(std::size_t n, std::size_t global_n) const {
-    LOOM_CHECK(global_n > 0 || options_.data_parallel == nullptr,
-               "DeviceModel: one rank of data parallelism takes a step with its share and the "
-               "global batch size: train_step(slot, n, global_n)");
-    return global_n == 0 ? n : global_n;
-  }
-  void refuse_when_parallel(const char* call) const {
-    LOOM_CHECK(options_.data_parallel == nullptr, "DeviceModel::", call,
-               " is for one device; a rank of data parallelism steps with train_step(slot, n, "
-               "global_n) on every rank");
-  }
-
-  void check_optimizer_buffer(std::size_t b, std::size_t size) const {
-    LOOM_CHECK(b < optimizer_.buffers(), "DeviceModel: ", optimizer_.name(), " has ",
-               optimizer_.buffers(), " buffer(s), not ", b + 1);
-    LOOM_CHECK(size == parameter_count, "DeviceModel: an optimizer buffer of ", size,
-               " floats for a network of ", parameter_count, " parameters");
-  }
-
-  void check_slot(int slot) const {
-    LOOM_CHECK(slot == 0 || slot == 1, "DeviceModel: input slot ", slot, " does not exist (0 or 1)");
-  }
-
-  // What a captured step depends on.
-  struct StepShape {
-    bool train = true;
-    std::size_t n = 0;        // samples here
-    std::size_t global = 0;   // samples of this batch on every rank
-    std::size_t group = 0;    // samples of the optimizer step (the loss's denominator)
-    bool accumulate = false;  // add to the step's earlier gradients
-    bool last = true;         // the step's last batch: reduce and update
-    int slot = 0;
-    bool clip = false;        // clip the gradients by global norm before the update
-    bool frames = false;      // the samples have lengths (the layers mask their padding)
-    using Key =
-        std::tuple<bool, std::size_t, std::size_t, std::size_t, bool, bool, int, bool, bool>;
-    Key key() const { return {train, n, global, group, accumulate, last, slot, clip, frames}; }
-  };
-
-  void step(const StepShape& s) {
-    check_slot(s.slot);
-    const bool parallel = options_.data_parallel != nullptr;
-    LOOM_CHECK((s.n >= 1 || parallel) && s.n <= max_batch_ && s.n <= s.global,
-               "DeviceModel: a batch of ", s.n, " samples (of ", s.global,
-               "); this model was planned for ", parallel ? "0" : "1", " to ", max_batch_);
-    // A rank without a sample would miss SyncBatchNorm's all-reduces (every
-    // rank knows the global batch, so all of them refuse alike).
-    if constexpr (Net::syncs)
-      if (auto* comm = options_.data_parallel; comm != nullptr && s.train)
-        LOOM_CHECK(s.global >= static_cast<std::size_t>(comm->size()), "DataParallel: a batch of ",
-                   s.global, " sample(s) over ", comm->size(), " ranks leaves a rank without one, "
-                   "and SyncBatchNorm needs every rank's statistics; use batches of at least ",
-                   comm->size(), " (the last batch of an epoch included)");
-    if (s.n > 0) layers_.prepare(s.n);
-    StepShape shape = s;
-    shape.frames = layers_.frames_count(0) > 0;
-    if (shape.frames && s.n > 0) {
-      LOOM_CHECK(s.n <= layers_.frames_count(0), "DeviceModel: a step of ", s.n,
-                 " samples but set_frames gave the lengths of ", layers_.frames_count(0));
-      if (s.train) layers_.check_training_frames(0, s.n);
-    }
-    const bool updates = s.train && s.last;
-    if (updates) {
-      shape.clip = max_norm_ > 0.0f;
-      stage_update(updates_ + 1);
-    }
-    // cuDNN's RNN takes lengths in descriptors set from the host at each
-    // call: a replay would run the captured batch's lengths (cudnn_rnn.cuh).
-    if (shape.frames && DeviceLayers<Net>::lengths_on_host)
-      enqueue_step(shape);
-    else
-      graphs_.run(shape.key(), stream(), [&](cudaStream_t) { enqueue_step(shape); });
-    if (updates) updates_ += 1;  // counted once enqueued (a failed capture takes none)
-    done_[s.slot].record(stream());
-  }
-
-  void enqueue_step(const StepShape& s) {
-    const bool train = s.train;
-    const int slot = s.slot;
-    const std::size_t n = s.n, global_n = s.global;
-    const std::int32_t* labels = inputs_[slot].labels;
-    // A step skipped (halted, non-finite, fp16's overflow) puts back the
-    // running statistics its forward passes moved: those of its start.
-    if (train && !s.accumulate) {
-      LOOM_CUDA_CHECK(cudaMemsetAsync(&totals_->skipped, 0, sizeof(int), stream()));
-      layers_.keep_state();
-    }
-    if (n > 0) {
-      // Rounded at every step: the master weights change with each update,
-      // and the host may replace them between steps.
-      layers_.round_weights();
-      layers_.forward(0, inputs_[slot].images, n, train);
-      softmax_xent_async(layers_.output(0), labels, n, classes, s.group,
-                         train ? layers_.output_gradient() : nullptr, loss_, stream(),
-                         fp16() ? &scale_state_->scale : nullptr);
-      if (train) round_values(options_.precision, layers_.output_gradient(), n * classes, stream());
-    }
-    if (auto* comm = options_.data_parallel) {
-      kernels::local_loss_stats<<<1, 1, 0, stream()>>>(loss_.loss_sum(), loss_.correct(),
-                                                       loss_.bad_row(), n > 0, stats_);
-      LOOM_CUDA_LAUNCH_CHECK("local_loss_stats");
-      comm->all_reduce_async(stats_, 3, comm::ReduceOp::sum, stream());
-      kernels::accumulate_global_loss<<<1, 1, 0, stream()>>>(
-          stats_, loss_.bad_row(), labels, n > 0, global_n, train, skip_nonfinite_, totals_);
-      LOOM_CUDA_LAUNCH_CHECK("accumulate_global_loss");
-    } else {
-      accumulate_loss(loss_, labels, n, train, totals_, stream(), skip_nonfinite_);
-    }
-    if (train) {
-      const bool parallel = options_.data_parallel != nullptr;
-      std::size_t next = 0;  // the next bucket to reduce (the last batch only)
-      const auto reduce_ready = [&](std::size_t layer) {
-        if (!parallel || !s.last) return;
-        for (; next < buckets_.size() && buckets_[next].ready_after == layer; ++next)
-          reduce_bucket(next, s.accumulate);
-      };
-      if (n > 0) {
-        layers_.backward(0, n, reduce_ready);
-      } else {
-        // No samples here: a zero gradient, so the sum is the others'.
-        LOOM_CUDA_CHECK(cudaMemsetAsync(layers_.grads(), 0, layout::total * sizeof(float),
-                                        stream()));
-      }
-      if (!s.last) {
-        // Kept for the step's last batch (the first copies, the others add).
-        if (s.accumulate)
-          add_into(accum_, layers_.grads(), layout::total, stream());
-        else
-          LOOM_CUDA_CHECK(cudaMemcpyAsync(accum_, layers_.grads(), layout::total * sizeof(float),
-                                          cudaMemcpyDeviceToDevice, stream()));
-      } else {
-        if (parallel && !buckets_.empty()) {
-          while (next < buckets_.size()) reduce_bucket(next++, s.accumulate);
-          // Joins the communication stream back (a capture must end on one stream).
-          reduced_.record(comm_stream_.get());
-          reduced_.wait_on(stream());
-        } else if (s.accumulate) {
-          add_into(layers_.grads(), accum_, layout::total, stream());
-        }
-        // The step protocol, every policy's (parallel/step_protocol.hpp),
-        // enqueued: under data parallelism over the summed gradients, so
-        // every rank decides alike (the all-reduce summed fp16's scaled
-        // gradients, as the CPU's replicas do).
-        FlaggedStep executor{*this, s.clip};
-        ::loom::detail::step_protocol(
-            executor, {.lr = lr_,
-                       .max_grad_norm = s.clip ? max_norm_ : 0.0f,
-                       .precision = options_.precision});
-      }
-    }
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(snapshots_.data() + slot, totals_, sizeof(LossTotals),
-                                    cudaMemcpyDeviceToHost, stream()));
-    if (fp16())
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_snapshots_.data() + slot, scale_state_,
-                                      sizeof(LossScaleState), cudaMemcpyDeviceToHost, stream()));
-  }
-
-  // The step protocol's executor for a step whose decisions are taken on
-  // the device, in flags the host never waits for: each question enqueues
-  // the pass that sets its flag (the loss's, accumulate_loss, is enqueued
-  // already) and answers "go on", and every later pass is a no-op once the
-  // step is to be skipped (halted, non-finite or overflowed): the update
-  // leaves the weights, and the running statistics are put back. So the
-  // host takes the updating branch, whose enqueued work is the whole
-  // protocol; the skipping branches are the device's.
-  struct FlaggedStep {
-    DeviceModel& m;
-    bool clipping;
-
-    // The loss kernels (accumulate_loss; accumulate_global_loss under data
-    // parallelism) set the flags.
-    bool loss_finite() { return true; }
-    bool gradients_finite() {
-      check_gradients(m.layers_.grads(), layout::total, m.bad_gradients_, m.skip_nonfinite_,
-                      m.totals_, m.skip_, m.stream());
-      return true;
-    }
-    // The scale is the device's, and moves there (LossScaler's rule).
-    bool unscale(float) {
-      unscale_and_update(m.layers_.grads(), layout::total, m.scale_state_,
-                         m.options_.loss_scaling, m.skip_nonfinite_, m.totals_, m.skip_,
-                         m.stream());
-      return true;
-    }
-    void skip_nonfinite(bool) {}
-    void skip_overflow(bool) {}
-    // The norm, read by the update (which scales by it, as clip_gradients does).
-    void clip(float) {
-      squared_norm(m.layers_.grads(), layout::total, m.norm_, m.norm_scratch_,
-                   m.norm_scratch_bytes_, m.stream());
-    }
-    // At the learning rate staged in the update's scalars (stage_update).
-    void update(float) {
-      DeviceLayers<Net>& l = m.layers_;
-      optimizer_update(m.optimizer_, l.params(), l.grads(), l.moment(0), l.moment(1),
-                       layout::total, m.update_, clipping ? m.norm_ : nullptr, m.skip_,
-                       m.stream());
-      if constexpr (state_count > 0)
-        copy_if_set(m.skip_, l.kept_state(), l.state(), state_count, m.stream());
-    }
-  };
-
-  // Bucket b's gradients are final on the compute stream: the communication
-  // stream waits for that point only, then sums them over the ranks.
-  // With accumulate, the step's earlier batches' gradients are added first.
-  void reduce_bucket(std::size_t b, bool accumulate) {
-    const auto& bucket = buckets_[b];
-    float* grads = layers_.grads();
-    if (accumulate) add_into(grads + bucket.begin, accum_ + bucket.begin, bucket.size(), stream());
-    bucket_ready_[b].record(stream());
-    bucket_ready_[b].wait_on(comm_stream_.get());
-    options_.data_parallel->all_reduce_async(grads + bucket.begin, bucket.size(),
-                                             comm::ReduceOp::sum, comm_stream_.get());
-  }
-
-  // Optimizer step t's scalars (its number, lr, clipping), written
-  // for the update to read.
-  void stage_update(std::uint64_t t) {
-    const UpdateScalars next = update_scalars(optimizer_, lr_, t, max_norm_);
-    if (next == update_value_) return;
-    update_value_ = next;
-    scalars_.copy(update_, update_value_, stream());
-  }
-
-  // Gradient buckets over the padded device layout (BucketPlan's rule).
-  static std::vector<GradientBucket> plan_buckets(std::size_t bucket_bytes) {
-    std::vector<GradientBucket> out;
-    loom::plan_buckets(layout::starts, std::max<std::size_t>(bucket_bytes / sizeof(float), 1),
-                       [&](const GradientBucket& b) { out.push_back(b); });
-    return out;
-  }
-
-  void fill_slot(int slot, const float* images, const std::int32_t* labels, std::size_t n) {
-    LOOM_CHECK(n >= 1 && n <= max_batch_, "DeviceModel: a batch of ", n,
-               " samples; this model was planned for 1 to ", max_batch_);
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(inputs_[slot].images, images, n * sample_size * sizeof(float),
-                                    cudaMemcpyDeviceToDevice, stream()));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(inputs_[slot].labels, labels, n * sizeof(std::int32_t),
-                                    cudaMemcpyDeviceToDevice, stream()));
-  }
-
-  cpu::LossSums blocking_step(bool train, const float* images, const std::int32_t* labels,
-                              std::size_t n) {
-    refuse_when_parallel(train ? "train_step(images, labels, n)" : "evaluate");
-    reset_totals();
-    fill_slot(0, images, labels, n);
-    step({.train = train, .n = n, .global = n, .group = n, .slot = 0});
-    const LossTotals totals = wait_totals(0);
-    if (totals.halted == halt_bad_label)
-      LOOM_FAIL("label ", totals.bad_label, " of sample ", totals.bad_row,
-                " is outside the network's ", classes, " classes");
-    if (totals.halted == halt_nonfinite_loss)
-      LOOM_FAIL("the training loss became ", loss_text(totals.halt_loss),
-                "; the weights are kept from the step before");
-    if (totals.halted == halt_nonfinite_gradients)
-      LOOM_FAIL("the gradients became non-finite under a finite loss; the weights are kept from "
-                "the step before");
-    // set_skip_nonfinite's skips: this one step is all the caller has.
-    if (totals.skipped == skipped_loss)
-      LOOM_FAIL("the training loss became ", loss_text(totals.nonfinite_loss),
-                "; the step was skipped (set_skip_nonfinite), the weights are kept from the step "
-                "before");
-    if (totals.skipped == skipped_gradients)
-      LOOM_FAIL("the gradients became non-finite; the step was skipped (set_skip_nonfinite), the "
-                "weights are kept from the step before");
-    if (totals.halted == halt_gradient_overflow) {
-      char scale[32];
-      const auto end = std::to_chars(scale, scale + sizeof scale, options_.loss_scaling.min_scale).ptr;
-      LOOM_FAIL("the gradients became non-finite under a finite loss, even at fp16's minimum "
-                "loss scale ", std::string_view(scale, end - scale), " (LossScaling::min_scale); "
-                "the weights are kept from the step before");
-    }
-    return {totals.loss, static_cast<std::size_t>(totals.correct)};
-  }
-
-  DeviceContext context_;
-  std::size_t max_batch_;
-  DeviceOptimizer optimizer_;
-  DeviceModelOptions options_;
-  StepGraphs<typename StepShape::Key> graphs_;
-  DeviceLayers<Net> layers_;
-  std::unique_ptr<DeviceArena> arena_;
-  SoftmaxXentWorkspace loss_;
-  LossScaler scaler_;  // checks LossScaling's options, and bounds set_loss_scale's
-  PinnedBuffer<LossTotals> snapshots_;  // one per input slot
-  PinnedBuffer<LossScaleState> scale_snapshots_;  // fp16's, one per input slot
-  std::array<Event, 2> done_;
-  Stream comm_stream_;
-  std::vector<GradientBucket> buckets_;
-  std::vector<Event> bucket_ready_;
-  Event reduced_;
-  double* stats_ = nullptr;  // loss, correct, bad-label flag: summed over the ranks
-  float* accum_ = nullptr;   // gradients of an optimizer step's earlier batches
-  UpdateScalars* update_ = nullptr;
-  UpdateScalars update_value_{.lr = std::numeric_limits<float>::quiet_NaN()};  // the last copied
-  ScalarStager scalars_;  // the host's per-step values, through pinned slots
-  float lr_ = 0.0f;
-  float max_norm_ = 0.0f;
-  std::uint64_t updates_ = 0;
-  double* norm_ = nullptr;  // the gradients' squared global norm, when clipping
-  std::size_t norm_scratch_bytes_ = squared_norm_bytes(layout::total);
-  unsigned char* norm_scratch_ = nullptr;
-  LossScaleState* scale_state_ = nullptr;  // fp16's
-  int* flags_ = nullptr;  // skip_, bad_gradients_, skip_nonfinite_
-  int* skip_ = nullptr;  // the step's update is skipped (halted, non-finite or overflowed)
-  int* bad_gradients_ = nullptr;  // fp32, bf16: the step's gradients are not all finite
-  int* skip_nonfinite_ = nullptr;  // set_skip_nonfinite's flag, on the device
-  int skip_nonfinite_value_ = 0;   // its last value (copy_state_from takes it)
-  LossTotals* totals_ = nullptr;
-  std::array<StagingSlot, 2> inputs_{};
 };
 
 }  // namespace loom::gpu
