@@ -202,7 +202,8 @@ inline StageLinks host_links(const MeshGroups& groups, std::size_t stage) {
           .from_next = {groups.pipe, next},
           .to_previous = {groups.pipe, previous},
           .from_previous = {groups.pipe, previous},
-          .data = groups.data};
+          .data = groups.data,
+          .layers = {}};
 }
 
 // Links of a stage's own, split from `world` (a communicator over every rank
@@ -235,6 +236,7 @@ inline StageLinks split_links(comm::Comm world, const Mesh& mesh, std::size_t ra
           .to_previous = {even ? backward1 : backward0, 0},
           .from_previous = {even ? forward1 : forward0, 0},
           .data = std::move(data),
+          .layers = {},
           .own = true};
 }
 
