@@ -82,7 +82,7 @@ void check_combinations(const CLI::App& app, const Options& o, bool distributed)
 
 CommandLine parse_command_line(int argc, char** argv, const char* title, Options& o, bool cifar,
                                bool distributed, std::optional<double> timeout_default) {
-  CLI::App app{std::string("Train ") + title + " on Fashion-MNIST with loom"};
+  CLI::App app{std::string("Train ") + title + " on " + o.data_title + " with loom"};
   app.add_option("--epochs", o.epochs, "passes over the training set")
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
@@ -134,6 +134,26 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
                  "SpecAugment's masks on the training features: 2 bands of up to 15 mels and 2 "
                  "spans of up to 40 frames, drawn per (seed, epoch, utterance)");
   }
+  if (o.text) {
+    app.add_option("--steps", o.steps,
+                   "optimizer steps an epoch takes: that many batches of windows drawn from the "
+                   "training text (0: as many windows as the text holds contexts)")
+        ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 30))
+        ->capture_default_str();
+    app.add_option("--eval-every", o.eval_every,
+                   "evaluate the validation text every this many steps (0: at each epoch's end)")
+        ->capture_default_str();
+    app.add_option("--sample-bytes", o.sample_bytes,
+                   "bytes of text the trained model writes at the end (0: none)")
+        ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 20))
+        ->capture_default_str();
+    app.add_option("--temperature", o.temperature, "the sample's softmax temperature")
+        ->check(number_between(0.0, 100.0, true))
+        ->capture_default_str();
+    app.add_option("--top-k", o.top_k,
+                   "the sample draws from the k likeliest bytes (0: from all of them)")
+        ->capture_default_str();
+  }
   app.add_option("--accumulate", o.accumulation,
                  "batches per optimizer step (gradient accumulation)")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
@@ -167,11 +187,14 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
   app.add_option("--data", o.data_dir, o.data_help)
       ->check(path_value())
       ->capture_default_str();
+  const bool images = o.sample_word == "images";
   app.add_option("--train-samples", o.train_samples,
-                 "train on the first N training images only (0: all 60000)")
+                 "train on the first N training " + o.sample_word + " only (0: all" +
+                     (images ? " 60000)" : ")"))
       ->capture_default_str();
   app.add_option("--test-samples", o.test_samples,
-                 "evaluate on the first N test images only (0: all 10000)")
+                 "evaluate on the first N test " + o.sample_word + " only (0: all" +
+                     (images ? " 10000)" : ")"))
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
   app.add_option("--devices", o.devices,

@@ -45,6 +45,17 @@ struct Options {
   bool sequences = false;
   std::size_t bucket = 0;
   bool spec_augment = false;
+  // Text examples (set by the example; their flags exist only then):
+  // --steps draws steps x batch x accumulation training windows (0: the
+  // training text's length in contexts), --eval-every evaluates the
+  // validation text every so many steps, and the sample printed at the end
+  // (--sample-bytes, --temperature, --top-k). Reports give the perplexity.
+  bool text = false;
+  std::size_t steps = 0;
+  std::size_t eval_every = 0;
+  std::size_t sample_bytes = 300;
+  float temperature = 0.8f;
+  std::size_t top_k = 40;
   std::string precision = "fp32";
   std::string checkpoint;  // save here after each epoch (and every --checkpoint-every steps)
   std::size_t checkpoint_every = 0;

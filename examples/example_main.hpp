@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <loom/loom.hpp>
 #include <map>
@@ -200,15 +201,71 @@ inline void report_run(std::ostream& out, const Options& o, const EvalResult& la
   if (nonfinite > 0) out << nonfinite << " step(s) skipped for a non-finite loss or gradient\n";
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  char line[160];
-  std::snprintf(line, sizeof line, "final test accuracy: %.2f%% (loss %.4f) after %d epoch(s), %.1f s\n",
-                100.0 * last.accuracy, last.loss, o.epochs, seconds);
+  char line[200];
+  if (o.text)
+    std::snprintf(line, sizeof line,
+                  "final validation loss: %.4f (perplexity %.2f), next-byte accuracy %.2f%% after "
+                  "%d epoch(s), %.1f s\n",
+                  last.loss, std::exp(last.loss), 100.0 * last.accuracy, o.epochs, seconds);
+  else
+    std::snprintf(line, sizeof line,
+                  "final test accuracy: %.2f%% (loss %.4f) after %d epoch(s), %.1f s\n",
+                  100.0 * last.accuracy, last.loss, o.epochs, seconds);
   out << line;
   if (last.error_rate) {
     std::snprintf(line, sizeof line, "final test %s: %.2f%%\n", o.error_rate_name.c_str(),
                   100.0 * *last.error_rate);
     out << line;
   }
+}
+
+// A network that reads token ids and ends in logits per position (a GPT):
+// the trained model can write text.
+template <class Net>
+concept TextModel = requires { type_at_t<0, typename Net::executed>::takes_ids; } &&
+                    Net::output_shape::rank == 2;
+
+// --sample-bytes bytes written by the trained model after the prompt, the
+// first window of `prompts`: each the last position's logits over
+// --temperature, drawn from the --top-k likeliest bytes by a counter-based
+// draw of (--seed, byte), the window moving on by that byte.
+template <class Net>
+  requires TextModel<Net>
+void write_sample(const Model<Net, float>& trained, const Options& o,
+                  const data::Dataset& prompts, std::ostream& out) {
+  constexpr std::size_t context = Net::input_shape::size, vocab = Net::output_shape::dims[1];
+  Model<Net, float> model(0, 1);
+  std::ranges::copy(trained.parameters(), model.parameters().begin());
+  std::ranges::copy(trained.state(), model.state().begin());
+  std::vector<float> window(prompts.images.begin(),
+                            prompts.images.begin() + static_cast<std::ptrdiff_t>(context));
+  std::string prompt, text;
+  for (const float id : window) prompt += static_cast<char>(static_cast<unsigned char>(id));
+  std::vector<std::pair<double, std::size_t>> ranked(vocab);
+  for (std::size_t b = 0; b < o.sample_bytes; ++b) {
+    const float* logits = model.forward(window.data(), 1) + (context - 1) * vocab;
+    for (std::size_t v = 0; v < vocab; ++v)
+      ranked[v] = {static_cast<double>(logits[v]) / o.temperature, v};
+    const std::size_t k = o.top_k == 0 ? vocab : std::min(o.top_k, vocab);
+    std::partial_sort(ranked.begin(), ranked.begin() + static_cast<std::ptrdiff_t>(k),
+                      ranked.end(), std::greater<>());
+    double total = 0.0;
+    for (std::size_t v = 0; v < k; ++v) total += std::exp(ranked[v].first - ranked[0].first);
+    double draw = uniform01(o.seed, 0x5A3B1E, b) * total;
+    std::size_t chosen = ranked[k - 1].second;
+    for (std::size_t v = 0; v < k; ++v) {
+      draw -= std::exp(ranked[v].first - ranked[0].first);
+      if (draw < 0.0) {
+        chosen = ranked[v].second;
+        break;
+      }
+    }
+    text += static_cast<char>(static_cast<unsigned char>(chosen));
+    window.erase(window.begin());
+    window.push_back(static_cast<float>(chosen));
+  }
+  out << "sample (temperature " << o.temperature << ", top-k " << o.top_k << ") after the prompt \""
+      << prompt << "\":\n" << text << '\n';
 }
 
 // How the program was started (the command that resumes it), and the
@@ -317,6 +374,8 @@ int train(const char* title, const Options& o, const data::Split& data,
     return 0;
   }
   callbacks::Evaluate evaluate(data.test, &out);
+  evaluate.every_steps = o.eval_every;
+  evaluate.perplexity = o.text;
   Maybe<callbacks::Checkpoint> checkpoint{.c = {}, .name = "checkpoint"};
   if (!o.checkpoint.empty())
     checkpoint.c.emplace(callbacks::Checkpoint::Options{
@@ -342,6 +401,8 @@ int train(const char* title, const Options& o, const data::Split& data,
   if (evaluate.history.empty()) evaluate.last = t.evaluate(data.test);
   report_run(out, o, evaluate.last, t.precision(), t.skipped_steps(), t.loss_scale(),
              t.nonfinite_steps(), started);
+  if constexpr (TextModel<Net>)
+    if (o.sample_bytes > 0) write_sample(t.model(), o, data.test, out);
   return 0;
 }
 

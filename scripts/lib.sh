@@ -17,7 +17,7 @@ LOOM_DEBIAN_PACKAGES=(
   cmake ninja-build g++ clang libclang-rt-14-dev zlib1g-dev
   libopenblas-dev catch2 nlohmann-json3-dev libcli11-dev
   libopenmpi-dev openmpi-bin
-  dataset-fashion-mnist
+  dataset-fashion-mnist fortunes
   python3-torch python3-matplotlib python3-venv
   espeak-ng libsndfile1-dev libkissfft-dev libsamplerate0-dev python3-torchaudio
   "${LOOM_SLURM_PACKAGES[@]}"

@@ -50,4 +50,21 @@ void require_equal(const A& got, const B& ref, const std::string& what = "") {
   require_close(got, ref, Tolerance{0.0, 0.0}, what);
 }
 
+// d f / d v[i] for every i by central differences of step h, f taking
+// the whole vector (the gradient checks' reference, in double).
+template <class F>
+std::vector<double> central_differences(std::vector<double> v, F&& f, double h = 1e-6) {
+  std::vector<double> grad(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const double keep = v[i];
+    v[i] = keep + h;
+    const double up = f(v);
+    v[i] = keep - h;
+    const double down = f(v);
+    v[i] = keep;
+    grad[i] = (up - down) / (2 * h);
+  }
+  return grad;
+}
+
 }  // namespace loom::test

@@ -996,3 +996,60 @@ TEST_CASE(
   wide.bucket = 50;
   CHECK(padding_fraction(cut(epoch_order(set, wide, 0), 24), set) < 0.1);
 }
+
+TEST_CASE("text: the fortunes corpus reads whole, in file-name order, without its indexes") {
+  const auto corpus = read_fortunes();
+  // Debian's fortunes: about 2.4 MB of text in some 40 files.
+  REQUIRE(corpus.text.size() > 2'000'000);
+  REQUIRE(corpus.files.size() >= 40);
+  REQUIRE(std::is_sorted(corpus.files.begin(), corpus.files.end()));
+  for (const auto& file : corpus.files) {
+    REQUIRE_FALSE(file.ends_with(".dat"));
+    REQUIRE_FALSE(file.ends_with(".u8"));
+  }
+  REQUIRE(corpus.text.find("\n%\n") != std::string::npos);
+  REQUIRE_THROWS_WITH(read_fortunes("/no/such/folder"),
+                      Catch::Contains("no fortune files in '/no/such/folder'") &&
+                          Catch::Contains("apt-get install fortunes"));
+}
+
+TEST_CASE("text: a window's targets are its bytes shifted by one, the windows fixed by the seed") {
+  const std::string text = "the quick brown fox jumps over the lazy dog";
+  const auto set = text_windows(text, 8, 50, 3, "fox");
+  REQUIRE(set.count == 50);
+  REQUIRE(set.sample_size() == 8);
+  REQUIRE(set.target_kind() == loom::TargetKind::class_per_position);
+  REQUIRE(set.max_target == 8);
+  bool starts_differ = false;
+  for (std::size_t s = 0; s < set.count; ++s) {
+    // The window is text[start, start + 9): find it by its first 8 bytes.
+    std::string window;
+    for (std::size_t p = 0; p < 8; ++p) window += static_cast<char>(set.images[s * 8 + p]);
+    window += static_cast<char>(set.targets[s * 8 + 7]);
+    REQUIRE(text.find(window) != std::string::npos);
+    for (std::size_t p = 0; p + 1 < 8; ++p)
+      REQUIRE(set.targets[s * 8 + p] == static_cast<std::int32_t>(set.images[s * 8 + p + 1]));
+    starts_differ = starts_differ || set.images[s * 8] != set.images[0];
+  }
+  REQUIRE(starts_differ);
+  const auto again = text_windows(text, 8, 50, 3, "fox");
+  REQUIRE(again.images == set.images);
+  REQUIRE(again.targets == set.targets);
+  REQUIRE(text_windows(text, 8, 50, 4, "fox").images != set.images);
+  // Bytes above 127 (UTF-8) are ids 128..255, not negative.
+  const auto utf8 = text_windows("caf\xc3\xa9 au lait", 4, 20, 1, "utf-8");
+  for (const float id : utf8.images) REQUIRE((id >= 0.0f && id < 256.0f));
+}
+
+TEST_CASE("text: a text shorter than one window is refused, naming both lengths") {
+  REQUIRE_THROWS_WITH(text_windows("short", 8, 4, 1, "tiny corpus"),
+                      Catch::Contains("the text 'tiny corpus' holds 5 bytes, fewer than one "
+                                      "window of context + 1 = 9"));
+  TextCorpus corpus{.name = "small", .text = std::string(100, 'a'), .files = {}};
+  REQUIRE_THROWS_WITH(text_split(corpus, 64, 1),
+                      Catch::Contains("the text 'small (validation text)' holds 10 bytes"));
+  const auto split = text_split(corpus, 8, 1, 0, 0.2, 7);
+  REQUIRE(split.train.count == 10);  // 80 bytes of training text, contexts of 8
+  REQUIRE(split.test.count == 7);
+  REQUIRE(text_split(corpus, 8, 1, 33, 0.2, 7).train.count == 33);
+}

@@ -92,22 +92,12 @@ void check_gradients(std::size_t n, const Lengths* lengths, const Pass& pass, st
     for (std::size_t i = 0; i < y.size(); ++i) sum += y[i] * r[i];
     return sum;
   };
-  const double h = 1e-6;
-  auto numeric = [&](std::vector<double>& v, bool is_param) {
-    std::vector<double> grad(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      const double keep = v[i];
-      v[i] = keep + h;
-      const double up = is_param ? objective(v, x) : objective(params, v);
-      v[i] = keep - h;
-      const double down = is_param ? objective(v, x) : objective(params, v);
-      v[i] = keep;
-      grad[i] = (up - down) / (2 * h);
-    }
-    return grad;
-  };
-  require_close(dx, numeric(x, false), {1e-7, 1e-6}, "dL/dx");
-  require_close(dparams, numeric(params, true), {1e-7, 1e-6}, "dL/dparams");
+  using test::central_differences;
+  require_close(dx, central_differences(x, [&](const auto& v) { return objective(params, v); }),
+                {1e-7, 1e-6}, "dL/dx");
+  require_close(dparams,
+                central_differences(params, [&](const auto& p) { return objective(p, x); }),
+                {1e-7, 1e-6}, "dL/dparams");
 
   std::vector<double> accumulated(L::param_count, 0.25), unused(n * in);
   run.backward(r, unused, accumulated, true);

@@ -5,3 +5,4 @@
 #include <loom/data/dataset.hpp>
 #include <loom/data/idx.hpp>
 #include <loom/data/loader.hpp>
+#include <loom/data/text.hpp>

@@ -222,6 +222,15 @@ class Model {
   }
 
   const LayerRange& range() const { return range_; }
+  // Whether the range's first layer reads token ids (Embedding's takes_ids).
+  bool input_takes_ids() const {
+    bool ids = false;
+    static_for<layer_count>([&](auto i) {
+      if constexpr (requires { type_at_t<i, executed>::takes_ids; })
+        ids = ids || i == range_.first;
+    });
+    return ids;
+  }
   // Per sample, the range's input and output (the network's for the whole).
   std::size_t range_input_size() const { return in_size_; }
   std::size_t range_output_size() const { return out_size_; }
@@ -341,12 +350,15 @@ class Model {
         round_to(precision_, compute_params_.data(), compute_params_.size());
         weights_stale_ = false;
       }
-      // The first layer reads the input rounded, as a GPU's converts it.
-      if (s.rounded_input.size() < capacity_ * in_size_)
-        s.rounded_input.resize(capacity_ * in_size_);
-      std::copy_n(input, n * in_size_, s.rounded_input.data());
-      round_to(precision_, s.rounded_input.data(), n * in_size_);
-      s.input = s.rounded_input.data();
+      // The first layer reads the input rounded, as a GPU's converts it;
+      // token ids (an Embedding's) are read as they are.
+      if (!input_takes_ids()) {
+        if (s.rounded_input.size() < capacity_ * in_size_)
+          s.rounded_input.resize(capacity_ * in_size_);
+        std::copy_n(input, n * in_size_, s.rounded_input.data());
+        round_to(precision_, s.rounded_input.data(), n * in_size_);
+        s.input = s.rounded_input.data();
+      }
     }
     const T* output = nullptr;
     static_for<layer_count>([&](auto i) {

@@ -133,24 +133,43 @@ class Evaluate {
 
   template <class TrainerT>
   void on_epoch_end(const EpochInfo& epoch, TrainerT& trainer) {
-    last = trainer.evaluate(*dataset_);
-    history.push_back(last);
-    if (out_ != nullptr) {
-      std::ostringstream text;
-      text << "epoch " << epoch.epoch << '/' << epoch.epochs << ' ' << dataset_->name << ": loss "
-           << std::fixed << std::setprecision(4) << last.loss << ", accuracy "
-           << std::setprecision(2) << 100.0 * last.accuracy << '%';
-      if (last.error_rate) text << ", error rate " << 100.0 * *last.error_rate << '%';
-      text << '\n';
-      *out_ << text.str();
-      out_->flush();
-    }
+    std::ostringstream when;
+    when << "epoch " << epoch.epoch << '/' << epoch.epochs;
+    measure(trainer, when.str());
+  }
+  // With every_steps: also after every every_steps optimizer steps of the
+  // fit (counted over its epochs; one that ends an epoch is measured at the
+  // epoch's end alone).
+  template <class TrainerT>
+  void on_step(const StepInfo& step, TrainerT& trainer) {
+    const std::size_t fit_step = static_cast<std::size_t>(step.epoch - 1) * step.steps + step.step;
+    if (every_steps == 0 || fit_step % every_steps != 0 || step.step == step.steps) return;
+    measure(trainer, "step " + std::to_string(fit_step));
   }
 
   EvalResult last{};
   std::vector<EvalResult> history;
+  std::size_t every_steps = 0;
+  // Report exp(loss) too: the perplexity of a next-token loss (nats per token).
+  bool perplexity = false;
 
  private:
+  template <class TrainerT>
+  void measure(TrainerT& trainer, const std::string& when) {
+    last = trainer.evaluate(*dataset_);
+    history.push_back(last);
+    if (out_ == nullptr) return;
+    std::ostringstream text;
+    text << when << ' ' << dataset_->name << ": loss " << std::fixed << std::setprecision(4)
+         << last.loss;
+    if (perplexity) text << ", perplexity " << std::setprecision(2) << std::exp(last.loss);
+    text << ", accuracy " << std::setprecision(2) << 100.0 * last.accuracy << '%';
+    if (last.error_rate) text << ", error rate " << 100.0 * *last.error_rate << '%';
+    text << '\n';
+    *out_ << text.str();
+    out_->flush();
+  }
+
   const data::Dataset* dataset_;
   std::ostream* out_;
 };

@@ -1,0 +1,218 @@
+// CausalSelfAttention<Heads>: multi-head self-attention over a sequence of
+// Context x Width, each position attending to itself and the positions
+// before it (nanoGPT's CausalSelfAttention, without dropout):
+//   q, k, v = split(x Wqkv^T + bqkv)            (Wqkv [3 Width, Width])
+//   per head h: P_h = softmax(q_h k_h^T / sqrt(Width / Heads), masked above
+//               the diagonal);  o_h = P_h v_h
+//   y = concat_h(o_h) Wproj^T + bproj           (Wproj [Width, Width])
+// Parameters, in this order: qkv.weight, qkv.bias, proj.weight, proj.bias
+// (PyTorch's layouts; q, k and v are the weight's row blocks in that
+// order, each head a run of Width / Heads rows of each). The heads must
+// divide the width: otherwise a compile error names the layer, the width
+// and the heads.
+//
+// On the CPU every product is an OpenBLAS GEMM: the projections over all
+// positions of the batch at once, the scores and the weighted sums per
+// sample and head on strided views of q, k and v (no copy). The softmax is
+// fused with the causal mask and the scale, a row at a time in T with its
+// maximum subtracted. Forward keeps q, k, v, the probabilities and the
+// heads' outputs for backward (LayerContext::saved).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "../backend/cpu/epilogue.hpp"
+#include "../backend/cpu/gemm.hpp"
+#include "layer.hpp"
+
+namespace loom {
+
+template <std::size_t Heads>
+struct CausalSelfAttention {
+  static constexpr std::size_t heads = Heads;
+};
+
+namespace detail {
+
+template <std::size_t Index, class Layer, std::size_t Width, std::size_t Heads>
+struct attention_heads_must_divide_width {
+  static_assert(Heads > 0 && Width % Heads == 0,
+                "loom shape error: the attention's heads do not divide its width (template "
+                "arguments: layer index, layer, width, heads); choose heads that divide the "
+                "width, each head taking width / heads features");
+  static constexpr bool ok = Heads > 0 && Width % Heads == 0;
+};
+
+}  // namespace detail
+
+template <std::size_t Heads, class In, std::size_t Index>
+struct Bind<CausalSelfAttention<Heads>, In, Index>
+    : LayerBase<CausalSelfAttention<Heads>, In, In, Index> {
+  using Spec = CausalSelfAttention<Heads>;
+  static constexpr std::size_t context = detail::dim_or_one<In, 0>;
+  static constexpr std::size_t width = detail::dim_or_one<In, 1>;
+  static constexpr bool checked =
+      detail::layer_input_rank_mismatch<Index, Spec, 2, In::rank>::ok &&
+      detail::attention_heads_must_divide_width<Index, Spec, width, Heads>::ok;
+  static constexpr std::size_t heads = Heads;
+  static constexpr std::size_t head_width = Heads > 0 ? width / Heads : 1;
+  static constexpr std::size_t qkv_width = 3 * width;
+  // Offsets into the parameters.
+  static constexpr std::size_t qkv_bias_at = qkv_width * width;
+  static constexpr std::size_t proj_weight_at = qkv_bias_at + qkv_width;
+  static constexpr std::size_t proj_bias_at = proj_weight_at + width * width;
+  // One block of parameters: the GPU layout's "bias" pointer is not used.
+  static constexpr std::size_t weight_count = proj_bias_at + width;
+  static constexpr std::size_t param_count = weight_count;
+  // Kept per sample: q, k, v (Context x 3 Width), every head's probabilities
+  // (Heads x Context x Context) and the heads' outputs (Context x Width).
+  static constexpr std::size_t probabilities_at = context * qkv_width;
+  static constexpr std::size_t heads_out_at = probabilities_at + Heads * context * context;
+  static constexpr std::size_t saved = heads_out_at + context * width;
+  static constexpr bool contextual = true;
+  // Backward's, per sample: the heads' output gradient, the q, k, v
+  // gradient, and one head's probability gradient.
+  static constexpr std::size_t workspace = 4 * context * width + context * context;
+  static constexpr std::size_t forward_flops =
+      2 * context * width * (qkv_width + width) + 4 * context * context * width;
+  static constexpr std::size_t backward_flops = 2 * forward_flops;
+  static constexpr std::string_view kind = "attention";
+
+  // Glorot uniform for both weights (one stream of draws over the
+  // parameters, the projection's rescaled to its own bound), zero biases.
+  template <class T>
+  static void init(T* params, std::uint64_t seed, bool) {
+    const double qkv_limit = detail::init_limit(width, qkv_width, false);
+    const double proj_limit = detail::init_limit(width, width, false);
+    detail::init_uniform(params, param_count, qkv_limit, seed, Index);
+    for (std::size_t i = proj_weight_at; i < proj_bias_at; ++i)
+      params[i] = static_cast<T>(static_cast<double>(params[i]) * (proj_limit / qkv_limit));
+    for (std::size_t i = qkv_bias_at; i < proj_weight_at; ++i) params[i] = T(0);
+    for (std::size_t i = proj_bias_at; i < param_count; ++i) params[i] = T(0);
+  }
+
+  template <class Visit>
+  static void tensors(Visit&& visit) {
+    visit("qkv.weight", 0, {qkv_width, width}, false);
+    visit("qkv.bias", qkv_bias_at, {qkv_width}, false);
+    visit("proj.weight", proj_weight_at, {width, width}, false);
+    visit("proj.bias", proj_bias_at, {width}, false);
+  }
+
+  template <class T>
+  static void forward(const T* params, const T* x, T* y, T*, std::size_t samples,
+                      const LayerContext<T>& ctx) {
+    const std::size_t rows = samples * context;
+    for (std::size_t s = 0; s < samples; ++s) {
+      T* kept = ctx.saved + s * saved;
+      T* qkv = kept;
+      cpu::gemm<T>(false, true, context, qkv_width, width, T(1), x + s * context * width, width,
+                   params, width, T(0), qkv, qkv_width);
+      cpu::bias_act_rows<Act::identity>(qkv, params + qkv_bias_at, context, qkv_width);
+      for (std::size_t h = 0; h < Heads; ++h) {
+        T* p = kept + probabilities_at + h * context * context;
+        const T* q = qkv + h * head_width;
+        const T* k = qkv + width + h * head_width;
+        const T* v = qkv + 2 * width + h * head_width;
+        cpu::gemm<T>(false, true, context, context, head_width, scale<T>(), q, qkv_width, k,
+                     qkv_width, T(0), p, context);
+        causal_softmax(p);
+        cpu::gemm<T>(false, false, context, head_width, context, T(1), p, context, v, qkv_width,
+                     T(0), kept + heads_out_at + h * head_width, width);
+      }
+      cpu::gemm<T>(false, true, context, width, width, T(1), kept + heads_out_at, width,
+                   params + proj_weight_at, width, T(0), y + s * context * width, width);
+    }
+    cpu::bias_act_rows<Act::identity>(y, params + proj_bias_at, rows, width);
+  }
+
+  template <class T>
+  static void backward(const T* params, const T* x, const T*, const T* dy, T* dx, T* dparams,
+                       T* work, std::size_t samples, bool accumulate,
+                       const LayerContext<T>& ctx) {
+    const std::size_t rows = samples * context;
+    const T keep = accumulate ? T(1) : T(0);
+    T* d_heads = work;                     // rows x width
+    T* d_qkv = d_heads + rows * width;     // rows x 3 width
+    T* d_p = d_qkv + rows * qkv_width;     // context x context, one head at a time
+    // The projection: its bias and weight gradients, and the heads' output gradient.
+    T* d_proj_bias = dparams + proj_bias_at;
+    for (std::size_t c = 0; c < width; ++c) {
+      T sum = T(0);
+      for (std::size_t r = 0; r < rows; ++r) sum += dy[r * width + c];
+      d_proj_bias[c] = accumulate ? d_proj_bias[c] + sum : sum;
+    }
+    for (std::size_t s = 0; s < samples; ++s)
+      cpu::gemm<T>(true, false, width, width, context, T(1), dy + s * context * width, width,
+                   ctx.saved + s * saved + heads_out_at, width, s == 0 ? keep : T(1),
+                   dparams + proj_weight_at, width);
+    cpu::gemm<T>(false, false, rows, width, width, T(1), dy, width, params + proj_weight_at, width,
+                 T(0), d_heads, width);
+    for (std::size_t s = 0; s < samples; ++s) {
+      const T* qkv = ctx.saved + s * saved;
+      T* dq = d_qkv + s * context * qkv_width;
+      for (std::size_t h = 0; h < Heads; ++h) {
+        const T* p = qkv + probabilities_at + h * context * context;
+        const T* q = qkv + h * head_width;
+        const T* k = qkv + width + h * head_width;
+        const T* v = qkv + 2 * width + h * head_width;
+        const T* d_o = d_heads + s * context * width + h * head_width;
+        // dP = dO v^T; dV = P^T dO.
+        cpu::gemm<T>(false, true, context, context, head_width, T(1), d_o, width, v, qkv_width,
+                     T(0), d_p, context);
+        cpu::gemm<T>(true, false, context, head_width, context, T(1), p, context, d_o, width, T(0),
+                     dq + 2 * width + h * head_width, qkv_width);
+        // The softmax's: dS = P * (dP - rowsum(P * dP)), masked entries 0 (P is).
+        for (std::size_t i = 0; i < context; ++i) {
+          T dot = T(0);
+          for (std::size_t j = 0; j <= i; ++j) dot += p[i * context + j] * d_p[i * context + j];
+          for (std::size_t j = 0; j < context; ++j)
+            d_p[i * context + j] = j <= i ? p[i * context + j] * (d_p[i * context + j] - dot) : T(0);
+        }
+        // dQ = scale dS k; dK = scale dS^T q.
+        cpu::gemm<T>(false, false, context, head_width, context, scale<T>(), d_p, context, k,
+                     qkv_width, T(0), dq + h * head_width, qkv_width);
+        cpu::gemm<T>(true, false, context, head_width, context, scale<T>(), d_p, context, q,
+                     qkv_width, T(0), dq + width + h * head_width, qkv_width);
+      }
+    }
+    // The q, k, v projection: its bias and weight gradients, and the input's.
+    cpu::bias_act_backward_rows<Act::identity>(d_qkv, d_qkv, d_qkv, dparams + qkv_bias_at, rows,
+                                               qkv_width, accumulate);
+    cpu::gemm<T>(true, false, qkv_width, width, rows, T(1), d_qkv, qkv_width, x, width, keep,
+                 dparams, width);
+    if (dx != nullptr)
+      cpu::gemm<T>(false, false, rows, width, qkv_width, T(1), d_qkv, qkv_width, params, width,
+                   T(0), dx, width);
+  }
+
+ private:
+  template <class T>
+  static T scale() {
+    return T(1) / std::sqrt(T(head_width));
+  }
+
+  // Each row i of the scores (already scaled) to the softmax over its
+  // columns 0..i; the columns after i to 0.
+  template <class T>
+  static void causal_softmax(T* p) {
+    for (std::size_t i = 0; i < context; ++i) {
+      T* row = p + i * context;
+      T top = row[0];
+      for (std::size_t j = 1; j <= i; ++j) top = std::max(top, row[j]);
+      T total = T(0);
+      for (std::size_t j = 0; j <= i; ++j) {
+        row[j] = std::exp(row[j] - top);
+        total += row[j];
+      }
+      for (std::size_t j = 0; j <= i; ++j) row[j] /= total;
+      for (std::size_t j = i + 1; j < context; ++j) row[j] = T(0);
+    }
+  }
+};
+
+}  // namespace loom
