@@ -46,7 +46,6 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -59,7 +58,7 @@
 #include "../backend/cuda/stream.hpp"
 #include "../comm/nccl_comm.hpp"
 #include "../comm/staged_comm.hpp"
-#include "../loss/softmax_cross_entropy.hpp"
+#include "../loss/loss.hpp"
 #include "../parallel/grid_engine.hpp"
 #include "device_layers.cuh"
 
@@ -192,17 +191,18 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     return layers_ ? layers_->output_frames(slot) : nullptr;
   }
 
-  // SoftmaxCrossEntropy runs on the device (softmax_xent.cuh: the CPU's
-  // formulas, within ULPs): the labels go over, three sums come back. Any other Loss
-  // type runs on the host (LossOps, loss/loss.hpp) over the output copied
-  // back (CTC, per-position: a device loss of their own is a later
-  // speed-up), and so does a softmax batch holding a label outside the
-  // classes, so that its error is the CPU's, word for word.
+  // A loss whose arithmetic is a softmax over classes against a label
+  // (LossOps::class_softmax) runs on the device (softmax_xent.cuh: the
+  // CPU's formulas, within ULPs): the labels go over, three sums come
+  // back. Any other loss runs on the host (LossOps, loss/loss.hpp) over the
+  // output copied back (CTC, per-position: a device loss of their own is a
+  // later speed-up), and so does a softmax batch holding a label outside
+  // the classes, so that its error is the CPU's, word for word.
   cpu::LossSums loss(const ::loom::detail::LossOps& ops, std::size_t slot, std::size_t n,
                      const Targets& targets, float scale, bool train) override {
     on_device();
     Layers& l = built();
-    if (std::string_view(ops.name()) == SoftmaxCrossEntropy::name)
+    if (ops.class_softmax())
       if (const auto sums = device_softmax_loss(slot, n, targets, scale, train)) return *sums;
     const std::size_t count = n * output_size;
     const float* output = output_on_host(slot, n);

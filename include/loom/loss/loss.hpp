@@ -71,6 +71,10 @@ class LossOps {
   virtual Denominator denominator() const = 0;
   virtual cpu::LossSums compute(const float* outputs, std::size_t n, const Targets& targets,
                                 float grad_scale, float* doutputs) const = 0;
+  // Whether compute() is a softmax over each sample's scores against its
+  // class label (the loss's class_softmax): a backend holding that op may
+  // run it in compute()'s place, knowing the arithmetic, not the loss.
+  virtual bool class_softmax() const = 0;
 };
 
 template <class Loss, class Out>
@@ -82,6 +86,12 @@ class LossOpsOf final : public LossOps {
   cpu::LossSums compute(const float* outputs, std::size_t n, const Targets& targets,
                         float grad_scale, float* doutputs) const override {
     return Loss::template compute<Out, float>(outputs, n, targets, grad_scale, doutputs);
+  }
+  bool class_softmax() const override {
+    if constexpr (requires { Loss::class_softmax; })
+      return Loss::class_softmax;
+    else
+      return false;
   }
 };
 
