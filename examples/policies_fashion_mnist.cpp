@@ -4,6 +4,7 @@
 // accuracy (and one JSON line per policy with --json).
 //
 //   policies_fashion_mnist [--epochs 1] [--devices 4] [--batch-size 64]
+//                          [--train-samples N]
 //
 // --devices CPU worker devices share this machine's cores; SingleDevice
 // takes one device with every core. ModelSplit cuts LeNet into --devices
@@ -27,6 +28,7 @@ struct Options {
   int epochs = 1;
   int devices = 4;
   std::size_t batch_size = 64;
+  std::size_t train_samples = 0;  // 0: all
   std::string data_dir = data::default_fashion_mnist_dir;
   bool json = false;
 };
@@ -86,13 +88,17 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", o.batch_size, "samples per step (the global batch)")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 16))
       ->capture_default_str();
+  app.add_option("--train-samples", o.train_samples,
+                 "train on the first N training images (0: all 60000)")
+      ->capture_default_str();
   app.add_option("--data", o.data_dir, "folder with the Fashion-MNIST IDX files")
       ->capture_default_str();
   app.add_flag("--json", o.json, "also print one JSON line per policy");
   CLI11_PARSE(app, argc, argv);
 
   try {
-    const auto data = data::fashion_mnist(o.data_dir);
+    auto data = data::fashion_mnist(o.data_dir);
+    if (o.train_samples > 0) data.train = data::head(data.train, o.train_samples);
     std::vector<Row> rows;
     rows.push_back(train<SingleDevice>("SingleDevice", devices::cpu(1), o, data));
     rows.push_back(
@@ -102,8 +108,9 @@ int main(int argc, char** argv) {
     else
       train_pipelines<4>(o, data, rows);
 
-    std::printf("\nLeNet, %d epoch(s), batch %zu, SGD lr 0.01 momentum 0.9, %d CPU cores\n\n",
-                o.epochs, o.batch_size, devices::hardware_threads());
+    std::printf("\nLeNet, %d epoch(s) of %zu images, batch %zu, SGD lr 0.01 momentum 0.9, "
+                "%d CPU cores\n\n",
+                o.epochs, data.train.count, o.batch_size, devices::hardware_threads());
     std::printf("| policy | devices | samples/s | vs SingleDevice | test accuracy | wall s |\n");
     std::printf("|---|---|---|---|---|---|\n");
     for (const auto& row : rows)
