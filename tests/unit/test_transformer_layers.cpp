@@ -180,10 +180,12 @@ namespace {
 using Attn = At1<CausalSelfAttention<2>, Shape<5, 8>>;
 
 // x [n, C, W] and the layer's parameters -> y, each head's causal softmax
-// written out with loops.
+// written out with loops; `theta` > 0: each head's queries and keys turned
+// by rotary positions of that base first (feature i and i + d/2 of a head
+// by the angle t theta^(-2i/d) at position t).
 std::vector<double> attention_reference(const std::vector<double>& x, const std::vector<double>& p,
-                                        std::size_t n, std::size_t C, std::size_t W,
-                                        std::size_t H) {
+                                        std::size_t n, std::size_t C, std::size_t W, std::size_t H,
+                                        double theta = 0.0) {
   const std::size_t d = W / H;
   const double* wqkv = p.data();
   const double* bqkv = wqkv + 3 * W * W;
@@ -198,6 +200,18 @@ std::vector<double> attention_reference(const std::vector<double>& x, const std:
         for (std::size_t i = 0; i < W; ++i) sum += x[(s * C + t) * W + i] * wqkv[o * W + i];
         qkv[t * 3 * W + o] = sum;
       }
+    for (std::size_t t = 0; theta > 0.0 && t < C; ++t)
+      for (std::size_t part = 0; part < 2; ++part)
+        for (std::size_t h = 0; h < H; ++h)
+          for (std::size_t i = 0; i < d / 2; ++i) {
+            const double angle = static_cast<double>(t) *
+                                 std::pow(theta, -2.0 * static_cast<double>(i) / double(d));
+            double& a = qkv[t * 3 * W + part * W + h * d + i];
+            double& b = qkv[t * 3 * W + part * W + h * d + d / 2 + i];
+            const double a0 = a, b0 = b;
+            a = a0 * std::cos(angle) - b0 * std::sin(angle);
+            b = b0 * std::cos(angle) + a0 * std::sin(angle);
+          }
     for (std::size_t h = 0; h < H; ++h)
       for (std::size_t t = 0; t < C; ++t) {
         std::vector<double> score(t + 1);
@@ -240,6 +254,48 @@ TEST_CASE("transformer layers: CausalSelfAttention follows a plain reference, fo
   require_close(single.y, attention_reference(x, params, 3, 5, 8, 2), {1e-5, 1e-4},
                 "float output");
   check_gradients<Attn>(3, x, params);
+}
+
+using RotaryAttn = At1<CausalSelfAttention<2, Rotary<>>, Shape<6, 8>>;
+
+TEST_CASE("transformer layers: rotary attention follows a plain reference, forward and backward") {
+  static_assert(RotaryAttn::param_count == Attn::param_count);  // no parameters of its own
+  static_assert(RotaryAttn::kind == "rotary_attention" && Attn::kind == "attention");
+  const auto params = random_vector<double>(RotaryAttn::param_count, 15, -0.4, 0.4);
+  const auto x = random_vector<double>(2 * 48, 16);
+  Run<RotaryAttn, double> run(2, params, x);
+  const auto reference = attention_reference(x, params, 2, 6, 8, 2, 10000.0);
+  require_close(run.y, reference, {1e-12, 1e-12}, "output");
+  // Not the unturned attention's output (positions 1.. move).
+  REQUIRE(std::abs(reference[47] - attention_reference(x, params, 2, 6, 8, 2)[47]) > 1e-3);
+  Run<RotaryAttn, float> single(2, params, x);
+  require_close(single.y, reference, {1e-5, 1e-4}, "float output");
+  check_gradients<RotaryAttn>(2, x, params);
+  using Base100 = At1<CausalSelfAttention<2, Rotary<100>>, Shape<6, 8>>;
+  require_close(Run<Base100, double>(2, params, x).y,
+                attention_reference(x, params, 2, 6, 8, 2, 100.0), {1e-12, 1e-12}, "base 100");
+}
+
+TEST_CASE("transformer layers: rotary scores depend on how far apart two positions are") {
+  // The same input at every position: without rotation every score of a
+  // row is the same; with it, P[t][u] / P[t][t] is a function of t - u alone.
+  const auto params = random_vector<double>(RotaryAttn::param_count, 17, -0.6, 0.6);
+  const auto one = random_vector<double>(8, 18, -2.0, 2.0);
+  std::vector<double> x;
+  for (std::size_t t = 0; t < 6; ++t) x.insert(x.end(), one.begin(), one.end());
+  Run<RotaryAttn, double> run(1, params, x);
+  const double* p = run.saved.data() + RotaryAttn::probabilities_at;  // head 0
+  const auto ratio = [&](std::size_t t, std::size_t u) { return p[t * 6 + u] / p[t * 6 + t]; };
+  bool varies = false;
+  for (std::size_t t = 1; t < 6; ++t)
+    for (std::size_t u = 0; u < t; ++u) {
+      REQUIRE(ratio(t, u) == Approx(ratio(t - u, 0)).epsilon(1e-12));
+      varies = varies || std::abs(ratio(t, u) - 1.0) > 1e-3;
+    }
+  REQUIRE(varies);
+  Run<Attn, double> plain(1, params, std::vector<double>(x.begin(), x.begin() + 40));
+  const double* q = plain.saved.data() + Attn::probabilities_at;
+  for (std::size_t u = 0; u < 5; ++u) REQUIRE(q[4 * 5 + u] == Approx(0.2).epsilon(1e-12));
 }
 
 TEST_CASE("transformer layers: CausalSelfAttention's output at a position ignores later positions") {
@@ -285,4 +341,23 @@ TEST_CASE("transformer layers: the baby GPT's shapes and parameters are nanoGPT'
       vocab * width + context * width + 4 * block + 2 * width + (vocab * width + vocab);
   static_assert(BabyGpt::parameter_count == expected);
   REQUIRE(BabyGpt::parameter_count == 867'328);
+}
+
+TEST_CASE("transformer layers: windows longer or shorter than the network's context are refused") {
+  using TinyGpt = Sequential<Input<8>, Embedding<256, 8>, PositionEmbedding, Linear<256>>;
+  Trainer<TinyGpt, SingleDevice, SGD, PositionCrossEntropy> trainer(devices::cpu(1), {.lr = 0.1f});
+  const std::string text = "the quick brown fox jumps over the lazy dog";
+  const auto long_windows = data::text_windows(text, 12, 6, 1, "fox");
+  REQUIRE_THROWS_WITH(trainer.fit(long_windows, {.epochs = 1, .batch_size = 2}),
+                      Catch::Contains("fit: dataset 'fox' has windows of 12 token ids, longer "
+                                      "than the network's context of 8 (Input<8>") &&
+                          Catch::Contains("cut the windows to 8"));
+  REQUIRE_THROWS_WITH(trainer.evaluate(long_windows),
+                      Catch::Contains("evaluate: dataset 'fox' has windows of 12 token ids"));
+  REQUIRE_THROWS_WITH(trainer.fit(data::text_windows(text, 5, 6, 1, "fox"), {.batch_size = 2}),
+                      Catch::Contains("has windows of 5 token ids, shorter than the network's "
+                                      "context of 8"));
+  // The network's own context trains.
+  trainer.fit(data::text_windows(text, 8, 6, 1, "fox"), {.epochs = 1, .batch_size = 2});
+  REQUIRE(trainer.evaluate(data::text_windows(text, 8, 4, 2, "fox")).samples == 4);
 }

@@ -1,6 +1,6 @@
-// CausalSelfAttention<Heads>: multi-head self-attention over a sequence of
-// Context x Width, each position attending to itself and the positions
-// before it (nanoGPT's CausalSelfAttention, without dropout):
+// CausalSelfAttention<Heads, Positions = void>: multi-head self-attention
+// over a sequence of Context x Width, each position attending to itself and
+// the positions before it (nanoGPT's CausalSelfAttention, without dropout):
 //   q, k, v = split(x Wqkv^T + bqkv)            (Wqkv [3 Width, Width])
 //   per head h: P_h = softmax(q_h k_h^T / sqrt(Width / Heads), masked above
 //               the diagonal);  o_h = P_h v_h
@@ -10,6 +10,16 @@
 // order, each head a run of Width / Heads rows of each). The heads must
 // divide the width: otherwise a compile error names the layer, the width
 // and the heads.
+//
+// CausalSelfAttention<Heads, Rotary<>> turns each head's queries and keys
+// by their position before the scores (rotary position embedding, RoFormer,
+// in the half-split layout of GPT-NeoX and Llama): feature i of a head's
+// first half and feature i of its second half, (a, b), become
+// (a cos - b sin, b cos + a sin) at angle position x Theta^(-2i / head
+// width), so a score depends on how far apart two positions are. No
+// parameters; the head width must be even (a compile error says so), and
+// the checkpoint names read "rotary_attention", so weights trained one way
+// do not load the other way unnoticed.
 //
 // On the CPU every product is an OpenBLAS GEMM: the projections over all
 // positions of the batch at once, the scores and the weighted sums per
@@ -24,14 +34,25 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <type_traits>
+#include <vector>
 
 #include "../backend/cpu/epilogue.hpp"
 #include "../backend/cpu/gemm.hpp"
+#include "../backend/cpu/transcendental.hpp"
 #include "layer.hpp"
 
 namespace loom {
 
-template <std::size_t Heads>
+// Rotary position embedding for CausalSelfAttention's queries and keys,
+// with base Theta (RoFormer's and Llama's 10000).
+template <std::size_t Theta = 10000>
+struct Rotary {
+  static_assert(Theta > 1, "Rotary<Theta>: the base must be at least 2");
+  static constexpr double theta = static_cast<double>(Theta);
+};
+
+template <std::size_t Heads, class Positions = void>
 struct CausalSelfAttention {
   static constexpr std::size_t heads = Heads;
 };
@@ -47,17 +68,36 @@ struct attention_heads_must_divide_width {
   static constexpr bool ok = Heads > 0 && Width % Heads == 0;
 };
 
+template <std::size_t Index, class Layer, std::size_t HeadWidth>
+struct rotary_head_width_must_be_even {
+  static_assert(HeadWidth % 2 == 0,
+                "loom shape error: rotary positions turn a head's features in pairs, and this "
+                "attention's head width (width / heads: the third template argument) is odd; "
+                "choose a width and heads whose quotient is even");
+  static constexpr bool ok = HeadWidth % 2 == 0;
+};
+
+template <class Positions>
+inline constexpr bool is_rotary = false;
+template <std::size_t Theta>
+inline constexpr bool is_rotary<Rotary<Theta>> = true;
+
 }  // namespace detail
 
-template <std::size_t Heads, class In, std::size_t Index>
-struct Bind<CausalSelfAttention<Heads>, In, Index>
-    : LayerBase<CausalSelfAttention<Heads>, In, In, Index> {
-  using Spec = CausalSelfAttention<Heads>;
+template <std::size_t Heads, class Positions, class In, std::size_t Index>
+struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
+    : LayerBase<CausalSelfAttention<Heads, Positions>, In, In, Index> {
+  using Spec = CausalSelfAttention<Heads, Positions>;
+  static_assert(std::is_void_v<Positions> || detail::is_rotary<Positions>,
+                "CausalSelfAttention<Heads, Positions>: Positions is void or Rotary<Theta>");
+  static constexpr bool rotary = detail::is_rotary<Positions>;
   static constexpr std::size_t context = detail::dim_or_one<In, 0>;
   static constexpr std::size_t width = detail::dim_or_one<In, 1>;
   static constexpr bool checked =
       detail::layer_input_rank_mismatch<Index, Spec, 2, In::rank>::ok &&
-      detail::attention_heads_must_divide_width<Index, Spec, width, Heads>::ok;
+      detail::attention_heads_must_divide_width<Index, Spec, width, Heads>::ok &&
+      (!rotary ||
+       detail::rotary_head_width_must_be_even<Index, Spec, (Heads > 0 ? width / Heads : 0)>::ok);
   static constexpr std::size_t heads = Heads;
   static constexpr std::size_t head_width = Heads > 0 ? width / Heads : 1;
   static constexpr std::size_t qkv_width = 3 * width;
@@ -80,7 +120,7 @@ struct Bind<CausalSelfAttention<Heads>, In, Index>
   static constexpr std::size_t forward_flops =
       2 * context * width * (qkv_width + width) + 4 * context * context * width;
   static constexpr std::size_t backward_flops = 2 * forward_flops;
-  static constexpr std::string_view kind = "attention";
+  static constexpr std::string_view kind = rotary ? "rotary_attention" : "attention";
 
   // Glorot uniform for both weights (one stream of draws over the
   // parameters, the projection's rescaled to its own bound), zero biases.
@@ -113,6 +153,7 @@ struct Bind<CausalSelfAttention<Heads>, In, Index>
       cpu::gemm<T>(false, true, context, qkv_width, width, T(1), x + s * context * width, width,
                    params, width, T(0), qkv, qkv_width);
       cpu::bias_act_rows<Act::identity>(qkv, params + qkv_bias_at, context, qkv_width);
+      if constexpr (rotary) turn(qkv, false);
       for (std::size_t h = 0; h < Heads; ++h) {
         T* p = kept + probabilities_at + h * context * context;
         const T* q = qkv + h * head_width;
@@ -140,12 +181,7 @@ struct Bind<CausalSelfAttention<Heads>, In, Index>
     T* d_qkv = d_heads + rows * width;     // rows x 3 width
     T* d_p = d_qkv + rows * qkv_width;     // context x context, one head at a time
     // The projection: its bias and weight gradients, and the heads' output gradient.
-    T* d_proj_bias = dparams + proj_bias_at;
-    for (std::size_t c = 0; c < width; ++c) {
-      T sum = T(0);
-      for (std::size_t r = 0; r < rows; ++r) sum += dy[r * width + c];
-      d_proj_bias[c] = accumulate ? d_proj_bias[c] + sum : sum;
-    }
+    cpu::column_sums(dy, dparams + proj_bias_at, rows, width, accumulate);
     for (std::size_t s = 0; s < samples; ++s)
       cpu::gemm<T>(true, false, width, width, context, T(1), dy + s * context * width, width,
                    ctx.saved + s * saved + heads_out_at, width, s == 0 ? keep : T(1),
@@ -180,6 +216,10 @@ struct Bind<CausalSelfAttention<Heads>, In, Index>
                      qkv_width, T(0), dq + width + h * head_width, qkv_width);
       }
     }
+    // The gradients above are the turned queries' and keys': turned back,
+    // they are the projection's.
+    if constexpr (rotary)
+      for (std::size_t s = 0; s < samples; ++s) turn(d_qkv + s * context * qkv_width, true);
     // The q, k, v projection: its bias and weight gradients, and the input's.
     cpu::bias_act_backward_rows<Act::identity>(d_qkv, d_qkv, d_qkv, dparams + qkv_bias_at, rows,
                                                qkv_width, accumulate);
@@ -191,6 +231,47 @@ struct Bind<CausalSelfAttention<Heads>, In, Index>
   }
 
  private:
+  // Each position's angles' cosine and sine, (cos, sin) per position and
+  // pair, computed once in double.
+  static const std::vector<double>& rotations() {
+    static const std::vector<double> table = [] {
+      std::vector<double> t(context * head_width);
+      for (std::size_t pos = 0; pos < context; ++pos)
+        for (std::size_t i = 0; i < head_width / 2; ++i) {
+          const double angle =
+              static_cast<double>(pos) *
+              std::pow(Positions::theta, -2.0 * static_cast<double>(i) / double(head_width));
+          t[(pos * head_width / 2 + i) * 2] = std::cos(angle);
+          t[(pos * head_width / 2 + i) * 2 + 1] = std::sin(angle);
+        }
+      return t;
+    }();
+    return table;
+  }
+
+  // Every head's queries and keys of one sample (rows of 3 Width: q, k,
+  // v), turned by their positions' angles; `back`: by minus them (the
+  // transpose, what takes a gradient of the turned values to the values').
+  template <class T>
+  static void turn(T* qkv, bool back) {
+    const std::vector<double>& table = rotations();
+    const std::size_t half = head_width / 2;
+    for (std::size_t pos = 0; pos < context; ++pos) {
+      const double* cs = table.data() + pos * head_width;
+      for (std::size_t part = 0; part < 2; ++part)  // q, then k
+        for (std::size_t h = 0; h < Heads; ++h) {
+          T* head = qkv + pos * qkv_width + part * width + h * head_width;
+          for (std::size_t i = 0; i < half; ++i) {
+            const T c = static_cast<T>(cs[2 * i]);
+            const T sn = back ? static_cast<T>(-cs[2 * i + 1]) : static_cast<T>(cs[2 * i + 1]);
+            const T a = head[i], b = head[half + i];
+            head[i] = a * c - b * sn;
+            head[half + i] = b * c + a * sn;
+          }
+        }
+    }
+  }
+
   template <class T>
   static T scale() {
     return T(1) / std::sqrt(T(head_width));
@@ -206,7 +287,11 @@ struct Bind<CausalSelfAttention<Heads>, In, Index>
       for (std::size_t j = 1; j <= i; ++j) top = std::max(top, row[j]);
       T total = T(0);
       for (std::size_t j = 0; j <= i; ++j) {
-        row[j] = std::exp(row[j] - top);
+        // Never above 0: float takes the vectorised exp (backend/cpu/transcendental.hpp).
+        if constexpr (std::is_same_v<T, float>)
+          row[j] = cpu::exp_nonpositive(row[j] - top);
+        else
+          row[j] = std::exp(row[j] - top);
         total += row[j];
       }
       for (std::size_t j = 0; j <= i; ++j) row[j] /= total;

@@ -70,14 +70,27 @@ struct GeluFn {
   static constexpr std::string_view kind = "gelu";
   template <class T>
   LOOM_HOST_DEVICE static T forward(T x) {
-    return T(0.5) * x * (T(1) + std::erf(x * T(0.70710678118654752440)));
+    return T(0.5) * x * (T(1) + erf(x * T(0.70710678118654752440)));
   }
   // d/dx x Phi(x) = Phi(x) + x phi(x).
   template <class T>
   LOOM_HOST_DEVICE static T backward(T x, T, T dy) {
-    const T cdf = T(0.5) * (T(1) + std::erf(x * T(0.70710678118654752440)));
-    const T pdf = T(0.39894228040143267794) * std::exp(T(-0.5) * x * x);
+    const T cdf = T(0.5) * (T(1) + erf(x * T(0.70710678118654752440)));
+    T pdf;
+    if constexpr (cpu_float_math<T>)
+      pdf = T(0.39894228040143267794) * cpu::exp_nonpositive(T(-0.5) * x * x);
+    else
+      pdf = T(0.39894228040143267794) * std::exp(T(-0.5) * x * x);
     return dy * (cdf + x * pdf);
+  }
+
+ private:
+  template <class T>
+  LOOM_HOST_DEVICE static T erf(T x) {
+    if constexpr (cpu_float_math<T>)
+      return cpu::erf(x);
+    else
+      return std::erf(x);
   }
 };
 

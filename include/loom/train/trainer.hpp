@@ -508,7 +508,8 @@ class Trainer : public detail::TrainerCore {
   const Device& device_of_process() const override { return devices_.front(); }
 
   void check_dataset(const data::Dataset& dataset, const char* what) const {
-    check_samples(dataset, what, Net::input_shape::dims, classes, Loss::target, Loss::name);
+    check_samples(dataset, what, Net::input_shape::dims, classes, Loss::target, Loss::name,
+                  model_.input_takes_ids());
     // What the loss checks of the whole data set (CTCLoss: every target fits its frames).
     if constexpr (requires { Loss::template check_targets<Out>(Targets{}, std::size_t{}); })
       Loss::template check_targets<Out>(data::targets_of(dataset), dataset.count);

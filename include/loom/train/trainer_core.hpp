@@ -384,9 +384,11 @@ class TrainerCore {
   // samples of that shape only, Input<Rows, Features> samples whose rows
   // (channels x height) and width are those, and a flat Input<F> any
   // sample of F values.
+  // `ids`: the network's first layer reads token ids (an Embedding), so
+  // a flat Input<C> is a context of C positions.
   static void check_samples(const data::Dataset& dataset, const char* what,
                             std::span<const std::size_t> input, std::size_t classes,
-                            TargetKind target, const char* loss) {
+                            TargetKind target, const char* loss, bool ids = false) {
     std::size_t input_size = 1;
     std::string input_text;
     for (const std::size_t d : input) {
@@ -394,6 +396,19 @@ class TrainerCore {
       input_text += (input_text.empty() ? "" : ", ") + std::to_string(d);
     }
     LOOM_CHECK(dataset.count > 0, what, ": dataset '", dataset.name, "' is empty");
+    const bool context = ids && input.size() == 1;
+    LOOM_CHECK(!context || dataset.sample_size() <= input_size, what, ": dataset '",
+               dataset.name, "' has windows of ", dataset.sample_size(),
+               " token ids, longer than the network's context of ", input_size, " (Input<",
+               input_size, ">: the most positions its embeddings and attention take); cut the "
+               "windows to ", input_size, " (data::text_split's context) or build the network "
+               "with Input<", dataset.sample_size(), ">");
+    LOOM_CHECK(!context || dataset.sample_size() == input_size, what, ": dataset '",
+               dataset.name, "' has windows of ", dataset.sample_size(),
+               " token ids, shorter than the network's context of ", input_size, " (Input<",
+               input_size, ">); make the windows ", input_size,
+               " long (data::text_split's context) or build the network with Input<",
+               dataset.sample_size(), ">");
     LOOM_CHECK(dataset.sample_size() == input_size, what, ": dataset '", dataset.name,
                "' has samples of ", dataset.channels, "x", dataset.height, "x", dataset.width,
                " = ", dataset.sample_size(), " values but the network's Input holds ",

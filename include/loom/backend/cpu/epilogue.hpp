@@ -1,9 +1,10 @@
-// What runs after a GEMM: bias + activation forward, and the fused backward
-// (activation derivative + bias gradient) in one pass over the gradient.
+// What runs after a GEMM: bias + activation forward, and the backward
+// (activation derivative, then the bias gradient from it).
 // Both layouts are covered: "rows" (N x Out, Linear) and "cols" (Out x N*P,
 // the convolution GEMM's output, transposed to N x Out x P on the way).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 
 #include "../../core/activation.hpp"
@@ -39,20 +40,35 @@ void bias_act_rows(T* y, const T* bias, std::size_t batch, std::size_t out) {
   }
 }
 
+// db[o] (+)= the sum over n of m[n, o], for m of `rows` x `cols` in row-major
+// order. Each column is summed from row 0 down, as a column-at-a-time loop
+// sums it (so the bits are the same), but a block of columns at a time,
+// reading along the rows: a column-at-a-time loop strode `cols` floats per
+// read and missed the cache on each (half of a GPT MLP's backward, 2,048
+// rows of 512).
+template <class T>
+void column_sums(const T* m, T* db, std::size_t rows, std::size_t cols, bool accumulate) {
+  constexpr std::size_t block = 256;
+  T sums[block];
+  for (std::size_t first = 0; first < cols; first += block) {
+    const std::size_t width = std::min(block, cols - first);
+    for (std::size_t o = 0; o < width; ++o) sums[o] = T(0);
+    for (std::size_t n = 0; n < rows; ++n) {
+      const T* row = m + n * cols + first;
+      for (std::size_t o = 0; o < width; ++o) sums[o] += row[o];
+    }
+    for (std::size_t o = 0; o < width; ++o)
+      db[first + o] = accumulate ? db[first + o] + sums[o] : sums[o];
+  }
+}
+
 // dz = act'(dy), db (+)= column sums of dz. Sums run over n in order for
 // every o: the result does not depend on how the batch is laid out in memory.
 template <Act A, class T>
 void bias_act_backward_rows(const T* dy, const T* y, T* dz, T* db, std::size_t batch,
                             std::size_t out, bool accumulate) {
-  for (std::size_t o = 0; o < out; ++o) {
-    T sum = T(0);
-    for (std::size_t n = 0; n < batch; ++n) {
-      const std::size_t i = n * out + o;
-      dz[i] = activate_grad<A>(dy[i], y[i]);
-      sum += dz[i];
-    }
-    db[o] = accumulate ? db[o] + sum : sum;
-  }
+  for (std::size_t i = 0; i < batch * out; ++i) dz[i] = activate_grad<A>(dy[i], y[i]);
+  column_sums(dz, db, batch, out, accumulate);
 }
 
 // y[n, o, p] = act(cols[o, n * plane + p] + bias[o]).
