@@ -12,23 +12,20 @@
 #include <loom/data/text.hpp>
 
 #include "example_main.hpp"
+#include "gpt_network.hpp"
 
 using namespace loom;
 
 namespace {
 
-constexpr std::size_t vocab = 256, width = 128, context = 64;
-using Attention = Residual<LayerNorm, CausalSelfAttention<4>>;
-using Mlp = Residual<LayerNorm, Linear<4 * width>, GELU, Linear<width>>;
-using BabyGpt = Sequential<Input<context>, Embedding<vocab, width>, PositionEmbedding, Attention,
-                           Mlp, Attention, Mlp, Attention, Mlp, Attention, Mlp, LayerNorm,
-                           Linear<vocab>>;
+using examples::BabyGpt;
 
 data::Split load_fortunes(const examples::Options& o, std::ostream& out) {
   const auto corpus = data::read_fortunes(o.data_dir);
   out << o.data_dir << ": " << corpus.text.size() << " bytes of text in " << corpus.files.size()
       << " files\n";
-  return data::text_split(corpus, context, o.seed, o.steps * o.batch_size * o.accumulation);
+  return data::text_split(corpus, examples::gpt_context, o.seed,
+                          o.steps * o.batch_size * o.accumulation);
 }
 
 }  // namespace

@@ -1,0 +1,194 @@
+// The GPT example's network on the CPU, JSON lines (benchmarks/gpt_vs_pytorch
+// runs it beside benchmarks/pytorch/gpt.py, the same network in PyTorch, on
+// the same windows of Debian's fortunes):
+//   gpt_step        the median training step (AdamW) after --warmup steps,
+//                   over --steps batches of --batch windows, tokens/s;
+//   attention_step  CausalSelfAttention alone at the network's shape
+//                   (--batch x context 64 x width 128, 4 heads), the median
+//                   forward + backward;
+//   gpt_convergence with --train-steps N (instead of the two above): N
+//                   steps with the example's settings (AdamW lr 1e-3,
+//                   weight decay 0.1, a 100-step warm-up from a tenth, then a
+//                   cosine to 0; clipping at norm 1) and the loss on the
+//                   validation windows.
+// --dump FILE writes the training windows in the order they are taken, the
+// validation windows and loom's initial parameters, so that PyTorch starts
+// from the same weights and sees the same batches.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <iostream>
+#include <loom/data/text.hpp>
+#include <loom/loom.hpp>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "../examples/gpt_network.hpp"
+
+using namespace loom;
+using examples::BabyGpt;
+using examples::gpt_context;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point begin) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - begin).count();
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// Each window's context + 1 bytes: its ids, then the target at its last position.
+void write_windows(std::ofstream& out, const data::Dataset& set) {
+  std::vector<std::uint8_t> window(gpt_context + 1);
+  for (std::size_t s = 0; s < set.count; ++s) {
+    for (std::size_t p = 0; p < gpt_context; ++p)
+      window[p] = static_cast<std::uint8_t>(set.images[s * gpt_context + p]);
+    window[gpt_context] = static_cast<std::uint8_t>(set.targets[s * gpt_context + gpt_context - 1]);
+    out.write(reinterpret_cast<const char*>(window.data()),
+              static_cast<std::streamsize>(window.size()));
+  }
+}
+
+// Four int64 (training windows, validation windows, context, parameters),
+// the windows (context + 1 bytes each), the parameters (float32, loom's order).
+void dump(const data::Split& split, std::span<const float> parameters, const std::string& path) {
+  std::ofstream out(path, std::ios::binary);
+  LOOM_CHECK(out.good(), "gpt_bench: cannot write --dump '", path, "'");
+  const std::int64_t header[4] = {
+      static_cast<std::int64_t>(split.train.count), static_cast<std::int64_t>(split.test.count),
+      static_cast<std::int64_t>(gpt_context), static_cast<std::int64_t>(parameters.size())};
+  out.write(reinterpret_cast<const char*>(header), sizeof header);
+  write_windows(out, split.train);
+  write_windows(out, split.test);
+  out.write(reinterpret_cast<const char*>(parameters.data()),
+            static_cast<std::streamsize>(parameters.size_bytes()));
+  LOOM_CHECK(out.good(), "gpt_bench: writing --dump '", path, "' failed");
+}
+
+// Each step's wall time, from its first batch to its end.
+struct StepTimes {
+  void on_step_begin(const StepBegin&) { begin = Clock::now(); }
+  void on_step(const StepInfo&) { ms->push_back(ms_since(begin)); }
+  std::vector<double>* ms;
+  Clock::time_point begin{};
+};
+
+// The example's learning rate: a 100-step warm-up from a tenth, then a cosine to 0.
+struct WarmupCosine {
+  template <class T>
+  void on_step_begin(const StepBegin& step, T& trainer) {
+    const double f =
+        schedules::Warmup<schedules::Cosine>{100, 0.1, {}}(step.fit_step, step.total_steps);
+    trainer.optimizer().set_lr(static_cast<float>(trainer.base_lr() * f));
+  }
+};
+
+using GptTrainer = Trainer<BabyGpt, SingleDevice, AdamW, PositionCrossEntropy>;
+
+std::vector<Device> cpu_device(std::size_t threads) {
+  auto devices = devices::cpu(1);
+  devices.front().threads = static_cast<int>(threads);
+  return devices;
+}
+
+// CausalSelfAttention alone: the median forward + backward over `steps`
+// after `warmup`, on the first windows' embeddings (the trained network's
+// input to its first attention, at initialisation).
+double attention_ms(const data::Dataset& windows, std::size_t batch, std::size_t steps,
+                    std::size_t warmup) {
+  using Embed = Sequential<Input<gpt_context>, Embedding<examples::gpt_vocab, examples::gpt_width>,
+                           PositionEmbedding>;
+  using Attention =
+      Sequential<Input<gpt_context, examples::gpt_width>, CausalSelfAttention<examples::gpt_heads>>;
+  Model<Embed, float> embed(1, batch);
+  const float* x = embed.forward(windows.images.data(), batch);
+  const std::vector<float> input(x, x + batch * gpt_context * examples::gpt_width);
+  Model<Attention, float> attention(2, batch);
+  std::vector<float> dx(input.size());  // PyTorch's side takes the input's gradient too
+  std::vector<double> ms;
+  for (std::size_t i = 0; i < warmup + steps; ++i) {
+    const auto begin = Clock::now();
+    const float* y = attention.forward(input.data(), batch, 0, {.training = true});
+    float* dy = attention.output_gradient();
+    for (std::size_t k = 0; k < batch * gpt_context * examples::gpt_width; ++k)
+      dy[k] = 1e-3f * y[k];
+    attention.backward(0, false, dx.data());
+    if (i >= warmup) ms.push_back(ms_since(begin));
+  }
+  return median(ms);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string corpus_dir = data::fortunes_dir, dump_path;
+  std::size_t batch = 32, steps = 20, warmup = 3, threads = 1, train_steps = 0;
+  CLI::App app{"loom's baby GPT (the gpt_fortunes example's network) on the CPU, JSON lines"};
+  app.add_option("--data", corpus_dir, "folder of text files")->capture_default_str();
+  app.add_option("--batch", batch, "windows a step")->capture_default_str();
+  app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
+  app.add_option("--threads", threads)->capture_default_str();
+  app.add_option("--train-steps", train_steps,
+                 "train this many steps with the example's settings and report the validation "
+                 "loss (instead of timing steps)");
+  app.add_option("--dump", dump_path, "write the windows and initial weights for gpt.py");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    LOOM_CHECK(batch > 0 && steps > 0, "gpt_bench: --batch and --steps must be at least 1");
+    const auto corpus = data::read_fortunes(corpus_dir);
+    const bool converge = train_steps > 0;
+    const std::size_t taken = converge ? train_steps : warmup + steps;
+    const data::Split split = data::text_split(corpus, gpt_context, 1, taken * batch);
+    GptTrainer trainer(cpu_device(threads), AdamW::Options{.lr = 1e-3f, .weight_decay = 0.1f});
+    if (!dump_path.empty()) dump(split, trainer.model().parameters(), dump_path);
+    nlohmann::json line{
+        {"library", "loom"}, {"network", "baby_gpt"},  {"parameters", BabyGpt::parameter_count},
+        {"batch", batch},    {"context", gpt_context}, {"threads", threads}};
+    const FitOptions fit{.epochs = 1, .batch_size = batch, .shuffle = false};
+    if (converge) {
+      const auto begin = Clock::now();
+      trainer.fit(split.train,
+                  {.epochs = 1, .batch_size = batch, .shuffle = false, .max_grad_norm = 1.0f},
+                  WarmupCosine{});
+      const double seconds = ms_since(begin) / 1e3;
+      const EvalResult validation = trainer.evaluate(split.test);
+      line["benchmark"] = "gpt_convergence";
+      line["steps"] = train_steps;
+      line["validation_windows"] = split.test.count;
+      line["validation_loss"] = validation.loss;
+      line["train_seconds"] = seconds;
+      std::cout << line.dump() << '\n';
+      return 0;
+    }
+    std::vector<double> ms;
+    trainer.fit(split.train, fit, StepTimes{.ms = &ms});
+    const double step_ms =
+        median(std::vector<double>(ms.begin() + static_cast<std::ptrdiff_t>(warmup), ms.end()));
+    line["benchmark"] = "gpt_step";
+    line["steps"] = steps;
+    line["median_step_ms"] = step_ms;
+    line["tokens_per_s"] = static_cast<double>(batch * gpt_context) / (step_ms / 1e3);
+    std::cout << line.dump() << '\n';
+    cpu::set_threads(static_cast<int>(threads));
+    line["benchmark"] = "attention_step";
+    line.erase("parameters");
+    line.erase("tokens_per_s");
+    line["network"] = "causal_self_attention";
+    line["width"] = examples::gpt_width;
+    line["heads"] = examples::gpt_heads;
+    line["median_step_ms"] = attention_ms(split.train, batch, steps, warmup);
+    std::cout << line.dump() << '\n';
+  } catch (const Error& error) {
+    std::cerr << error.what() << '\n';
+    return 1;
+  }
+}
