@@ -2,7 +2,8 @@
 // runs it beside benchmarks/pytorch/gpt.py, the same network in PyTorch, on
 // the same windows of Debian's fortunes):
 //   gpt_step        the median training step (AdamW) after --warmup steps,
-//                   over --steps batches of --batch windows, tokens/s;
+//                   over --steps batches of --batch windows, tokens/s, and
+//                   the first batch's loss at the initial weights;
 //   attention_step  CausalSelfAttention alone at the network's shape
 //                   (--batch x context 64 x width 128, 4 heads), the median
 //                   forward + backward;
@@ -169,6 +170,9 @@ int main(int argc, char** argv) {
       std::cout << line.dump() << '\n';
       return 0;
     }
+    // The first batch's loss at the initial weights: PyTorch's side must
+    // find the same (gpt.py --expect-initial-loss), or the networks differ.
+    const double initial_loss = trainer.evaluate(data::head(split.train, batch)).loss;
     std::vector<double> ms;
     trainer.fit(split.train, fit, StepTimes{.ms = &ms});
     const double step_ms =
@@ -177,11 +181,13 @@ int main(int argc, char** argv) {
     line["steps"] = steps;
     line["median_step_ms"] = step_ms;
     line["tokens_per_s"] = static_cast<double>(batch * gpt_context) / (step_ms / 1e3);
+    line["initial_loss"] = initial_loss;
     std::cout << line.dump() << '\n';
     cpu::set_threads(static_cast<int>(threads));
     line["benchmark"] = "attention_step";
     line.erase("parameters");
     line.erase("tokens_per_s");
+    line.erase("initial_loss");
     line["network"] = "causal_self_attention";
     line["width"] = examples::gpt_width;
     line["heads"] = examples::gpt_heads;

@@ -8,7 +8,10 @@ Debian's torch 1.13 has no scaled_dot_product_attention), started from
 loom's initial weights and fed the windows that benchmarks/gpt_bench.cpp
 --dump wrote, in the same order. JSON lines, as gpt_bench prints them:
 
-  gpt_step         the median training step (AdamW) of --steps after --warmup;
+  gpt_step         the median training step (AdamW) of --steps after --warmup,
+                   and the loss of the first batch at the initial weights
+                   (--expect-initial-loss X: exit 1 unless it is X to 1e-5,
+                   gpt_bench's figure, so that the two networks are one);
   attention_step   the attention alone at the network's shape, forward + backward;
   gpt_convergence  with --train-steps N instead: N steps with the example's
                    settings (AdamW lr 1e-3, weight decay 0.1, a 100-step warm-up
@@ -18,6 +21,7 @@ loom's initial weights and fed the windows that benchmarks/gpt_bench.cpp
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -32,6 +36,7 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-steps", type=int, default=0)
+    parser.add_argument("--expect-initial-loss", type=float, default=None)
     return parser.parse_args(argv)
 
 
@@ -62,6 +67,10 @@ def lr_factor(step, total, warmup=100, start=0.1):
 
 def main(argv):
     args = parse_args(argv)
+    # PyTorch's CPU GEMMs go to OpenBLAS's own thread pool, which
+    # torch.set_num_threads does not size (loom's side: cpu::set_threads); it
+    # reads this when the library loads, so before the import.
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
     try:
         import torch
         import torch.nn.functional as F
@@ -166,8 +175,16 @@ def main(argv):
         emit(benchmark="gpt_convergence", steps=args.train_steps,
              validation_windows=len(validation), validation_loss=total / count,
              train_seconds=seconds)
-        return
+        return 0
 
+    with torch.no_grad():
+        ids, targets = batch(train, 0)
+        initial_loss = F.cross_entropy(model(ids).view(-1, vocab), targets).item()
+    expected = args.expect_initial_loss
+    if expected is not None and abs(initial_loss - expected) > 1e-5 * abs(expected):
+        print(f"gpt.py: the first batch's loss at loom's weights is {initial_loss!r} here and "
+              f"{expected!r} in loom: the networks differ", file=sys.stderr)
+        return 1
     times = []
     for s in range(args.warmup + args.steps):
         ids, targets = batch(train, s)
@@ -177,7 +194,7 @@ def main(argv):
             times.append((time.perf_counter() - start) * 1000.0)
     step_ms = sorted(times)[len(times) // 2]
     emit(benchmark="gpt_step", steps=args.steps, median_step_ms=step_ms,
-         tokens_per_s=args.batch * context / (step_ms / 1e3))
+         tokens_per_s=args.batch * context / (step_ms / 1e3), initial_loss=initial_loss)
 
     attention = Attention()
     with torch.no_grad():
@@ -195,7 +212,8 @@ def main(argv):
     line["network"] = "causal_self_attention"
     emit(benchmark="attention_step", steps=args.steps, width=width, heads=heads,
          median_step_ms=sorted(times)[len(times) // 2])
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -9,5 +9,7 @@ using Net = Sequential<Input<16>, Embedding<256, 24>, LayerNorm, CausalSelfAtten
 #else
 using Net = Sequential<Input<16>, Embedding<256, 24>, LayerNorm, CausalSelfAttention<4, Rotary<>>>;
 #endif
+// Without rotary positions an odd head width is no error.
+using Plain = Sequential<Input<16>, Embedding<256, 24>, LayerNorm, CausalSelfAttention<8>>;
 
-int main() { return Net::parameter_count > 0 ? 0 : 1; }
+int main() { return Net::parameter_count > 0 && Plain::parameter_count > 0 ? 0 : 1; }

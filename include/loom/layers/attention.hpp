@@ -96,8 +96,10 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
   static constexpr bool checked =
       detail::layer_input_rank_mismatch<Index, Spec, 2, In::rank>::ok &&
       detail::attention_heads_must_divide_width<Index, Spec, width, Heads>::ok &&
-      (!rotary ||
-       detail::rotary_head_width_must_be_even<Index, Spec, (Heads > 0 ? width / Heads : 0)>::ok);
+      // Without rotary positions the check sees a width of 0: naming its
+      // ::ok instantiates it, whatever || would have skipped.
+      detail::rotary_head_width_must_be_even<Index, Spec,
+                                             (rotary && Heads > 0 ? width / Heads : 0)>::ok;
   static constexpr std::size_t heads = Heads;
   static constexpr std::size_t head_width = Heads > 0 ? width / Heads : 1;
   static constexpr std::size_t qkv_width = 3 * width;
