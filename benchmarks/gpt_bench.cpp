@@ -12,6 +12,11 @@
 //                   weight decay 0.1, a 100-step warm-up from a tenth, then a
 //                   cosine to 0; clipping at norm 1) and the loss on the
 //                   validation windows.
+//   gpt_tensor_step with --tensor T (instead of the others): the median step
+//                   under TensorParallel<T> on T worker devices (--threads / T
+//                   BLAS threads each) against SingleDevice on --threads, in
+//                   one run, and the first batch's loss after the timed steps
+//                   under both (equal to fp32 rounding).
 // --dump FILE writes the training windows in the order they are taken, the
 // validation windows and loom's initial parameters, so that PyTorch starts
 // from the same weights and sees the same batches.
@@ -25,6 +30,7 @@
 #include <loom/loom.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../examples/gpt_network.hpp"
@@ -94,6 +100,21 @@ struct WarmupCosine {
 
 using GptTrainer = Trainer<BabyGpt, SingleDevice, AdamW, PositionCrossEntropy>;
 
+// The median step of the example's network under Policy on `devices`,
+// after `warmup` steps, and the loss of the first batch's windows after
+// the timed steps (the policies must agree on it).
+template <class Policy>
+std::pair<double, double> policy_step(std::vector<Device> devices, const data::Split& split,
+                                      std::size_t batch, std::size_t warmup) {
+  Trainer<BabyGpt, Policy, AdamW, PositionCrossEntropy> trainer(
+      std::move(devices), AdamW::Options{.lr = 1e-3f, .weight_decay = 0.1f});
+  std::vector<double> ms;
+  trainer.fit(split.train, {.epochs = 1, .batch_size = batch, .shuffle = false},
+              StepTimes{.ms = &ms});
+  return {median(std::vector<double>(ms.begin() + static_cast<std::ptrdiff_t>(warmup), ms.end())),
+          trainer.evaluate(data::head(split.train, batch)).loss};
+}
+
 std::vector<Device> cpu_device(std::size_t threads) {
   auto devices = devices::cpu(1);
   devices.front().threads = static_cast<int>(threads);
@@ -131,7 +152,7 @@ double attention_ms(const data::Dataset& windows, std::size_t batch, std::size_t
 
 int main(int argc, char** argv) {
   std::string corpus_dir = data::fortunes_dir, dump_path;
-  std::size_t batch = 32, steps = 20, warmup = 3, threads = 1, train_steps = 0;
+  std::size_t batch = 32, steps = 20, warmup = 3, threads = 1, train_steps = 0, tensor = 0;
   CLI::App app{"loom's baby GPT (the gpt_fortunes example's network) on the CPU, JSON lines"};
   app.add_option("--data", corpus_dir, "folder of text files")->capture_default_str();
   app.add_option("--batch", batch, "windows a step")->capture_default_str();
@@ -142,6 +163,10 @@ int main(int argc, char** argv) {
                  "train this many steps with the example's settings and report the validation "
                  "loss (instead of timing steps)");
   app.add_option("--dump", dump_path, "write the windows and initial weights for gpt.py");
+  app.add_option("--tensor", tensor,
+                 "instead: a step under TensorParallel<T> (2 or 4) on T worker devices of "
+                 "--threads / T threads each, against SingleDevice on --threads, in one run")
+      ->check(CLI::IsMember({2, 4}));
   CLI11_PARSE(app, argc, argv);
   try {
     LOOM_CHECK(batch > 0 && steps > 0, "gpt_bench: --batch and --steps must be at least 1");
@@ -155,6 +180,25 @@ int main(int argc, char** argv) {
         {"library", "loom"}, {"network", "baby_gpt"},  {"parameters", BabyGpt::parameter_count},
         {"batch", batch},    {"context", gpt_context}, {"threads", threads}};
     const FitOptions fit{.epochs = 1, .batch_size = batch, .shuffle = false};
+    if (tensor > 0) {
+      // Tensor parallelism's cost against one device, on the same cores.
+      auto ranks = devices::cpu(tensor);
+      for (auto& d : ranks) d.threads = static_cast<int>(std::max<std::size_t>(1, threads / tensor));
+      const auto [one_ms, one_loss] =
+          policy_step<SingleDevice>(cpu_device(threads), split, batch, warmup);
+      const auto [split_ms, split_loss] =
+          tensor == 2 ? policy_step<TensorParallel<2>>(ranks, split, batch, warmup)
+                      : policy_step<TensorParallel<4>>(ranks, split, batch, warmup);
+      line["benchmark"] = "gpt_tensor_step";
+      line["steps"] = steps;
+      line["tensor"] = tensor;
+      line["single_device_ms"] = one_ms;
+      line["tensor_parallel_ms"] = split_ms;
+      line["tensor_vs_single"] = one_ms / split_ms;  // >1: TensorParallel faster
+      line["loss_after"] = {{"single_device", one_loss}, {"tensor_parallel", split_loss}};
+      std::cout << line.dump() << '\n';
+      return 0;
+    }
     if (converge) {
       const auto begin = Clock::now();
       trainer.fit(split.train,

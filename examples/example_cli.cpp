@@ -69,6 +69,9 @@ void check_combinations(const CLI::App& app, const Options& o, bool distributed)
                                          : o.policy) + ")");
   if (given("--replicas") && o.policy != "hybrid")
     refuse("--replicas", "applies to --policy hybrid only");
+  // --tensor is the GPT example's alone (o.text): elsewhere it is no option at all.
+  if (o.text && given("--tensor") && o.tensor > 1 && o.policy == "single")
+    refuse("--tensor", "splits layers over several devices; --policy single runs on one");
   if (given("--momentum") && o.optimizer == "adamw")
     refuse("--momentum", "is SGD's; --optimizer adamw has no momentum (its moments are built in)");
   for (const char* flag : {"--lr-milestones", "--lr-factor"})
@@ -203,11 +206,26 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
                  "process is one rank; N: N ranks on threads of their own)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
-  app.add_option("--policy", o.policy,
-                 "single, data (DataParallel), split (ModelSplit, a pipeline of --devices "
-                 "balanced stages) or hybrid (--replicas pipelines sharing --devices); default: "
-                 "single for one device, data for more")
-      ->check(CLI::IsMember({"single", "data", "split", "hybrid"}));
+  if (o.text) {
+    app.add_option("--policy", o.policy,
+                   "single, data (DataParallel), split (ModelSplit, a pipeline of --devices "
+                   "balanced stages), hybrid (--replicas pipelines sharing --devices) or tensor "
+                   "(each block's heads, MLP and the vocabulary split over --tensor devices, "
+                   "default all); data, split and hybrid split over --tensor too; default: single "
+                   "for one device, data for more")
+        ->check(CLI::IsMember({"single", "data", "split", "hybrid", "tensor"}));
+    app.add_option("--tensor", o.tensor,
+                   "tensor degree (TensorParallel): the devices (or processes) that split each "
+                   "layer, 1, 2 or 4; the others form data replicas or pipeline stages")
+        ->check(CLI::IsMember({1, 2, 4}))
+        ->capture_default_str();
+  } else {
+    app.add_option("--policy", o.policy,
+                   "single, data (DataParallel), split (ModelSplit, a pipeline of --devices "
+                   "balanced stages) or hybrid (--replicas pipelines sharing --devices); default: "
+                   "single for one device, data for more")
+        ->check(CLI::IsMember({"single", "data", "split", "hybrid"}));
+  }
   app.add_option("--replicas", o.replicas, "pipelines of --policy hybrid")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();

@@ -17,7 +17,12 @@
 //                     (2 to 4), on CPU worker devices or over the GPUs
 //                     (built by nvcc), or over mpirun's processes x
 //                     --devices (CPU)
-// Both are one trainer type, PipelinePolicy (example_trainers.hpp): its
+//   --policy tensor   (the GPT) TensorParallel<T, DataParallel<>>: each
+//                     layer that splits over --tensor T devices or
+//                     processes (default all), the rest data replicas;
+//                     --tensor T with data, split or hybrid splits their
+//                     ranks' layers the same way (TensorParallel<T, ...>)
+// Split and hybrid are one trainer type, PipelinePolicy (example_trainers.hpp): its
 // Balanced<2, 3, 4> carries the three cuts, and R and S are run-time values.
 // Without --policy: single for one device, data for more, data under mpirun.
 #pragma once
@@ -317,6 +322,13 @@ void report_stop(std::ostream& out, const Options& o, const T& trainer,
   out.flush();
 }
 
+// Whether Policy's ranks run pipelines of stages (--schedule and
+// --micro-batches count): ModelSplit and Hybrid, or TensorParallel over them.
+template <class Policy>
+inline constexpr bool runs_pipelines = is_model_split<Policy> || is_hybrid<Policy>;
+template <std::size_t T, class Inner>
+inline constexpr bool runs_pipelines<TensorParallel<T, Inner>> = runs_pipelines<Inner>;
+
 // Trains Net with `Policy` on `devices`; only `out` hears about it (rank 0's
 // console under mpirun, a silent stream on the other ranks). Returns the
 // program's exit status: 0, or 128 + the signal that stopped the fit.
@@ -324,10 +336,11 @@ template <class Net, class Policy, class Loss>
 int train(const char* title, const Options& o, const data::Split& data,
           std::vector<Device> devices, comm::Comm processes, std::ostream& out,
           const Launch& launch) {
-  static_assert(ExamplePolicies::contains<Policy>, "example_trainers.hpp names the examples' trainers: "
-                "their CUDA side registers executors for those alone");
+  static_assert(ExamplePolicies::contains<Policy> || is_tensor_parallel<Policy>,
+                "example_trainers.hpp names the examples' trainers: their CUDA side registers "
+                "executors for those alone (TensorParallel runs on CPUs only)");
   const auto started = std::chrono::steady_clock::now();
-  const TrainerOptions trainer = trainer_options(o, is_pipelined<Policy>);
+  const TrainerOptions trainer = trainer_options(o, runs_pipelines<Policy>);
   std::ostringstream policy;
   if constexpr (is_pipelined<Policy>) {
     const auto grid = pipeline_grid<Policy>(
@@ -335,11 +348,16 @@ int train(const char* title, const Options& o, const data::Split& data,
         trainer.replicas);
     const auto bounds = cut_bounds<Net, typename Policy::partition>(grid.stages);
     policy << grid.policy << " (";
-    if (grid.replicas > 1)
-      policy << grid.replicas << " replicas x " << grid.stages << " stages; ";
-    policy << pipeline_kind_name(trainer.schedule.kind) << ", " << o.micro_batches
-           << " micro-batches; stages start at layers";
-    for (std::size_t k = 0; k < grid.stages; ++k) policy << ' ' << bounds[k] + 1;
+    if (grid.tensor > 1)
+      policy << Mesh{grid.replicas, grid.stages, grid.tensor}.describe();
+    else if (grid.replicas > 1)
+      policy << grid.replicas << " replicas x " << grid.stages << " stages";
+    if constexpr (runs_pipelines<Policy>) {
+      if (grid.tensor > 1 || grid.replicas > 1) policy << "; ";
+      policy << pipeline_kind_name(trainer.schedule.kind) << ", " << o.micro_batches
+             << " micro-batches; stages start at layers";
+      for (std::size_t k = 0; k < grid.stages; ++k) policy << ' ' << bounds[k] + 1;
+    }
     policy << ')';
   } else {
     policy << Policy::name;
@@ -352,6 +370,7 @@ int train(const char* title, const Options& o, const data::Split& data,
       t.load(o.resume);
       out << "resuming " << o.resume << " after step " << t.steps() << " (epoch "
           << t.position().epoch << ")\n";
+      if (!t.resharded().empty()) out << t.resharded() << '\n';
     }
   } catch (const ResumeMismatch& refused) {
     throw resume_refusal(refused, o);
@@ -431,6 +450,29 @@ int train_hybrid(const char* title, const Options& o, const data::Split& data, i
                                           std::move(processes), out, launch);
 }
 
+// TensorParallel<T, Inner> for the GPT: --tensor T (2 or 4) over Inner's
+// grid (data replicas, or --policy split and hybrid's pipelines).
+template <class Net, class Inner, class Loss>
+int train_tensor(const char* title, const Options& o, const data::Split& data, int ranks,
+                 std::vector<Device> devices, comm::Comm processes, std::ostream& out,
+                 const Launch& launch) {
+  const int t = o.tensor > 1 ? o.tensor : ranks;
+  LOOM_CHECK(t == 2 || t == 4, "--tensor takes 2 or 4 (this example's split network types), not ",
+             t);
+  LOOM_CHECK(ranks % t == 0, "--tensor ", t, " over ", ranks,
+             " devices (--devices, or mpirun -np x --devices): give a multiple of ", t);
+  if constexpr (TextModel<Net>) {
+    if (t == 2)
+      return train<Net, TensorParallel<2, Inner>, Loss>(title, o, data, std::move(devices),
+                                                       std::move(processes), out, launch);
+    return train<Net, TensorParallel<4, Inner>, Loss>(title, o, data, std::move(devices),
+                                                     std::move(processes), out, launch);
+  } else {
+    throw Error("--tensor and --policy tensor split a GPT's layers; this example's network has "
+                "none to split");
+  }
+}
+
 // Trains Net under the policy --policy names, over the processes of mpirun
 // (`world`, each rank on `rank_devices`) or over this process's devices.
 template <class Net, class Loss>
@@ -453,6 +495,12 @@ int run_policy(const char* title, const Options& o, const data::Split& data,
                                  std::max(1, rank_devices.front().threads / o.devices)});
     }
     const int ranks = world.size() * o.devices;
+    if (o.policy == "tensor" || (o.tensor > 1 && o.policy != "split" && o.policy != "hybrid"))
+      return train_tensor<Net, DataParallel<>, Loss>(title, o, data, ranks, devices, world, out,
+                                                     launch);
+    if (o.tensor > 1)
+      return train_tensor<Net, PipelinePolicy, Loss>(title, o, data, ranks, devices, world, out,
+                                                     launch);
     if (o.policy == "split")
       return train_split<Net, Loss>(title, o, data, ranks, devices, world, out, launch);
     if (o.policy == "hybrid")
@@ -463,6 +511,12 @@ int run_policy(const char* title, const Options& o, const data::Split& data,
   // Losses other than softmax cross-entropy train on CPU devices so far.
   const Device first = std::is_same_v<Loss, SoftmaxCrossEntropy> ? devices::all().front()
                                                                  : devices::cpu(1).front();
+  if (policy == "tensor" || (o.tensor > 1 && policy == "data"))
+    return train_tensor<Net, DataParallel<>, Loss>(title, o, data, o.devices,
+                                                   devices::cpu(o.devices), {}, out, launch);
+  if (o.tensor > 1)
+    return train_tensor<Net, PipelinePolicy, Loss>(title, o, data, o.devices,
+                                                   devices::cpu(o.devices), {}, out, launch);
   if (policy == "split" || policy == "hybrid") {
     // A rank (stage) per CPU worker device, or the ranks spread over the
     // GPUs round-robin (several on one GPU run on streams of their own).

@@ -6,9 +6,13 @@
 // trained model writes after a prompt from the validation text
 // (--sample-bytes, --temperature, --top-k).
 // The LeNet example's command line, --policy single|data|split|hybrid and
-// mpirun included; --steps N takes N batches of windows drawn from the
+// mpirun included, and tensor parallelism: --policy tensor splits each
+// block's heads and MLP and the vocabulary over --tensor 2 or 4 devices
+// (or processes), and --tensor T with data, split or hybrid lays the rest
+// out as replicas or stages (mpirun -np 4 ... --policy data --tensor 2:
+// data 2 x tensor 2). --steps N takes N batches of windows drawn from the
 // training text. CPU devices in this version (its layers have no CUDA
-// runners yet); tensor parallelism comes with the mesh's tensor axis.
+// runners yet).
 #include <loom/data/text.hpp>
 
 #include "example_main.hpp"

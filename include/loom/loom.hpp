@@ -33,6 +33,7 @@
 #include "parallel/partition.hpp"
 #include "parallel/schedule.hpp"
 #include "parallel/single_device.hpp"
+#include "parallel/tensor_parallel.hpp"
 #include "train/batch_size.hpp"
 #include "train/callbacks.hpp"
 #include "train/stop_on_signal.hpp"

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -40,6 +41,7 @@
 #include "../backend/cpu/epilogue.hpp"
 #include "../backend/cpu/gemm.hpp"
 #include "../backend/cpu/transcendental.hpp"
+#include "../core/error.hpp"
 #include "layer.hpp"
 
 namespace loom {
@@ -84,10 +86,27 @@ inline constexpr bool is_rotary<Rotary<Theta>> = true;
 
 }  // namespace detail
 
-template <std::size_t Heads, class Positions, class In, std::size_t Index>
-struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
-    : LayerBase<CausalSelfAttention<Heads, Positions>, In, In, Index> {
-  using Spec = CausalSelfAttention<Heads, Positions>;
+namespace detail {
+
+// Tensor parallelism splits the attention's heads over the ranks of the
+// mesh's tensor axis (Megatron's split): with Tensor ranks, each holds
+// Heads / Tensor heads, its rows of q, k and v (a column-parallel qkv
+// projection) and the matching columns of the output projection
+// (row-parallel), whose partial products the ranks sum before the bias,
+// which every rank holds whole. Backward sums the input gradient's parts.
+template <std::size_t Index, class Layer, std::size_t Heads_, std::size_t Tensor>
+struct attention_split_heads_by_degree {
+  static_assert(Heads_ % Tensor == 0,
+                "loom tensor-parallel error: the tensor degree does not divide the attention's "
+                "heads (template arguments: layer index, layer, heads, degree); each rank takes "
+                "heads / degree whole heads: choose a degree that divides them");
+  static constexpr bool ok = Heads_ % Tensor == 0;
+};
+
+template <class Spec_, std::size_t Heads, class Positions, class In, std::size_t Index,
+          std::size_t Tensor>
+struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
+  using Spec = Spec_;
   static_assert(std::is_void_v<Positions> || detail::is_rotary<Positions>,
                 "CausalSelfAttention<Heads, Positions>: Positions is void or Rotary<Theta>");
   static constexpr bool rotary = detail::is_rotary<Positions>;
@@ -100,27 +119,29 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
       // ::ok instantiates it, whatever || would have skipped.
       detail::rotary_head_width_must_be_even<Index, Spec,
                                              (rotary && Heads > 0 ? width / Heads : 0)>::ok;
-  static constexpr std::size_t heads = Heads;
   static constexpr std::size_t head_width = Heads > 0 ? width / Heads : 1;
-  static constexpr std::size_t qkv_width = 3 * width;
+  // This rank's heads, and their features: the width of its q, k and v each.
+  static constexpr std::size_t heads = Heads / Tensor;
+  static constexpr std::size_t inner = heads * head_width;
+  static constexpr std::size_t qkv_width = 3 * inner;
   // Offsets into the parameters.
   static constexpr std::size_t qkv_bias_at = qkv_width * width;
   static constexpr std::size_t proj_weight_at = qkv_bias_at + qkv_width;
-  static constexpr std::size_t proj_bias_at = proj_weight_at + width * width;
+  static constexpr std::size_t proj_bias_at = proj_weight_at + width * inner;
   // One block of parameters: the GPU layout's "bias" pointer is not used.
   static constexpr std::size_t weight_count = proj_bias_at + width;
   static constexpr std::size_t param_count = weight_count;
-  // Kept per sample: q, k, v (Context x 3 Width), every head's probabilities
-  // (Heads x Context x Context) and the heads' outputs (Context x Width).
+  // Kept per sample: q, k, v (Context x 3 Inner), every head's probabilities
+  // (Heads x Context x Context) and the heads' outputs (Context x Inner).
   static constexpr std::size_t probabilities_at = context * qkv_width;
-  static constexpr std::size_t heads_out_at = probabilities_at + Heads * context * context;
-  static constexpr std::size_t saved = heads_out_at + context * width;
+  static constexpr std::size_t heads_out_at = probabilities_at + heads * context * context;
+  static constexpr std::size_t saved = heads_out_at + context * inner;
   static constexpr bool contextual = true;
   // Backward's, per sample: the heads' output gradient, the q, k, v
   // gradient, and one head's probability gradient.
-  static constexpr std::size_t workspace = 4 * context * width + context * context;
+  static constexpr std::size_t workspace = 4 * context * inner + context * context;
   static constexpr std::size_t forward_flops =
-      2 * context * width * (qkv_width + width) + 4 * context * context * width;
+      2 * context * width * (qkv_width + inner) + 4 * context * context * inner;
   static constexpr std::size_t backward_flops = 2 * forward_flops;
   static constexpr std::string_view kind = rotary ? "rotary_attention" : "attention";
 
@@ -128,7 +149,7 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
   // parameters, the projection's rescaled to its own bound), zero biases.
   template <class T>
   static void init(T* params, std::uint64_t seed, bool) {
-    const double qkv_limit = detail::init_limit(width, qkv_width, false);
+    const double qkv_limit = detail::init_limit(width, 3 * width, false);
     const double proj_limit = detail::init_limit(width, width, false);
     detail::init_uniform(params, param_count, qkv_limit, seed, Index);
     for (std::size_t i = proj_weight_at; i < proj_bias_at; ++i)
@@ -141,7 +162,7 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
   static void tensors(Visit&& visit) {
     visit("qkv.weight", 0, {qkv_width, width}, false);
     visit("qkv.bias", qkv_bias_at, {qkv_width}, false);
-    visit("proj.weight", proj_weight_at, {width, width}, false);
+    visit("proj.weight", proj_weight_at, {width, inner}, false);
     visit("proj.bias", proj_bias_at, {width}, false);
   }
 
@@ -156,20 +177,22 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
                    params, width, T(0), qkv, qkv_width);
       cpu::bias_act_rows<Act::identity>(qkv, params + qkv_bias_at, context, qkv_width);
       if constexpr (rotary) turn(qkv, false);
-      for (std::size_t h = 0; h < Heads; ++h) {
+      for (std::size_t h = 0; h < heads; ++h) {
         T* p = kept + probabilities_at + h * context * context;
         const T* q = qkv + h * head_width;
-        const T* k = qkv + width + h * head_width;
-        const T* v = qkv + 2 * width + h * head_width;
+        const T* k = qkv + inner + h * head_width;
+        const T* v = qkv + 2 * inner + h * head_width;
         cpu::gemm<T>(false, true, context, context, head_width, scale<T>(), q, qkv_width, k,
                      qkv_width, T(0), p, context);
         causal_softmax(p);
         cpu::gemm<T>(false, false, context, head_width, context, T(1), p, context, v, qkv_width,
-                     T(0), kept + heads_out_at + h * head_width, width);
+                     T(0), kept + heads_out_at + h * head_width, inner);
       }
-      cpu::gemm<T>(false, true, context, width, width, T(1), kept + heads_out_at, width,
-                   params + proj_weight_at, width, T(0), y + s * context * width, width);
+      cpu::gemm<T>(false, true, context, width, inner, T(1), kept + heads_out_at, inner,
+                   params + proj_weight_at, inner, T(0), y + s * context * width, width);
     }
+    // Split heads: the ranks' partial projections summed, then the bias once.
+    if constexpr (Tensor > 1) tensor_group(ctx).sum(std::span<T>(y, rows * width));
     cpu::bias_act_rows<Act::identity>(y, params + proj_bias_at, rows, width);
   }
 
@@ -179,31 +202,31 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
                        const LayerContext<T>& ctx) {
     const std::size_t rows = samples * context;
     const T keep = accumulate ? T(1) : T(0);
-    T* d_heads = work;                     // rows x width
-    T* d_qkv = d_heads + rows * width;     // rows x 3 width
+    T* d_heads = work;                     // rows x inner
+    T* d_qkv = d_heads + rows * inner;     // rows x 3 inner
     T* d_p = d_qkv + rows * qkv_width;     // context x context, one head at a time
     // The projection: its bias and weight gradients, and the heads' output gradient.
     cpu::column_sums(dy, dparams + proj_bias_at, rows, width, accumulate);
     for (std::size_t s = 0; s < samples; ++s)
-      cpu::gemm<T>(true, false, width, width, context, T(1), dy + s * context * width, width,
-                   ctx.saved + s * saved + heads_out_at, width, s == 0 ? keep : T(1),
-                   dparams + proj_weight_at, width);
-    cpu::gemm<T>(false, false, rows, width, width, T(1), dy, width, params + proj_weight_at, width,
-                 T(0), d_heads, width);
+      cpu::gemm<T>(true, false, width, inner, context, T(1), dy + s * context * width, width,
+                   ctx.saved + s * saved + heads_out_at, inner, s == 0 ? keep : T(1),
+                   dparams + proj_weight_at, inner);
+    cpu::gemm<T>(false, false, rows, inner, width, T(1), dy, width, params + proj_weight_at, inner,
+                 T(0), d_heads, inner);
     for (std::size_t s = 0; s < samples; ++s) {
       const T* qkv = ctx.saved + s * saved;
       T* dq = d_qkv + s * context * qkv_width;
-      for (std::size_t h = 0; h < Heads; ++h) {
+      for (std::size_t h = 0; h < heads; ++h) {
         const T* p = qkv + probabilities_at + h * context * context;
         const T* q = qkv + h * head_width;
-        const T* k = qkv + width + h * head_width;
-        const T* v = qkv + 2 * width + h * head_width;
-        const T* d_o = d_heads + s * context * width + h * head_width;
+        const T* k = qkv + inner + h * head_width;
+        const T* v = qkv + 2 * inner + h * head_width;
+        const T* d_o = d_heads + s * context * inner + h * head_width;
         // dP = dO v^T; dV = P^T dO.
-        cpu::gemm<T>(false, true, context, context, head_width, T(1), d_o, width, v, qkv_width,
+        cpu::gemm<T>(false, true, context, context, head_width, T(1), d_o, inner, v, qkv_width,
                      T(0), d_p, context);
-        cpu::gemm<T>(true, false, context, head_width, context, T(1), p, context, d_o, width, T(0),
-                     dq + 2 * width + h * head_width, qkv_width);
+        cpu::gemm<T>(true, false, context, head_width, context, T(1), p, context, d_o, inner, T(0),
+                     dq + 2 * inner + h * head_width, qkv_width);
         // The softmax's: dS = P * (dP - rowsum(P * dP)), masked entries 0 (P is).
         for (std::size_t i = 0; i < context; ++i) {
           T dot = T(0);
@@ -215,7 +238,7 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
         cpu::gemm<T>(false, false, context, head_width, context, scale<T>(), d_p, context, k,
                      qkv_width, T(0), dq + h * head_width, qkv_width);
         cpu::gemm<T>(true, false, context, head_width, context, scale<T>(), d_p, context, q,
-                     qkv_width, T(0), dq + width + h * head_width, qkv_width);
+                     qkv_width, T(0), dq + inner + h * head_width, qkv_width);
       }
     }
     // The gradients above are the turned queries' and keys': turned back,
@@ -227,12 +250,22 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
                                                qkv_width, accumulate);
     cpu::gemm<T>(true, false, qkv_width, width, rows, T(1), d_qkv, qkv_width, x, width, keep,
                  dparams, width);
-    if (dx != nullptr)
-      cpu::gemm<T>(false, false, rows, width, qkv_width, T(1), d_qkv, qkv_width, params, width,
-                   T(0), dx, width);
+    if (dx == nullptr) return;
+    cpu::gemm<T>(false, false, rows, width, qkv_width, T(1), d_qkv, qkv_width, params, width,
+                 T(0), dx, width);
+    // Split heads: each rank's part of the input gradient is its heads'.
+    if constexpr (Tensor > 1) tensor_group(ctx).sum(std::span<T>(dx, rows * width));
   }
 
  private:
+  template <class T>
+  static TensorGroup& tensor_group(const LayerContext<T>& ctx) {
+    LOOM_CHECK(ctx.pass.tensor != nullptr && ctx.pass.tensor->size == Tensor, "layer ", Index,
+               " (attention, heads split over ", Tensor,
+               " ranks) runs without its tensor group: only TensorParallel's engine runs it");
+    return *ctx.pass.tensor;
+  }
+
   // Each position's angles' cosine and sine, (cos, sin) per position and
   // pair, computed once in double.
   static const std::vector<double>& rotations() {
@@ -251,7 +284,7 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
     return table;
   }
 
-  // Every head's queries and keys of one sample (rows of 3 Width: q, k,
+  // Every head's queries and keys of one sample (rows of 3 Inner: q, k,
   // v), turned by their positions' angles; `back`: by minus them (the
   // transpose, what takes a gradient of the turned values to the values').
   template <class T>
@@ -261,8 +294,8 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
     for (std::size_t pos = 0; pos < context; ++pos) {
       const double* cs = table.data() + pos * head_width;
       for (std::size_t part = 0; part < 2; ++part)  // q, then k
-        for (std::size_t h = 0; h < Heads; ++h) {
-          T* head = qkv + pos * qkv_width + part * width + h * head_width;
+        for (std::size_t h = 0; h < heads; ++h) {
+          T* head = qkv + pos * qkv_width + part * inner + h * head_width;
           for (std::size_t i = 0; i < half; ++i) {
             const T c = static_cast<T>(cs[2 * i]);
             const T sn = back ? static_cast<T>(-cs[2 * i + 1]) : static_cast<T>(cs[2 * i + 1]);
@@ -299,6 +332,49 @@ struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
       for (std::size_t j = 0; j <= i; ++j) row[j] /= total;
       for (std::size_t j = i + 1; j < context; ++j) row[j] = T(0);
     }
+  }
+};
+
+}  // namespace detail
+
+template <std::size_t Heads, class Positions, class In, std::size_t Index>
+struct Bind<CausalSelfAttention<Heads, Positions>, In, Index>
+    : detail::AttentionLayer<CausalSelfAttention<Heads, Positions>, Heads, Positions, In, Index,
+                             1> {};
+
+// The attention's share on one rank of Tensor (see AttentionLayer): a
+// layer of TensorParallel's sharded network (parallel/tensor_parallel.hpp
+// makes it), never written by hand.
+template <class Attention, std::size_t Tensor>
+struct TensorHeads {};
+
+template <std::size_t Heads, class Positions, std::size_t Tensor, class In, std::size_t Index>
+struct Bind<TensorHeads<CausalSelfAttention<Heads, Positions>, Tensor>, In, Index>
+    : detail::AttentionLayer<CausalSelfAttention<Heads, Positions>, Heads, Positions, In, Index,
+                             Tensor> {
+  using Base = detail::AttentionLayer<CausalSelfAttention<Heads, Positions>, Heads, Positions, In,
+                                      Index, Tensor>;
+  static constexpr bool checked =
+      Base::checked && detail::attention_split_heads_by_degree<Index, CausalSelfAttention<Heads, Positions>, Heads,
+                                                 Tensor>::ok;
+  // The whole layer's parameters, and where this rank's lie in them (in
+  // the order of its own): its heads' rows of q, k and v and their biases,
+  // its columns of the projection's rows; the projection's bias whole.
+  // visit(whole offset, own offset, count, split).
+  static constexpr std::size_t whole_width = Base::width;
+  static constexpr std::size_t whole_param_count =
+      3 * whole_width * whole_width + 3 * whole_width + whole_width * whole_width + whole_width;
+  template <class Visit>
+  static void tensor_segments(std::size_t rank, Visit&& visit) {
+    constexpr std::size_t w = whole_width, inner = Base::inner;
+    for (std::size_t part = 0; part < 3; ++part)
+      visit((part * w + rank * inner) * w, part * inner * w, inner * w, true);
+    for (std::size_t part = 0; part < 3; ++part)
+      visit(3 * w * w + part * w + rank * inner, Base::qkv_bias_at + part * inner, inner, true);
+    const std::size_t proj = 3 * w * w + 3 * w;
+    for (std::size_t row = 0; row < w; ++row)
+      visit(proj + row * w + rank * inner, Base::proj_weight_at + row * inner, inner, true);
+    visit(proj + w * w, Base::proj_bias_at, w, false);
   }
 };
 

@@ -29,6 +29,21 @@ struct ReplicaSum {
   virtual void sum(std::span<double> values) = 0;
 };
 
+// The ranks that split a layer's weights (tensor parallelism, one group
+// of the mesh's tensor axis): each holds a slice of the layer, and these
+// combine their parts. Every rank of the group calls them in the same
+// order, and every rank gets the same result, bit for bit (so the layers
+// after a sum hold equal copies on every rank).
+struct TensorGroup {
+  virtual ~TensorGroup() = default;
+  virtual void sum(std::span<float> values) = 0;
+  virtual void sum(std::span<double> values) = 0;
+  // Every rank's `mine` (all of one size), rank r's as the r-th block of `all`.
+  virtual void gather(std::span<const float> mine, std::span<float> all) = 0;
+  virtual void gather(std::span<const double> mine, std::span<double> all) = 0;
+  std::size_t rank = 0, size = 1;
+};
+
 // How a forward runs: in training (batch statistics, dropout) or evaluation,
 // and where its samples sit in the step's global batch. Dropout's mask is a
 // function of (seed, step, global sample index), so every policy draws the
@@ -39,6 +54,7 @@ struct Pass {
   std::uint64_t step = 0;
   std::size_t first_sample = 0;
   ReplicaSum* replicas = nullptr;  // DataParallel's, when the network syncs statistics
+  TensorGroup* tensor = nullptr;   // TensorParallel's, for the layers it splits
   // Sequences: each sample's length at the network's input, from the
   // micro-batch's first sample (the data set's frames); null: all full.
   const std::int32_t* frames = nullptr;

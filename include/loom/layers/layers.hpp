@@ -16,3 +16,4 @@
 #include "recurrent.hpp"
 #include "relu.hpp"
 #include "reshape.hpp"
+#include "tensor_linear.hpp"

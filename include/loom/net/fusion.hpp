@@ -25,6 +25,19 @@ struct FusionRule<Bind<Linear<Out>, In, I>, Bind<ReLU, In2, J>> {
   using type = Bind<Fused<Linear<Out>, ReLU>, In, I>;
 };
 
+// Tensor parallelism's shares of a Linear, ReLU -> the same,
+// so a sharded network runs as many layers as the whole one.
+template <std::size_t Out, std::size_t T, class In, std::size_t I, class In2, std::size_t J>
+struct FusionRule<Bind<TensorColumns<Linear<Out>, T>, In, I>, Bind<ReLU, In2, J>> {
+  static constexpr bool fuses = true;
+  using type = Bind<Fused<TensorColumns<Linear<Out>, T>, ReLU>, In, I>;
+};
+template <std::size_t Out, std::size_t T, class In, std::size_t I, class In2, std::size_t J>
+struct FusionRule<Bind<TensorRows<Linear<Out>, T>, In, I>, Bind<ReLU, In2, J>> {
+  static constexpr bool fuses = true;
+  using type = Bind<Fused<TensorRows<Linear<Out>, T>, ReLU>, In, I>;
+};
+
 // Conv2d, ReLU -> convolution with a bias+ReLU epilogue.
 template <std::size_t Out, std::size_t K, std::size_t S, std::size_t P, class In, std::size_t I,
           class In2, std::size_t J>

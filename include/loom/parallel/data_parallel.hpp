@@ -92,7 +92,7 @@ class DataParallelEngine final : public GridSplitEngine<Net> {
                      const Stages& stages = {})
       : GridSplitEngine<Net>(
             grid_net<Net, Optimizer, Loss>(1, is_data_parallel<Policy> && Net::syncs),
-            [&](std::size_t, const Device& device) {
+            [&](MeshCoordinates, const Device& device) {
               return make_stage_of<Net, Optimizer>(initial, options, bucket_bytes(), device,
                                                    Model<Net>::all_layers, stages);
             },

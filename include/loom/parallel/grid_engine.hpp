@@ -96,6 +96,7 @@ constexpr BatchShare batch_share(std::size_t n, std::size_t ranks, std::size_t r
 struct StageReport {
   std::size_t stage = 0;
   std::size_t replica = 0;              // which copy of the stage (0 for ModelSplit)
+  std::size_t tensor = 0;               // which share of its split layers (TensorParallel)
   std::size_t peak_in_flight = 0;       // since the engine started
   std::size_t activation_elements = 0;  // held now: Model's arena plus kept inputs
   double busy_seconds = 0.0;            // forward, loss and backward passes, last step
@@ -117,6 +118,7 @@ struct PipelineGrid {
   std::string identity;               // its type, which every process must share
   std::size_t replicas = 1;
   std::size_t stages = 1;  // one of the partition's stage counts
+  std::size_t tensor = 1;  // TensorParallel: the ranks that split each stage's layers
   std::size_t bucket_bytes = default_bucket_bytes;  // several replicas: gradient buckets
   PipelineSchedule schedule{PipelineKind::one_f_one_b, 4};  // the policy's own
 };
@@ -240,6 +242,15 @@ inline StageLinks split_links(comm::Comm world, const Mesh& mesh, std::size_t ra
           .own = true};
 }
 
+// A run of a tensor-parallel rank's parameters in the whole network's:
+// `count` of them at `whole` there, at `local` in the rank's own. A split
+// run is this rank's alone; a run that is not is held by every rank of the
+// tensor group, equal (the rank at tensor coordinate 0 speaks for it).
+struct ParamSegment {
+  std::size_t whole = 0, local = 0, count = 0;
+  bool split = false;
+};
+
 // One stage's network and optimizer state behind a type-erased face, so the
 // engine's code is written once for stages of different types and
 // backends. Buffers handed out as pointers or spans are in the stage's
@@ -318,6 +329,10 @@ class PipelineStage {
   std::size_t input_size = 0, output_size = 0;
   // Where its slices start in the whole network's buffers, and their sizes.
   std::size_t parameter_offset = 0, state_offset = 0, parameter_size = 0, state_size = 0;
+  // TensorParallel: where its parameters (parameter_size of them) lie in
+  // the whole network's, which are then no one slice; empty otherwise.
+  std::vector<ParamSegment> segments;
+  std::size_t tensor_rank = 0;  // its coordinate on the mesh's tensor axis
   std::vector<GradientBucket> buckets;  // the stage's gradients, reduced over its copies
 
  protected:
@@ -531,9 +546,10 @@ struct GridNet {
   bool syncs = false;
 };
 
-// Makes stage k of a rank on its device, with its slice of the initial weights.
+// Makes the stage of the rank at `at` (its stage on the pipe axis, its share
+// on the tensor axis) on its device, with its part of the initial weights.
 using StageMaker =
-    std::function<std::unique_ptr<PipelineStage>(std::size_t stage, const Device& device)>;
+    std::function<std::unique_ptr<PipelineStage>(MeshCoordinates at, const Device& device)>;
 
 // The CPU's stages (StageOf). A backend's stage type comes in a maker like
 // this one (gpu::DeviceStages), which a policy's typed engine takes.
@@ -617,7 +633,7 @@ class GridEngine {
   const PipelineSchedule& schedule() const { return schedule_; }
   const PipelineGrid& grid() const { return grid_; }
   std::size_t replicas() const { return grid_.replicas; }
-  // The policy's shape: replicas x stages x 1.
+  // The policy's shape: replicas x stages x tensor.
   const Mesh& mesh() const { return mesh_; }
   int world() const { return ranks_.front()->groups.world.size(); }
   // This process's ranks, in grid order (replica-major), and their stages.
@@ -625,7 +641,7 @@ class GridEngine {
   PipelineStage& stage(std::size_t i) { return *ranks_.at(i)->net; }
   const PipelineStage& stage(std::size_t i) const { return *ranks_.at(i)->net; }
   // Every rank of the grid is here (worker devices), or only this process's.
-  bool all_local() const { return ranks_.size() == grid_.replicas * stages_; }
+  bool all_local() const { return ranks_.size() == mesh_.size(); }
 
   // One batch of an optimizer step. group_samples: the samples of all the
   // step's batches (a per-sample loss is their mean; another loss's
@@ -727,9 +743,24 @@ class GridEngine {
     void sum(std::span<double> values) override { comm.all_reduce(values, comm::ReduceOp::sum); }
   };
 
+  // The split layers' sums and gathers (TensorParallel), on the rank's
+  // tensor group: its own thread's, while the reducer's thread all-reduces
+  // gradient buckets on the data group.
+  struct TensorSum final : TensorGroup {
+    comm::Comm* comm = nullptr;
+    void sum(std::span<float> values) override { comm->all_reduce(values, comm::ReduceOp::sum); }
+    void sum(std::span<double> values) override { comm->all_reduce(values, comm::ReduceOp::sum); }
+    void gather(std::span<const float> mine, std::span<float> all) override {
+      comm->all_gather(mine, all);
+    }
+    void gather(std::span<const double> mine, std::span<double> all) override {
+      comm->all_gather(mine, all);
+    }
+  };
+
   struct Rank {
     std::size_t rank = 0;  // in the mesh's world
-    std::size_t replica = 0, stage = 0;  // its data and pipe coordinates
+    std::size_t replica = 0, stage = 0, tensor = 0;  // its data, pipe and tensor coordinates
     std::unique_ptr<PipelineStage> net;
     // Its communicators: world, every rank of the grid; pipe, this
     // replica's stages (rank = stage); data, the copies of this stage (rank
@@ -737,6 +768,7 @@ class GridEngine {
     MeshGroups groups;
     StageLinks links;                              // what moves the stage's memory
     StatisticsSum statistics;                      // SyncBatchNorm's, over the stage's copies
+    TensorSum tensor_sum;                          // TensorParallel's layers', over groups.tensor
     std::unique_ptr<Reducer> reducer;              // several replicas: over this stage's copies
     std::unique_ptr<Outbox> to_next, to_previous;  // destroyed first
     std::vector<std::size_t> free_slots, slot_of;  // slot_of: per micro-batch
@@ -766,7 +798,9 @@ class GridEngine {
     if (targets.frames != nullptr) targets.frames = r.net->output_frames(slot);
     return targets;
   }
+  // The ranks of a tensor group compute the same loss: the first speaks for it.
   static void add_sums(Rank& r, const cpu::LossSums& sums) {
+    if (r.tensor != 0) return;
     r.stats[0] += sums.loss;
     r.stats[1] += static_cast<double>(sums.correct);
     r.stats[2] += sums.errors;
@@ -778,6 +812,7 @@ class GridEngine {
   void cancel(Rank& r, const std::string& why) {
     r.groups.world.cancel(why);
     if (r.groups.pipe) r.groups.pipe.cancel(why);
+    if (r.groups.tensor) r.groups.tensor.cancel(why);
     if (r.reducer) r.reducer->comm().cancel(why);
     // A stage's own links (a GPU's), once made.
     for (auto* link : {&r.links.to_next, &r.links.from_next, &r.links.to_previous,
@@ -844,6 +879,7 @@ class GridEngine {
     bool unscale(float loss_scale) {
       std::array<double, 1> bad{r.net->unscale(loss_scale) ? 0.0 : 1.0};
       r.groups.pipe.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
+      r.groups.tensor.all_reduce(std::span<double>(bad), comm::ReduceOp::sum);
       return bad[0] == 0.0;
     }
     // This rank's first non-finite value (the outputs its slots still
@@ -867,12 +903,14 @@ class GridEngine {
       if (name_spot) r.fault = agree_on_spot(r.groups.world, r.net->find_nonfinite_gradient());
       r.net->restore_state();
     }
-    // The norm is the whole pipeline's: each stage gives its layers' squares.
+    // The norm is the whole pipeline's: each stage gives its layers'
+    // squares (a tensor group's ranks, their own parts).
     void clip(float max_norm) {
       auto& squares = r.squares;
       squares.assign(engine.net_.norm_segments.size(), 0.0);
       r.net->add_layer_squares(engine.net_.norm_segments, squares);
       r.groups.pipe.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
+      r.groups.tensor.all_reduce(std::span<double>(squares), comm::ReduceOp::sum);
       const float factor = clip_factor(global_norm(squares), max_norm);
       if (factor != 1.0f) r.net->scale_gradients(factor);
     }
@@ -898,6 +936,13 @@ class GridEngine {
   // Each stage's slice from `whole`.
   static void scatter(Rank& r, PipelineStage::Buffer what, std::size_t b, const float* whole) {
     const bool state = what == PipelineStage::Buffer::state;
+    if (!state && !r.net->segments.empty()) {
+      std::vector<float> own(r.net->parameter_size);
+      for (const ParamSegment& s : r.net->segments)
+        std::copy_n(whole + s.whole, s.count, own.begin() + static_cast<std::ptrdiff_t>(s.local));
+      r.net->write(what, b, own);
+      return;
+    }
     const std::size_t offset = state ? r.net->state_offset : r.net->parameter_offset;
     const std::size_t size = state ? r.net->state_size : r.net->parameter_size;
     r.net->write(what, b, std::span<const float>(whole + offset, size));
@@ -916,7 +961,7 @@ class GridEngine {
   PipelineGrid grid_;
   PipelineSchedule schedule_;
   std::size_t stages_;
-  Mesh mesh_;  // grid_.replicas x stages_ x 1
+  Mesh mesh_;  // grid_.replicas x stages_ x grid_.tensor
   bool local_ = true;
   std::size_t threads_per_process_ = 1;  // ranks in this process: process p holds p*T ... p*T+T-1
   std::vector<std::unique_ptr<Rank>> ranks_;
@@ -1032,7 +1077,7 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
       grid_(std::move(grid)),
       schedule_(schedule.micro_batches == 0 ? grid_.schedule : schedule),
       stages_(net_.stages),
-      mesh_{.data = grid_.replicas, .pipe = stages_},
+      mesh_{.data = grid_.replicas, .pipe = stages_, .tensor = grid_.tensor},
       crew_(grid_.policy, devices.front().threads) {
   LOOM_CHECK(grid_.replicas >= 1, grid_.policy, " needs at least one replica");
   // A schedule chosen at run time gets the check the policy's own had at
@@ -1042,7 +1087,7 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
   std::vector<comm::Comm> comms;
   local_ = !processes;  // LocalComm: buffered sends
   const char* name = grid_.policy;
-  const std::size_t ranks = grid_.replicas * stages_;
+  const std::size_t ranks = mesh_.size();
   if (processes) {
     const std::size_t threads = devices.size();
     const std::size_t process_count = static_cast<std::size_t>(processes.size());
@@ -1061,7 +1106,8 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
     int initialized = 0, level = MPI_THREAD_SINGLE;
     MPI_Initialized(&initialized);
     if (initialized) MPI_Query_thread(&level);
-    LOOM_CHECK((stages_ == 1 && threads == 1) || !initialized || level == MPI_THREAD_MULTIPLE,
+    LOOM_CHECK((stages_ == 1 && grid_.tensor == 1 && threads == 1) || !initialized ||
+                   level == MPI_THREAD_MULTIPLE,
                name, " over MPI processes sends and receives from several threads at once and "
                "needs MPI_THREAD_MULTIPLE; this MPI library provides thread level ",
                level);
@@ -1090,8 +1136,9 @@ LOOM_DECL GridEngine::GridEngine(GridNet net, const StageMaker& make_stage,
     rank->rank = w;
     rank->replica = at.data;
     rank->stage = at.pipe;
+    rank->tensor = at.tensor;
     // This process's ranks, in order, on its devices (one, under MPI alone).
-    rank->net = make_stage(rank->stage, devices[std::min(i, devices.size() - 1)]);
+    rank->net = make_stage(at, devices[std::min(i, devices.size() - 1)]);
     rank->groups.world = std::move(c);
     ranks_.push_back(std::move(rank));
   }
@@ -1138,6 +1185,7 @@ LOOM_DECL StageReport GridEngine::report(std::size_t i) const {
   StageReport report;
   report.stage = r.stage;
   report.replica = r.replica;
+  report.tensor = r.tensor;
   report.peak_in_flight = r.peak_in_flight;
   report.activation_elements = r.net->arena_elements();
   report.busy_seconds = r.busy;
@@ -1166,6 +1214,8 @@ LOOM_DECL std::string GridEngine::layout() const {
   else if (grid_.replicas > 1)
     text = std::to_string(grid_.replicas) + " replicas x " + text + " = " +
            std::to_string(grid_.replicas * stages_) + " ranks";
+  if (grid_.tensor > 1)
+    text = mesh_.describe() + " = " + std::to_string(mesh_.size()) + " ranks";
   return text;
 }
 
@@ -1236,9 +1286,13 @@ LOOM_DECL void GridEngine::work(Rank& r, const Job& job) {
 LOOM_DECL void GridEngine::start(Rank& r) {
   check_same_program(r.groups.world,
                      "network " + net_.network + ", policy " + grid_.identity + " (" +
-                         std::to_string(grid_.replicas) + " replicas), optimizer " + net_.optimizer,
+                         std::to_string(grid_.replicas) + " replicas, tensor " +
+                         std::to_string(grid_.tensor) + "), optimizer " + net_.optimizer,
                      net_.parameter_count);
   r.groups = split_mesh(std::move(r.groups.world), mesh_);
+  r.tensor_sum.comm = &r.groups.tensor;
+  r.tensor_sum.rank = r.tensor;
+  r.tensor_sum.size = mesh_.tensor;
   r.links = r.net->links(r.groups, mesh_, r.rank);
   if (grid_.replicas > 1) {
     r.reducer = std::make_unique<Reducer>(r.links.data, r.net->buckets.size());
@@ -1312,6 +1366,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
       pass.first_sample = first_sample;
       if (job.targets.frames != nullptr) pass.frames = job.targets.frames + first_sample;
       if (net_.syncs) pass.replicas = &r.statistics;
+      pass.tensor = &r.tensor_sum;  // a group of one too (TensorParallel<1>)
       const float* output = r.net->forward(input, piece.count, slot, pass);
       r.busy += seconds_since(started);
       if (!last(r)) {
@@ -1405,6 +1460,7 @@ LOOM_DECL void GridEngine::evaluate(Rank& r, const Job& job) {
           receive_input(r, data.images.data() + first_sample * sample, piece.count, 0);
       Pass pass;
       if (targets.frames != nullptr) pass.frames = targets.frames + first_sample;
+      pass.tensor = &r.tensor_sum;
       const float* output = r.net->forward(input, piece.count, 0, pass);
       if (last(r)) {
         add_sums(r, r.net->loss(*net_.loss, 0, piece.count,
@@ -1423,14 +1479,28 @@ LOOM_DECL void GridEngine::gather(Rank& r, PipelineStage::Buffer what, std::size
   const bool state = what == PipelineStage::Buffer::state;
   const std::size_t offset = state ? r.net->state_offset : r.net->parameter_offset;
   const std::size_t size = state ? r.net->state_size : r.net->parameter_size;
+  // Replica 0's ranks write their parts: a whole slice each, or (split
+  // layers) their own runs, and the first of each tensor group the runs
+  // its group holds alike (running statistics included).
+  const auto place = [&](float* into) {
+    if (r.replica != 0) return;
+    if (state || r.net->segments.empty()) {
+      if (r.tensor == 0) r.net->read(what, b, std::span<float>(into + offset, size));
+      return;
+    }
+    std::vector<float> own(r.net->parameter_size);
+    r.net->read(what, b, own);
+    for (const ParamSegment& s : r.net->segments)
+      if (s.split || r.tensor == 0)
+        std::copy_n(own.begin() + static_cast<std::ptrdiff_t>(s.local), s.count, into + s.whole);
+  };
   if (all_local()) {
-    if (r.replica == 0) r.net->read(what, b, std::span<float>(whole + offset, size));
+    place(whole);
     return;
   }
-  // Each stage of replica 0 adds its slice into zeros: the sum is every
-  // slice, exactly.
+  // Each part is added into zeros: the sum is every part, exactly.
   std::vector<float> all(state ? net_.state_count : net_.parameter_count, 0.0f);
-  if (r.replica == 0) r.net->read(what, b, std::span<float>(all).subspan(offset, size));
+  place(all.data());
   r.groups.world.all_reduce(std::span<float>(all), comm::ReduceOp::sum);
   if (&r == ranks_.front().get()) std::copy(all.begin(), all.end(), whole);
 }

@@ -76,15 +76,23 @@ inline constexpr bool is_hybrid = false;
 template <std::size_t R, class S, std::size_t B>
 inline constexpr bool is_hybrid<Hybrid<R, S, B>> = true;
 
-// The policies whose ranks run pipelines (ModelSplit is Hybrid with R = 1).
+// TensorParallel<T, Inner> (tensor_parallel.hpp, which specialises this).
 template <class Policy>
-inline constexpr bool is_pipelined = is_model_split<Policy> || is_hybrid<Policy>;
+inline constexpr bool is_tensor_parallel = false;
+
+// The policies whose ranks run pipelines (ModelSplit is Hybrid with R = 1;
+// TensorParallel runs its inner policy's grid over each tensor group).
+template <class Policy>
+inline constexpr bool is_pipelined =
+    is_model_split<Policy> || is_hybrid<Policy> || is_tensor_parallel<Policy>;
 
 // What one device (or process) of a policy holds.
 struct Placement {
-  std::size_t rank = 0;     // in the policy's grid: replica * stages + stage
+  std::size_t rank = 0;     // in the mesh (Mesh::rank of its coordinates)
   std::size_t replica = 0;  // DataParallel/Hybrid: which copy
   std::size_t stage = 0;    // ModelSplit/Hybrid: which pipeline stage
+  std::size_t tensor = 0;   // TensorParallel: which share of each split layer
+  std::size_t tensor_ranks = 1;  // TensorParallel: the ranks that split each layer
   std::size_t first_layer = 0, last_layer = 0;  // user layers, 1-based, inclusive
   std::string device;  // its name, or "process w" for another MPI process's
 };
@@ -105,7 +113,7 @@ std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t
   std::vector<std::size_t> starts{0, Net::layer_count};  // stage k: layers starts[k] + 1 ...
   if constexpr (is_pipelined<Policy>) {
     const auto grid = pipeline_grid<Policy>(ranks, grid_replicas);
-    mesh = {.data = grid.replicas, .pipe = grid.stages};
+    mesh = {.data = grid.replicas, .pipe = grid.stages, .tensor = grid.tensor};
     starts = cut_bounds<Net, typename Policy::partition>(grid.stages);
   } else if constexpr (!is_data_parallel<Policy>) {
     mesh = {};
@@ -118,6 +126,8 @@ std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t
     p.rank = w;
     p.replica = at.data;
     p.stage = at.pipe;
+    p.tensor = at.tensor;
+    p.tensor_ranks = mesh.tensor;
     p.first_layer = starts[p.stage] + 1;
     p.last_layer = starts[p.stage + 1];
     if (processes == 0) {
@@ -137,12 +147,15 @@ std::vector<Placement> placement(const std::vector<Device>& devices, std::size_t
   return out;
 }
 
-// One line per device: "  cpu:2  replica 1  stage 0  layers 1-6".
+// One line per device: "  cpu:2  replica 1  stage 0  layers 1-6" (and,
+// split over tensor ranks, "  tensor 1 of 2" before the layers).
 inline std::string describe_placement(const std::vector<Placement>& places) {
   std::ostringstream text;
-  for (const auto& p : places)
-    text << "  " << p.device << "  replica " << p.replica << "  stage " << p.stage << "  layers "
-         << p.first_layer << '-' << p.last_layer << '\n';
+  for (const auto& p : places) {
+    text << "  " << p.device << "  replica " << p.replica << "  stage " << p.stage;
+    if (p.tensor_ranks > 1) text << "  tensor " << p.tensor << " of " << p.tensor_ranks;
+    text << "  layers " << p.first_layer << '-' << p.last_layer << '\n';
+  }
   return text.str();
 }
 

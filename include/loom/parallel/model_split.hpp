@@ -137,6 +137,15 @@ PipelineGrid pipeline_grid(std::size_t ranks, std::size_t replicas = 0) {
                     .replicas = Policy::replicas,
                     .stages = Policy::stages,
                     .schedule = Policy::schedule};
+  // TensorParallel: a grid of replicas x stages over each tensor group.
+  constexpr bool tensor_split = requires { Policy::tensor; };
+  if constexpr (tensor_split) {
+    grid.tensor = Policy::tensor;
+    LOOM_CHECK(ranks > 0 && ranks % grid.tensor == 0, Policy::name, " splits each layer over ",
+               grid.tensor, " ranks (its tensor degree): give a multiple of ", grid.tensor,
+               " devices (or processes), not ", ranks);
+    ranks /= grid.tensor;
+  }
   if constexpr (requires { Policy::bucket_bytes; }) grid.bucket_bytes = Policy::bucket_bytes;
   LOOM_CHECK(replicas == 0 || Policy::replicas == 0 || replicas == Policy::replicas, Policy::name,
              " runs ", Policy::replicas, " replica(s), not the ", replicas, " asked for");
@@ -153,7 +162,7 @@ PipelineGrid pipeline_grid(std::size_t ranks, std::size_t replicas = 0) {
       grid.replicas = 1;
     }
     // Hybrid<1, Split> trains as Split does, bit for bit.
-    if (grid.replicas == 1) grid.policy = "ModelSplit";
+    if (grid.replicas == 1 && !tensor_split) grid.policy = "ModelSplit";
   }
   // The grid engine checks that a partition of one stage count fits the
   // ranks; one of several must be among them.
@@ -185,8 +194,8 @@ class PipelineEngine final : public GridSplitEngine<Net> {
                  const Model<Net, float>& initial, typename Optimizer::Options options,
                  PipelineGrid grid, PipelineSchedule schedule, const Stages& stages = {})
       : GridSplitEngine<Net>(grid_net<Net, Optimizer, Loss>(grid.stages, false),
-                             [&](std::size_t k, const Device& device) {
-                               return make_stage(grid.stages, k, initial, options,
+                             [&](MeshCoordinates at, const Device& device) {
+                               return make_stage(grid.stages, at.pipe, initial, options,
                                                  grid.bucket_bytes, device, stages);
                              },
                              devices, std::move(processes), grid, schedule) {}

@@ -87,6 +87,7 @@ struct CheckpointImage {
   TrainingPosition position;
   std::optional<FitIdentity> fit;
   std::string network, policy;  // what wrote it, for messages
+  std::string mesh;  // its ranks' layout (Mesh::describe), empty in older checkpoints
 };
 
 // A 40-bit digest of what a checkpoint restores (weights, running
@@ -160,6 +161,7 @@ LOOM_DECL void write_checkpoint(const std::filesystem::path& path, const Checkpo
   writer.set_metadata("format", std::string(checkpoint_format));
   writer.set_metadata("network", image.network);
   writer.set_metadata("policy", image.policy);
+  writer.set_metadata("mesh", image.mesh);
   writer.set_metadata("optimizer", image.optimizer);
   writer.set_metadata("optimizer.steps", number_text(image.optimizer_steps));
   writer.set_metadata("optimizer.lr", number_text(image.lr));
@@ -275,6 +277,7 @@ LOOM_DECL CheckpointImage read_checkpoint(const std::filesystem::path& path,
   image.optimizer = file.metadata("optimizer");
   image.network = file.metadata("network");
   image.policy = file.metadata("policy");
+  if (file.metadata().contains("mesh")) image.mesh = file.metadata("mesh");
   LOOM_CHECK(image.optimizer == optimizer, "checkpoint '", where, "' was written by a trainer "
              "using ", image.optimizer, ", but this one uses ", optimizer,
              "; its optimizer state would not fit");

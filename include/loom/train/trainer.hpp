@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -34,6 +35,7 @@
 #include "../parallel/hybrid.hpp"
 #include "../parallel/model_split.hpp"
 #include "../parallel/single_device.hpp"
+#include "../parallel/tensor_parallel.hpp"
 #include "agreement.hpp"
 #include "checkpoint.hpp"
 #include "fit_events.hpp"
@@ -128,6 +130,10 @@ class Trainer : public detail::TrainerCore {
     // what its CUDA translation unit registered (gpu::register_trainers).
     // Every policy runs there on the grid engine over GPU stages, which
     // take any loss.
+    if constexpr (is_tensor_parallel<Policy>)
+      LOOM_CHECK(!on_gpu(), Policy::name, " runs on CPU devices and MPI processes; its split "
+                 "layers have no GPU code yet: train on devices::cpu(n) or under mpirun with CPU "
+                 "ranks");
     if (on_gpu()) {
       if constexpr (requires(Trainer& t) { make_gpu_executor(t); })
         gpu_ = make_gpu_executor(*this);
@@ -278,6 +284,19 @@ class Trainer : public detail::TrainerCore {
       if (engine_) return engine_->replica_optimizer(0);
     return optimizer_;
   }
+  // The policy's ranks laid out on the mesh: data x pipe x tensor.
+  Mesh mesh() const {
+    if constexpr (is_pipelined<Policy>)
+      return {grid_.replicas, grid_.stages, grid_.tensor};
+    else if constexpr (is_data_parallel<Policy>)
+      return {std::max<std::size_t>(process_count_, 1) * devices_.size(), 1, 1};
+    else
+      return {};
+  }
+  // After load(): how the checkpoint's whole tensors were cut for this
+  // run's mesh, when it differs from the mesh that saved them (empty when
+  // the same, or when the checkpoint does not say).
+  const std::string& resharded() const { return resharded_; }
   // Writes a checkpoint (safetensors; atomically: a crash mid-write keeps
   // the file that was there): weights, running statistics, optimizer state
   // and the position in the fit, in the whole network's layout, so it loads
@@ -395,6 +414,7 @@ class Trainer : public detail::TrainerCore {
     image.lr = this->optimizer().options().lr;
     image.network = detail::type_label<Net>();
     image.policy = policy_name();
+    image.mesh = mesh().describe();
   }
   detail::CheckpointImage read_image(const std::filesystem::path& path, bool resume) {
     std::vector<std::string> names;
@@ -407,6 +427,31 @@ class Trainer : public detail::TrainerCore {
     if (resume) detail::check_resumed_options(image, options, path.string());
     return image;
   }
+  std::string resharding(const detail::CheckpointImage& image) const {
+    // Only the pipe and tensor axes cut tensors (data replicas hold them whole).
+    const Mesh now = mesh();
+    const auto cut = [](const Mesh& m) {
+      return " x pipe " + std::to_string(m.pipe) + " x tensor " + std::to_string(m.tensor);
+    };
+    if (image.mesh.empty() || image.mesh.ends_with(cut(now))) return {};
+    std::ostringstream text;
+    text << "resharded: the checkpoint was saved by " << image.policy << " on " << image.mesh
+         << "; this " << policy_name() << " runs " << now.describe() << ": ";
+    if constexpr (is_tensor_parallel<Policy>) {
+      std::size_t split = 0;
+      for (const auto& run : detail::TensorEngine<Net, Policy, Optimizer, Loss>::segments(
+               0, {0, Net::executed::size}))
+        if (run.split) split += run.count;
+      text << "each of its " << now.tensor << " tensor ranks takes its 1/" << now.tensor
+           << " of the split layers' " << split * now.tensor << " weights and all of the other "
+           << Net::parameter_count - split * now.tensor;
+    } else {
+      text << "each rank takes the whole tensors of its layers";
+    }
+    if (now.pipe > 1) text << ", the layers cut into " << now.pipe << " stages";
+    text << " (optimizer state alike)";
+    return text.str();
+  }
   void restore_image(const detail::CheckpointImage& image, bool resume) {
     const auto put = [&](Model<Net, float>& model, auto& optimizer) {
       std::ranges::copy(image.parameters, model.parameters().begin());
@@ -417,6 +462,7 @@ class Trainer : public detail::TrainerCore {
       optimizer.set_lr(resume ? image.lr : base_lr_);
     };
     put(model_, optimizer_);
+    resharded_ = resharding(image);
     if constexpr (!is_pipelined<Policy>)
       if (!on_gpu())
         for (std::size_t r = 0; r < engine_->local_replicas(); ++r)
@@ -566,7 +612,9 @@ class Trainer : public detail::TrainerCore {
   // stage cut: ModelSplit and every Hybrid over one cut share them.
   struct NoPipeline {};
   static auto pipeline_type() {
-    if constexpr (is_pipelined<Policy>)
+    if constexpr (is_tensor_parallel<Policy>)
+      return static_cast<detail::TensorEngine<Net, Policy, Optimizer, Loss>*>(nullptr);
+    else if constexpr (is_pipelined<Policy>)
       return static_cast<
           detail::PipelineEngine<Net, typename Policy::partition, Optimizer, Loss>*>(nullptr);
     else
@@ -584,6 +632,7 @@ class Trainer : public detail::TrainerCore {
   PipelineGrid grid_;  // pipelined policies: replicas, buckets, the policy's schedule
   comm::Comm processes_;  // on GPUs across processes (the engine's, bootstraps NCCL)
   bool host_changed_ = false;  // model() handed out the weights since the device(s) last had them
+  std::string resharded_;  // the last load's resharding (resharded())
   // On GPUs: the CUDA executor (gpu/trainer_executor.cuh), which holds
   // the grid engine over their stages.
   std::unique_ptr<detail::GpuExecutor<Trainer>> gpu_;

@@ -1,0 +1,32 @@
+// A small GPT on Debian's fortunes for the tensor-parallel tests (worker
+// threads and MPI processes): 4 heads, so tensor degrees 2 and 4 divide
+// its heads, MLP and vocabulary; 120 training windows in batches of 24.
+#pragma once
+
+#include <loom/loom.hpp>
+#include <vector>
+
+namespace loom::test {
+
+inline constexpr std::size_t gpt_context = 16, gpt_width = 32, gpt_vocab = 256;
+using GptAttention = Residual<LayerNorm, CausalSelfAttention<4>>;
+using GptMlp = Residual<LayerNorm, Linear<4 * gpt_width>, GELU, Linear<gpt_width>>;
+using TinyGpt = Sequential<Input<gpt_context>, Embedding<gpt_vocab, gpt_width>, PositionEmbedding,
+                           GptAttention, GptMlp, GptAttention, GptMlp, LayerNorm,
+                           Linear<gpt_vocab>>;
+
+// Under SGD, as tests/parallel/test_transformer_policies.cpp says why (the
+// keys' bias gradient is rounding noise, which Adam would magnify).
+inline const SGD::Options gpt_sgd{.lr = 0.1f, .momentum = 0.9f};
+// Two epochs (the second's order shuffled): 10 steps.
+inline const FitOptions gpt_fit{.epochs = 2, .batch_size = 24, .seed = 5};
+
+inline const data::Split& gpt_text() {
+  static const data::Split split = [] {
+    data::Split s = data::text_split(data::read_fortunes(), gpt_context, 17);
+    return data::Split{data::head(s.train, 120), data::head(s.test, 96)};
+  }();
+  return split;
+}
+
+}  // namespace loom::test
