@@ -251,6 +251,13 @@ struct ParamSegment {
   bool split = false;
 };
 
+// A rank's own parameters (or optimizer buffer), cut by its runs from the
+// whole network's.
+inline void cut_own(std::span<const ParamSegment> runs, const float* whole, std::span<float> own) {
+  for (const ParamSegment& s : runs)
+    std::copy_n(whole + s.whole, s.count, own.begin() + static_cast<std::ptrdiff_t>(s.local));
+}
+
 // One stage's network and optimizer state behind a type-erased face, so the
 // engine's code is written once for stages of different types and
 // backends. Buffers handed out as pointers or spans are in the stage's
@@ -938,8 +945,7 @@ class GridEngine {
     const bool state = what == PipelineStage::Buffer::state;
     if (!state && !r.net->segments.empty()) {
       std::vector<float> own(r.net->parameter_size);
-      for (const ParamSegment& s : r.net->segments)
-        std::copy_n(whole + s.whole, s.count, own.begin() + static_cast<std::ptrdiff_t>(s.local));
+      cut_own(r.net->segments, whole, own);
       r.net->write(what, b, own);
       return;
     }

@@ -348,9 +348,7 @@ class TensorEngine final : public GridSplitEngine<Net> {
       const std::size_t size =
           shard::param_offsets[range.last] - shard::param_offsets[range.first];
       std::vector<float> own(size);
-      for (const ParamSegment& s : runs)
-        std::copy_n(whole.parameters().begin() + static_cast<std::ptrdiff_t>(s.whole), s.count,
-                    own.begin() + static_cast<std::ptrdiff_t>(s.local));
+      cut_own(runs, whole.parameters().data(), own);
       const std::size_t state_at = executed::state_offsets[range.first];
       const std::size_t state_size = executed::state_offsets[range.last] - state_at;
       made = std::make_unique<TensorStageOf<ShardNet, Optimizer>>(
