@@ -17,6 +17,8 @@
 //                   BLAS threads each) against SingleDevice on --threads, in
 //                   one run, and the first batch's loss after the timed steps
 //                   under both (equal to fp32 rounding).
+// --tied: the network with its head's weight tied to its embedding's
+// (nanoGPT's default; gpt.py --tied builds the same).
 // --dump FILE writes the training windows in the order they are taken, the
 // validation windows and loom's initial parameters, so that PyTorch starts
 // from the same weights and sees the same batches.
@@ -98,7 +100,6 @@ struct WarmupCosine {
   }
 };
 
-using GptTrainer = Trainer<BabyGpt, SingleDevice, AdamW, PositionCrossEntropy>;
 
 // The median step of the example's network under Policy on `devices`,
 // after `warmup` steps, and the loss of the first batch's windows after
@@ -148,11 +149,88 @@ double attention_ms(const data::Dataset& windows, std::size_t batch, std::size_t
   return median(ms);
 }
 
+// One device's step, attention and convergence lines for Net (the baby
+// GPT, or its weight-tied form), or with `tensor` the TensorParallel line.
+template <class Net>
+void run(const data::Split& split, const std::string& dump_path, std::size_t batch,
+         std::size_t steps, std::size_t warmup, std::size_t threads, std::size_t train_steps,
+         std::size_t tensor = 0) {
+  const bool converge = train_steps > 0;
+  Trainer<Net, SingleDevice, AdamW, PositionCrossEntropy> trainer(
+      cpu_device(threads), AdamW::Options{.lr = 1e-3f, .weight_decay = 0.1f});
+  if (!dump_path.empty()) dump(split, trainer.model().parameters(), dump_path);
+  nlohmann::json line{{"library", "loom"},
+                      {"network", Net::ties.empty() ? "baby_gpt" : "baby_gpt_tied"},
+                      {"parameters", Net::unique_parameter_count},
+                      {"batch", batch},
+                      {"context", gpt_context},
+                      {"threads", threads}};
+  const FitOptions fit{.epochs = 1, .batch_size = batch, .shuffle = false};
+  if (tensor > 0) {
+    // Tensor parallelism's cost against one device, on the same cores.
+    auto ranks = devices::cpu(tensor);
+    for (auto& d : ranks) d.threads = static_cast<int>(std::max<std::size_t>(1, threads / tensor));
+    const auto [one_ms, one_loss] =
+        policy_step<SingleDevice>(cpu_device(threads), split, batch, warmup);
+    const auto [split_ms, split_loss] =
+        tensor == 2 ? policy_step<TensorParallel<2>>(ranks, split, batch, warmup)
+                    : policy_step<TensorParallel<4>>(ranks, split, batch, warmup);
+    line["benchmark"] = "gpt_tensor_step";
+    line["steps"] = steps;
+    line["tensor"] = tensor;
+    line["single_device_ms"] = one_ms;
+    line["tensor_parallel_ms"] = split_ms;
+    line["tensor_vs_single"] = one_ms / split_ms;  // >1: TensorParallel faster
+    line["loss_after"] = {{"single_device", one_loss}, {"tensor_parallel", split_loss}};
+    std::cout << line.dump() << '\n';
+    return;
+  }
+  if (converge) {
+    const auto begin = Clock::now();
+    trainer.fit(split.train,
+                {.epochs = 1, .batch_size = batch, .shuffle = false, .max_grad_norm = 1.0f},
+                WarmupCosine{});
+    const double seconds = ms_since(begin) / 1e3;
+    const EvalResult validation = trainer.evaluate(split.test);
+    line["benchmark"] = "gpt_convergence";
+    line["steps"] = train_steps;
+    line["validation_windows"] = split.test.count;
+    line["validation_loss"] = validation.loss;
+    line["train_seconds"] = seconds;
+    std::cout << line.dump() << '\n';
+    return;
+  }
+  // The first batch's loss at the initial weights: PyTorch's side must
+  // find the same (gpt.py --expect-initial-loss), or the networks differ.
+  const double initial_loss = trainer.evaluate(data::head(split.train, batch)).loss;
+  std::vector<double> ms;
+  trainer.fit(split.train, fit, StepTimes{.ms = &ms});
+  const double step_ms =
+      median(std::vector<double>(ms.begin() + static_cast<std::ptrdiff_t>(warmup), ms.end()));
+  line["benchmark"] = "gpt_step";
+  line["steps"] = steps;
+  line["median_step_ms"] = step_ms;
+  line["tokens_per_s"] = static_cast<double>(batch * gpt_context) / (step_ms / 1e3);
+  line["initial_loss"] = initial_loss;
+  std::cout << line.dump() << '\n';
+  cpu::set_threads(static_cast<int>(threads));
+  line["benchmark"] = "attention_step";
+  line.erase("parameters");
+  line.erase("tokens_per_s");
+  line.erase("initial_loss");
+  line["network"] = "causal_self_attention";
+  line["width"] = examples::gpt_width;
+  line["heads"] = examples::gpt_heads;
+  line["median_step_ms"] = attention_ms(split.train, batch, steps, warmup);
+  std::cout << line.dump() << '\n';
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string corpus_dir = data::fortunes_dir, dump_path;
   std::size_t batch = 32, steps = 20, warmup = 3, threads = 1, train_steps = 0, tensor = 0;
+  bool tied = false;
   CLI::App app{"loom's baby GPT (the gpt_fortunes example's network) on the CPU, JSON lines"};
   app.add_option("--data", corpus_dir, "folder of text files")->capture_default_str();
   app.add_option("--batch", batch, "windows a step")->capture_default_str();
@@ -167,6 +245,9 @@ int main(int argc, char** argv) {
                  "instead: a step under TensorParallel<T> (2 or 4) on T worker devices of "
                  "--threads / T threads each, against SingleDevice on --threads, in one run")
       ->check(CLI::IsMember({2, 4}));
+  app.add_flag("--tied", tied,
+               "the network with its output head tied to its embedding (TiedLinear; nanoGPT's "
+               "default), for the step and convergence lines");
   CLI11_PARSE(app, argc, argv);
   try {
     LOOM_CHECK(batch > 0 && steps > 0, "gpt_bench: --batch and --steps must be at least 1");
@@ -174,69 +255,12 @@ int main(int argc, char** argv) {
     const bool converge = train_steps > 0;
     const std::size_t taken = converge ? train_steps : warmup + steps;
     const data::Split split = data::text_split(corpus, gpt_context, 1, taken * batch);
-    GptTrainer trainer(cpu_device(threads), AdamW::Options{.lr = 1e-3f, .weight_decay = 0.1f});
-    if (!dump_path.empty()) dump(split, trainer.model().parameters(), dump_path);
-    nlohmann::json line{
-        {"library", "loom"}, {"network", "baby_gpt"},  {"parameters", BabyGpt::parameter_count},
-        {"batch", batch},    {"context", gpt_context}, {"threads", threads}};
-    const FitOptions fit{.epochs = 1, .batch_size = batch, .shuffle = false};
-    if (tensor > 0) {
-      // Tensor parallelism's cost against one device, on the same cores.
-      auto ranks = devices::cpu(tensor);
-      for (auto& d : ranks) d.threads = static_cast<int>(std::max<std::size_t>(1, threads / tensor));
-      const auto [one_ms, one_loss] =
-          policy_step<SingleDevice>(cpu_device(threads), split, batch, warmup);
-      const auto [split_ms, split_loss] =
-          tensor == 2 ? policy_step<TensorParallel<2>>(ranks, split, batch, warmup)
-                      : policy_step<TensorParallel<4>>(ranks, split, batch, warmup);
-      line["benchmark"] = "gpt_tensor_step";
-      line["steps"] = steps;
-      line["tensor"] = tensor;
-      line["single_device_ms"] = one_ms;
-      line["tensor_parallel_ms"] = split_ms;
-      line["tensor_vs_single"] = one_ms / split_ms;  // >1: TensorParallel faster
-      line["loss_after"] = {{"single_device", one_loss}, {"tensor_parallel", split_loss}};
-      std::cout << line.dump() << '\n';
-      return 0;
+    if (tied) {
+      LOOM_CHECK(tensor == 0, "gpt_bench: --tied times one device; not with --tensor");
+      run<examples::BabyGptTied>(split, dump_path, batch, steps, warmup, threads, train_steps);
+    } else {
+      run<BabyGpt>(split, dump_path, batch, steps, warmup, threads, train_steps, tensor);
     }
-    if (converge) {
-      const auto begin = Clock::now();
-      trainer.fit(split.train,
-                  {.epochs = 1, .batch_size = batch, .shuffle = false, .max_grad_norm = 1.0f},
-                  WarmupCosine{});
-      const double seconds = ms_since(begin) / 1e3;
-      const EvalResult validation = trainer.evaluate(split.test);
-      line["benchmark"] = "gpt_convergence";
-      line["steps"] = train_steps;
-      line["validation_windows"] = split.test.count;
-      line["validation_loss"] = validation.loss;
-      line["train_seconds"] = seconds;
-      std::cout << line.dump() << '\n';
-      return 0;
-    }
-    // The first batch's loss at the initial weights: PyTorch's side must
-    // find the same (gpt.py --expect-initial-loss), or the networks differ.
-    const double initial_loss = trainer.evaluate(data::head(split.train, batch)).loss;
-    std::vector<double> ms;
-    trainer.fit(split.train, fit, StepTimes{.ms = &ms});
-    const double step_ms =
-        median(std::vector<double>(ms.begin() + static_cast<std::ptrdiff_t>(warmup), ms.end()));
-    line["benchmark"] = "gpt_step";
-    line["steps"] = steps;
-    line["median_step_ms"] = step_ms;
-    line["tokens_per_s"] = static_cast<double>(batch * gpt_context) / (step_ms / 1e3);
-    line["initial_loss"] = initial_loss;
-    std::cout << line.dump() << '\n';
-    cpu::set_threads(static_cast<int>(threads));
-    line["benchmark"] = "attention_step";
-    line.erase("parameters");
-    line.erase("tokens_per_s");
-    line.erase("initial_loss");
-    line["network"] = "causal_self_attention";
-    line["width"] = examples::gpt_width;
-    line["heads"] = examples::gpt_heads;
-    line["median_step_ms"] = attention_ms(split.train, batch, steps, warmup);
-    std::cout << line.dump() << '\n';
   } catch (const Error& error) {
     std::cerr << error.what() << '\n';
     return 1;

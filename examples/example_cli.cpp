@@ -219,6 +219,9 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
                    "layer, 1, 2 or 4; the others form data replicas or pipeline stages")
         ->check(CLI::IsMember({1, 2, 4}))
         ->capture_default_str();
+    app.add_flag("--tie-weights", o.tie_weights,
+                 "the output head's weight is the token embedding's (weight tying, GPT-2's "
+                 "and nanoGPT's), one tensor trained from both");
   } else {
     app.add_option("--policy", o.policy,
                    "single, data (DataParallel), split (ModelSplit, a pipeline of --devices "

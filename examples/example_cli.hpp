@@ -28,6 +28,7 @@ struct Options {
   std::size_t micro_batches = 4;
   int replicas = 2;
   int tensor = 1;  // the GPT's tensor degree (TensorParallel), 1: none
+  bool tie_weights = false;  // the GPT's output head tied to its embedding (TiedLinear)
   std::size_t train_samples = 0;  // 0: all (short runs take the first ones)
   std::size_t test_samples = 0;
   float weight_decay = 0.0f;

@@ -362,7 +362,7 @@ int train(const char* title, const Options& o, const data::Split& data,
   } else {
     policy << Policy::name;
   }
-  describe_run(out, title, o, data, Net::parameter_count, policy.str(), devices, processes);
+  describe_run(out, title, o, data, Net::unique_parameter_count, policy.str(), devices, processes);
 
   ExampleTrainer<Net, Policy, Loss> t(devices, optimizer_options(o), trainer, processes);
   try {
@@ -547,7 +547,9 @@ int run_policy(const char* title, const Options& o, const data::Split& data,
 // `load`: the example's data from the parsed options (none: Fashion-MNIST
 // from --data), trained against Loss.
 using DataLoad = data::Split (*)(const Options&, std::ostream& out);
-template <class Net, class CifarNet = void, class Loss = SoftmaxCrossEntropy>
+// TiedNet: the network --tie-weights trains (void: no such option).
+template <class Net, class CifarNet = void, class Loss = SoftmaxCrossEntropy,
+          class TiedNet = void>
 int example_main(int argc, char** argv, const char* title, Options o, DataLoad load = nullptr) {
 #if defined(LOOM_WITH_MPI)
   // First: MPI may take its own arguments out of argv. Without mpirun this
@@ -632,6 +634,12 @@ int example_main(int argc, char** argv, const char* title, Options o, DataLoad l
       if (!o.cifar_dir.empty())
         return run_policy<CifarNet, Loss>(title, o, limit(data::cifar10(o.cifar_dir)), world,
                                           rank_devices, launch, out);
+    }
+    if constexpr (!std::is_void_v<TiedNet>) {
+      if (o.tie_weights)
+        return run_policy<TiedNet, Loss>(
+            title, o, limit(load != nullptr ? load(o, out) : data::fashion_mnist(o.data_dir)),
+            world, rank_devices, launch, out);
     }
     return run_policy<Net, Loss>(
         title, o, limit(load != nullptr ? load(o, out) : data::fashion_mnist(o.data_dir)), world,

@@ -11,8 +11,9 @@
 // (or processes), and --tensor T with data, split or hybrid lays the rest
 // out as replicas or stages (mpirun -np 4 ... --policy data --tensor 2:
 // data 2 x tensor 2). --steps N takes N batches of windows drawn from the
-// training text. CPU devices in this version (its layers have no CUDA
-// runners yet).
+// training text; --tie-weights ties the output head's weight to the
+// embedding's (under --policy tensor the head then runs whole on every
+// rank). CPU devices in this version (its layers have no CUDA runners yet).
 #include <loom/data/text.hpp>
 
 #include "example_main.hpp"
@@ -51,6 +52,6 @@ int main(int argc, char** argv) {
   defaults.lr_schedule = "cosine";
   defaults.warmup_steps = 100;
   defaults.clip_norm = 1.0f;
-  return examples::example_main<BabyGpt, void, PositionCrossEntropy>(
+  return examples::example_main<BabyGpt, void, PositionCrossEntropy, examples::BabyGptTied>(
       argc, argv, "a baby GPT (next byte)", defaults, load_fortunes);
 }

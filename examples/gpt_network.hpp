@@ -7,14 +7,17 @@
 
 namespace loom::examples {
 
-// nanoGPT's "baby GPT" over bytes: 4 pre-norm blocks of 4-head causal
-// self-attention and a GELU MLP, width 128, context 64; each block written
-// as two residuals.
+// nanoGPT's "baby GPT" over bytes: 4 pre-norm transformer blocks (4-head
+// causal self-attention and a GELU MLP, each in a residual), width 128,
+// context 64.
 inline constexpr std::size_t gpt_vocab = 256, gpt_width = 128, gpt_context = 64, gpt_heads = 4;
-using GptAttention = Residual<LayerNorm, CausalSelfAttention<gpt_heads>>;
-using GptMlp = Residual<LayerNorm, Linear<4 * gpt_width>, GELU, Linear<gpt_width>>;
+using GptBlock = TransformerBlock<gpt_heads>;
 using BabyGpt = Sequential<Input<gpt_context>, Embedding<gpt_vocab, gpt_width>, PositionEmbedding,
-                           GptAttention, GptMlp, GptAttention, GptMlp, GptAttention, GptMlp,
-                           GptAttention, GptMlp, LayerNorm, Linear<gpt_vocab>>;
+                           GptBlock, GptBlock, GptBlock, GptBlock, LayerNorm, Linear<gpt_vocab>>;
+// The same with the output head's weight tied to the embedding's (GPT-2's
+// and nanoGPT's default): 834,304 parameters counted once.
+using BabyGptTied = Sequential<Input<gpt_context>, Embedding<gpt_vocab, gpt_width>,
+                               PositionEmbedding, GptBlock, GptBlock, GptBlock, GptBlock, LayerNorm,
+                               TiedLinear<gpt_vocab>>;
 
 }  // namespace loom::examples

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""gpt.py --windows FILE: the gpt_fortunes example's network in PyTorch, on the CPU.
+"""gpt.py --windows FILE [--tied]: the gpt_fortunes example's network in PyTorch, on the CPU.
 
 nanoGPT's "baby GPT" over bytes (4 pre-norm blocks of 4-head causal
 self-attention and a GELU MLP, width 128, context 64), written as nanoGPT
@@ -37,6 +37,8 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-steps", type=int, default=0)
     parser.add_argument("--expect-initial-loss", type=float, default=None)
+    parser.add_argument("--tied", action="store_true",
+                        help="the head's weight is the embedding's (nanoGPT's default)")
     return parser.parse_args(argv)
 
 
@@ -117,7 +119,11 @@ def main(argv):
             self.positions = nn.Parameter(torch.zeros(context, width))
             self.blocks = nn.Sequential(*(Block() for _ in range(4)))
             self.ln = nn.LayerNorm(width)
-            self.head = nn.Linear(width, vocab)
+            # Tied (loom's TiedLinear): nanoGPT's lm_head, no bias, its
+            # weight the embedding's.
+            self.head = nn.Linear(width, vocab, bias=not args.tied)
+            if args.tied:
+                self.head.weight = self.tokens.weight
 
         def forward(self, ids):
             return self.head(self.ln(self.blocks(self.tokens(ids) + self.positions)))
@@ -129,7 +135,9 @@ def main(argv):
                 yield from (b.ln1.weight, b.ln1.bias, b.attn.qkv.weight, b.attn.qkv.bias,
                             b.attn.proj.weight, b.attn.proj.bias, b.ln2.weight, b.ln2.bias,
                             b.fc.weight, b.fc.bias, b.fc2.weight, b.fc2.bias)
-            yield from (self.ln.weight, self.ln.bias, self.head.weight, self.head.bias)
+            yield from (self.ln.weight, self.ln.bias, self.head.weight)
+            if not args.tied:
+                yield self.head.bias
 
     model = BabyGpt()
     at = 0
@@ -140,8 +148,10 @@ def main(argv):
     if at != len(flat):
         sys.exit(f"gpt.py: loom's network has {len(flat)} parameters, this one {at}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    line = {"library": "pytorch", "torch": torch.__version__, "network": "baby_gpt",
-            "parameters": at, "batch": args.batch, "context": context, "threads": args.threads}
+    line = {"library": "pytorch", "torch": torch.__version__,
+            "network": "baby_gpt_tied" if args.tied else "baby_gpt",
+            "parameters": sum(p.numel() for p in model.parameters()),  # a tied one once
+            "batch": args.batch, "context": context, "threads": args.threads}
 
     def batch(windows, s):
         part = torch.from_numpy(windows[s * args.batch:(s + 1) * args.batch])

@@ -44,9 +44,9 @@ std::vector<Device> workers(std::size_t n) {
   return d;
 }
 
-template <class Policy>
+template <class Policy, class Net = TinyGpt>
 Trained train(std::size_t devices, FitOptions options = fit) {
-  Trainer<TinyGpt, Policy, SGD, PositionCrossEntropy> trainer(workers(devices), sgd, {.seed = 9});
+  Trainer<Net, Policy, SGD, PositionCrossEntropy> trainer(workers(devices), sgd, {.seed = 9});
   Trained result;
   trainer.fit(text().train, options, Last{&result.last});
   const auto w = trainer.model().parameters();
@@ -174,6 +174,24 @@ TEST_CASE("TensorParallel trains a LeNet-5 on Fashion-MNIST to one device's numb
   test::require_same_reports(trainer, part, options, test::head(test::fashion().test, 1000), 8);
   test::require_close(trainer.model().parameters(), test::single_device<LeNet5>(part, options),
                       {1e-6, 1e-4}, "LeNet-5's weights");
+}
+
+TEST_CASE("TensorParallel splits each TransformerBlock inside, as the residuals written out") {
+  using test::TinyGptBlocks;
+  using Shard = tensor_shard_t<TinyGptBlocks, 2>;
+  using Block = type_at_t<2, Shard::layers>;
+  STATIC_REQUIRE(std::is_same_v<Block::spec, TensorBlock<TransformerBlock<4>, 2>>);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<1, Block::children>::spec,
+                                type_at_t<3, Shard2::layers>::spec>);
+  STATIC_REQUIRE(Shard::parameter_count == Shard2::parameter_count);
+  STATIC_REQUIRE(Shard::executed::size == TinyGptBlocks::executed::size);
+  // Pipe 2 x tensor 2 cuts between blocks and splits inside them.
+  const Trained one = train<SingleDevice, TinyGptBlocks>(1);
+  const Trained grid =
+      train<TensorParallel<2, ModelSplit<Balanced<2>, OneFOneB<4>>>, TinyGptBlocks>(4);
+  test::require_close(grid.weights, one.weights, test::Tolerance{1e-6, 1e-4}, "weights");
+  REQUIRE(grid.last.loss == Approx(one.last.loss).epsilon(1e-6));
+  REQUIRE(grid.eval.loss == Approx(one.eval.loss).epsilon(1e-6));
 }
 
 TEST_CASE("TensorParallel<1> trains as one device does") {

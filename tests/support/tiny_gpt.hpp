@@ -14,6 +14,14 @@ using GptMlp = Residual<LayerNorm, Linear<4 * gpt_width>, GELU, Linear<gpt_width
 using TinyGpt = Sequential<Input<gpt_context>, Embedding<gpt_vocab, gpt_width>, PositionEmbedding,
                            GptAttention, GptMlp, GptAttention, GptMlp, LayerNorm,
                            Linear<gpt_vocab>>;
+// The same network with each pair of Residuals written as one TransformerBlock.
+using TinyGptBlocks = Sequential<Input<gpt_context>, Embedding<gpt_vocab, gpt_width>,
+                                 PositionEmbedding, TransformerBlock<4>, TransformerBlock<4>,
+                                 LayerNorm, Linear<gpt_vocab>>;
+// ... with its output head's weight tied to its embedding's (layer 6 to layer 1).
+using TinyGptTied = Sequential<Input<gpt_context>, Embedding<gpt_vocab, gpt_width>,
+                               PositionEmbedding, TransformerBlock<4>, TransformerBlock<4>,
+                               LayerNorm, TiedLinear<gpt_vocab>>;
 
 // Under SGD, as tests/parallel/test_transformer_policies.cpp says why (the
 // keys' bias gradient is rounding noise, which Adam would magnify).

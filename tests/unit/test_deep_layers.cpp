@@ -1,5 +1,6 @@
 // The layers ResNets and sequence models need: Tanh, Sigmoid, GELU,
-// BatchNorm, GlobalAvgPool, Dropout, Reshape, Residual, GRU and LSTM. Each
+// BatchNorm, GlobalAvgPool, Dropout, Reshape, Residual and the other blocks
+// (Series, a named Block, nested blocks), GRU and LSTM. Each
 // is checked inside a Model in double: backward against central finite
 // differences of every parameter and input, forward against values or a
 // plain-loop reference written here.
@@ -9,8 +10,10 @@
 #include <cstdint>
 #include <limits>
 #include <loom/loom.hpp>
+#include <string>
 #include <vector>
 
+#include "fashion_test.hpp"
 #include "loom_test.hpp"
 
 using namespace loom;
@@ -374,6 +377,95 @@ TEST_CASE("deep layers: Residual adds the body to the identity or to a projectio
   std::vector<double> expected(12);
   for (std::size_t i = 0; i < 12; ++i) expected[i] = fx[i] + x[i];
   require_close(run(block, x, 2), expected, {0, 0}, "body(x) + x");
+}
+
+namespace {
+
+// A ResNet "basic block" as a user names one: a Residual of two
+// convolutions, then its ReLU, the channels read off the block's input.
+struct BasicBlock : NamedBlock {
+  template <class In>
+  using layers = TypeList<Residual<Conv2d<In::dims[0], 3, 1, 1>, BatchNorm2d, ReLU,
+                                   Conv2d<In::dims[0], 3, 1, 1>, BatchNorm2d>,
+                          ReLU>;
+  static constexpr std::string_view kind = "basic";
+  static constexpr std::string_view name = "basic block";
+};
+
+// Net A's forward on `batch` Fashion-MNIST images, and its backward with
+// the output gradient r, give exactly what B's do with A's weights: B is
+// A with its blocks written out (the same parameters, in the same order).
+template <class A, class B>
+void require_same_numbers(std::size_t batch, const Pass& pass = training) {
+  static_assert(A::parameter_count == B::parameter_count && A::state_count == B::state_count);
+  Model<A, double> a(61, batch);
+  Model<B, double> b(62, batch);
+  std::ranges::copy(a.parameters(), b.parameters().begin());
+  const auto& images = test::fashion().train.images;
+  const std::vector<double> x(images.begin(),
+                              images.begin() + static_cast<std::ptrdiff_t>(batch * 784));
+  const auto ya = run(a, x, batch, pass);
+  const auto yb = run(b, x, batch, pass);
+  test::require_equal(ya, yb, "outputs");
+  const auto r = random_vector<double>(ya.size(), 63);
+  std::ranges::copy(r, a.output_gradient());
+  std::ranges::copy(r, b.output_gradient());
+  std::vector<double> dxa(x.size()), dxb(x.size());
+  a.backward(0, false, dxa.data());
+  b.backward(0, false, dxb.data());
+  test::require_equal(a.gradients(), b.gradients(), "weight gradients");
+  test::require_equal(dxa, dxb, "input gradients");
+  test::require_equal(a.state(), b.state(), "running statistics");
+}
+
+}  // namespace
+
+TEST_CASE("blocks: a Series runs its layers as the network written out does, bit for bit") {
+  using Nested = Sequential<Input<1, 28, 28>, Series<Flatten, Linear<32>, ReLU>,
+                            Series<Linear<16>, Series<Tanh, Linear<12>>, Sigmoid>, Linear<10>>;
+  using Flat = Sequential<Input<1, 28, 28>, Flatten, Linear<32>, ReLU, Linear<16>, Tanh,
+                          Linear<12>, Sigmoid, Linear<10>>;
+  // One layer each: a pipeline cuts between them, messages count them.
+  STATIC_REQUIRE(Nested::layer_count == 3);
+  STATIC_REQUIRE(Nested::executed::size == 3);
+  using First = type_at_t<0, Nested::layers>;
+  STATIC_REQUIRE(std::is_same_v<First::output_shape, Shape<32>>);
+  // Its layers are numbered 64 x 1 + 1, 2, ...; the ReLU is fused into the Linear.
+  STATIC_REQUIRE(type_at_t<1, First::children>::index == 66);
+  STATIC_REQUIRE(First::chain::count == 2);
+  STATIC_REQUIRE(Nested::forward_flops[1] == Flat::forward_flops[3] + Flat::forward_flops[4] +
+                                               Flat::forward_flops[5] + Flat::forward_flops[6]);
+  require_same_numbers<Nested, Flat>(5);
+}
+
+TEST_CASE("blocks: a named block and blocks inside blocks train as written out, bit for bit") {
+  using Named = Sequential<Input<1, 28, 28>, Conv2d<4, 3, 2, 1>, ReLU, BasicBlock,
+                           Series<BasicBlock, BasicBlock>, GlobalAvgPool, Linear<10>>;
+  using Residuals = Residual<Conv2d<4, 3, 1, 1>, BatchNorm2d, ReLU, Conv2d<4, 3, 1, 1>,
+                             BatchNorm2d>;
+  using Written = Sequential<Input<1, 28, 28>, Conv2d<4, 3, 2, 1>, ReLU, Residuals, ReLU,
+                             Residuals, ReLU, Residuals, ReLU, GlobalAvgPool, Linear<10>>;
+  STATIC_REQUIRE(type_at_t<2, Named::layers>::kind == "basic");
+  require_same_numbers<Named, Written>(4);
+  require_same_numbers<Named, Written>(4, Pass{});
+
+  // Tensor names say the path: the block, its child, the Residual's body.
+  const auto table = tensor_table<Named>();
+  REQUIRE(table[2].name == "3.basic.0.residual.body.0.conv.weight");
+  REQUIRE(std::ranges::count_if(table, [](const TensorSlot& t) {
+            return t.name == "4.series.1.basic.0.residual.body.4.batchnorm.running_var";
+          }) == 1);
+}
+
+TEST_CASE("blocks: gradients through nested blocks match finite differences") {
+  check_gradients<Sequential<Input<6>, Series<Linear<5>, Tanh, Residual<Linear<5>, Sigmoid>>,
+                             Linear<3>>>(4, 64);
+  // A Series that ends, or starts, with a layer that only renames the shape.
+  check_gradients<Sequential<Input<2, 3, 3>, Series<Conv2d<2, 3, 1, 1>, Tanh, Flatten>,
+                             Linear<3>>>(3, 65);
+  check_gradients<Sequential<Input<2, 3, 3>, Series<Flatten, Linear<4>, GELU>, Linear<3>>>(3,
+                                                                                            66);
+  check_gradients<Sequential<Input<2, 4, 4>, BasicBlock, GlobalAvgPool, Linear<2>>>(3, 67);
 }
 
 namespace {

@@ -35,6 +35,10 @@ using test::OverflowingNet;
 using Block = Sequential<Input<1, 28, 28>, Conv2d<4, 3, 1, 1>, ReLU,
                          Residual<Conv2d<4, 3, 1, 1>, ReLU, Conv2d<4, 3, 1, 1>>, ReLU, Flatten,
                          Linear<10>>;
+// The same block inside a Series: a block inside a block.
+using Nested = Sequential<Input<1, 28, 28>, Conv2d<4, 3, 1, 1>, ReLU,
+                          Series<Residual<Conv2d<4, 3, 1, 1>, ReLU, Conv2d<4, 3, 1, 1>>, ReLU>,
+                          Flatten, Linear<10>>;
 
 constexpr float not_a_number = std::numeric_limits<float>::quiet_NaN();
 
@@ -191,9 +195,17 @@ TEST_CASE("nonfinite: a Residual block's body layer is named") {
                                         "became inf (sample 0 of the batch, element "));
 }
 
-namespace {
-
-}  // namespace
+TEST_CASE("nonfinite: a layer inside a block inside a block is named by its path") {
+  Trainer<Nested> trainer(devices::cpu(1), {.lr = 0.01f});
+  test::set_tensor<Nested>(trainer.model().parameters(), "3.series.0.residual.body.2.conv.weight",
+                           1e38f);
+  const auto before = weights_of(trainer);
+  REQUIRE_THAT(error_of(trainer, head(fashion().train, 16), {.batch_size = 16}),
+               Catch::Contains("the training loss became nan at epoch 1, step 1: body layer 3 "
+                               "(conv) of the Residual block that is layer 1 of the Series block "
+                               "at layer 3 output became inf (sample 0 of the batch, element "));
+  test::require_equal(weights_of(trainer), before, "weights");
+}
 
 TEST_CASE("nonfinite: a gradient that overflows under a finite loss is caught before the update") {
   const std::string expected =

@@ -343,6 +343,70 @@ TEST_CASE("transformer layers: the baby GPT's shapes and parameters are nanoGPT'
   REQUIRE(BabyGpt::parameter_count == 867'328);
 }
 
+namespace {
+
+// The baby GPT with each block as one layer.
+using BabyGptBlocks = Sequential<Input<context>, Embedding<vocab, width>, PositionEmbedding,
+                                 TransformerBlock<4>, TransformerBlock<4>, TransformerBlock<4>,
+                                 TransformerBlock<4>, LayerNorm, Linear<vocab>>;
+
+}  // namespace
+
+TEST_CASE("transformer layers: a TransformerBlock is its two residuals, one layer of the network") {
+  STATIC_REQUIRE(BabyGptBlocks::parameter_count == BabyGpt::parameter_count);
+  STATIC_REQUIRE(BabyGptBlocks::layer_count == 8);
+  STATIC_REQUIRE(BabyGptBlocks::memory_plan.activations == BabyGpt::memory_plan.activations);
+  using Block3 = type_at_t<2, BabyGptBlocks::layers>;
+  STATIC_REQUIRE(BabyGptBlocks::forward_flops[2] ==
+                 BabyGpt::forward_flops[2] + BabyGpt::forward_flops[3]);
+  STATIC_REQUIRE(std::is_same_v<type_at_t<1, Block3::children>::spec,
+                                Residual<LayerNorm, Linear<4 * width>, GELU, Linear<width>>>);
+
+  // The same weights give the same outputs and gradients, bit for bit, on
+  // windows of Debian's fortunes.
+  Model<BabyGptBlocks, float> blocks(3, 4);
+  Model<BabyGpt, float> written(4, 4);
+  std::ranges::copy(blocks.parameters(), written.parameters().begin());
+  const auto windows = data::text_split(data::read_fortunes(), context, 5).train;
+  const std::vector<float> ids(windows.images.begin(),
+                               windows.images.begin() + 4 * static_cast<std::ptrdiff_t>(context));
+  const Pass pass{.training = true};
+  const float* yb = blocks.forward(ids.data(), 4, 0, pass);
+  const float* yw = written.forward(ids.data(), 4, 0, pass);
+  test::require_equal(std::vector<float>(yb, yb + 4 * context * vocab),
+                      std::vector<float>(yw, yw + 4 * context * vocab), "logits");
+  const auto r = random_vector<float>(4 * context * vocab, 17);
+  std::ranges::copy(r, blocks.output_gradient());
+  std::ranges::copy(r, written.output_gradient());
+  blocks.backward(false);
+  written.backward(false);
+  test::require_equal(blocks.gradients(), written.gradients(), "gradients");
+
+  // A block that starts with the Embedding tells the network its input
+  // holds token ids (which no precision may round).
+  using Stem = Sequential<Input<context>, Series<Embedding<vocab, width>, PositionEmbedding>,
+                          TransformerBlock<4>, LayerNorm, Linear<vocab>>;
+  STATIC_REQUIRE(type_at_t<0, Stem::layers>::takes_ids);
+  REQUIRE(Model<Stem, float>(1).input_takes_ids());
+
+  // Checkpoint names follow the block's path.
+  const auto table = tensor_table<BabyGptBlocks>();
+  REQUIRE(table[2].name == "3.transformer.0.residual.body.0.layernorm.weight");
+  REQUIRE(table[4].name == "3.transformer.0.residual.body.1.attention.qkv.weight");
+  REQUIRE(table[10].name == "3.transformer.1.residual.body.1.linear.weight");
+}
+
+TEST_CASE("transformer layers: a TransformerBlock's gradients match finite differences") {
+  using Block = At1<TransformerBlock<2>, Shape<5, 8>>;
+  STATIC_REQUIRE(Block::param_count == 2 * (2 * 8) + Attn::param_count + (8 * 32 + 32) +
+                                           (32 * 8 + 8));
+  check_gradients<Block>(3, random_vector<double>(3 * 40, 18),
+                         random_vector<double>(Block::param_count, 19, -0.4, 0.4));
+  using RotaryBlock = At1<TransformerBlock<2, Rotary<>>, Shape<6, 8>>;
+  check_gradients<RotaryBlock>(2, random_vector<double>(2 * 48, 20),
+                               random_vector<double>(RotaryBlock::param_count, 21, -0.4, 0.4));
+}
+
 TEST_CASE("transformer layers: windows longer or shorter than the network's context are refused") {
   using TinyGpt = Sequential<Input<8>, Embedding<256, 8>, PositionEmbedding, Linear<256>>;
   Trainer<TinyGpt, SingleDevice, SGD, PositionCrossEntropy> trainer(devices::cpu(1), {.lr = 0.1f});

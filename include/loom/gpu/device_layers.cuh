@@ -682,6 +682,9 @@ class ResidualRunner {
     b.pass = c.pass;
     b.replicas = c.replicas;
     b.precision = c.precision;
+    // A block's layers keep the samples' lengths (none inside changes them).
+    b.frames = c.frames;
+    b.host_frames = c.host_frames;
     return b;
   }
   template <std::size_t I>

@@ -12,7 +12,17 @@
 // PositionEmbedding: a learned position table [Context, Width] added to
 // every sample (nanoGPT's wpe), over Context x Width.
 //
-// Both start from a uniform distribution of standard deviation 0.02,
+// TiedLinear<Out, Layer = 1>: the output head whose weight is layer
+// Layer's, an Embedding<Out, Width> (weight tying, GPT-2's and nanoGPT's
+// lm_head): y = x E^T per position, no bias. The network checks at compile
+// time that layer Layer is an Embedding of that shape. The head keeps a copy
+// of the weight (so a pipeline may hold the embedding and the head on
+// different stages, as Megatron does); the copy starts as the embedding's
+// values, and the grid engine sums the two gradients into both before every
+// update, so the copies stay equal bit for bit and train as one tensor
+// (clipping counts it once).
+//
+// All start from a uniform distribution of standard deviation 0.02,
 // GPT-2's (which draws from a normal one of that deviation).
 #pragma once
 
@@ -20,7 +30,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <type_traits>
 
+#include "../backend/cpu/cpu.hpp"
 #include "../core/error.hpp"
 #include "layer.hpp"
 
@@ -34,6 +46,11 @@ struct Embedding {
 
 struct PositionEmbedding {};
 
+template <std::size_t Out, std::size_t Layer = 1>
+struct TiedLinear {
+  static constexpr std::size_t out_features = Out;
+};
+
 namespace detail {
 
 // A uniform bound whose distribution has standard deviation 0.02.
@@ -41,6 +58,11 @@ inline constexpr double gpt_init_limit = 0.02 * 1.7320508075688772;
 
 template <class In, std::size_t Width>
 using embedding_output = Shape<dim_or_one<In, 0>, Width>;
+
+// Per position over Positions x Features, else over a flat vector.
+template <class In, std::size_t Out>
+using linear_output_of =
+    std::conditional_t<In::rank == 2, Shape<dim_or_one<In, 0>, Out>, Shape<Out>>;
 
 }  // namespace detail
 
@@ -146,6 +168,77 @@ struct Bind<PositionEmbedding, In, Index> : LayerBase<PositionEmbedding, In, In,
     }
     if (dx != nullptr)
       for (std::size_t i = 0; i < samples * In::size; ++i) dx[i] = dy[i];
+  }
+};
+
+namespace detail {
+
+template <std::size_t Index, class Layer, std::size_t Tied, class TiedLayer, std::size_t Out,
+          std::size_t Width>
+struct tied_layer_must_be_an_embedding_of_its_shape {
+  static_assert(std::is_same_v<TiedLayer, Embedding<Out, Width>>,
+                "loom shape error: a TiedLinear<Out, Layer> ties its weight to layer Layer, "
+                "which must be an Embedding<Out, Width> of its Out and its input's Width "
+                "(template arguments: layer index, layer, tied layer index, tied layer, Out, "
+                "Width)");
+  static constexpr bool ok = std::is_same_v<TiedLayer, Embedding<Out, Width>>;
+};
+
+template <std::size_t Index, class Layer, std::size_t Tied, std::size_t Count>
+struct tied_layer_not_in_the_network {
+  static_assert(Tied >= 1 && Tied <= Count,
+                "loom shape error: a TiedLinear<Out, Layer> names a layer the network's top "
+                "level does not have (template arguments: layer index, layer, tied layer "
+                "index, top-level layer count)");
+  static constexpr bool ok = Tied >= 1 && Tied <= Count;
+};
+
+}  // namespace detail
+
+template <std::size_t Out, std::size_t Layer, class In, std::size_t Index>
+struct Bind<TiedLinear<Out, Layer>, In, Index>
+    : LayerBase<TiedLinear<Out, Layer>, In, detail::linear_output_of<In, Out>, Index> {
+  using Spec = TiedLinear<Out, Layer>;
+  static constexpr bool checked =
+      detail::layer_argument_must_be_positive<Index, Spec, Out>::ok &&
+      detail::layer_input_rank_mismatch<Index, Spec, 1, In::rank == 2 ? 1 : In::rank>::ok;
+  static constexpr std::size_t positions = In::rank == 2 ? In::dims[0] : 1;
+  static constexpr std::size_t in_features = In::size / positions;
+  static constexpr std::size_t out_features = Out;
+  static constexpr std::size_t weight_count = Out * in_features;
+  static constexpr std::size_t param_count = weight_count;
+  static constexpr std::size_t forward_flops = positions * 2 * in_features * Out;
+  static constexpr std::size_t backward_flops = positions * 4 * in_features * Out;
+  static constexpr std::string_view kind = "tied_linear";
+  // The layer whose weight this one's is (Sequential's tie table).
+  static constexpr std::size_t tied_to = Layer;
+
+  // The embedding's own values: the same function of (seed, its index).
+  template <class T>
+  static void init(T* params, std::uint64_t seed, bool) {
+    Bind<Embedding<Out, in_features>, Shape<1>, Layer>::init(params, seed, false);
+  }
+
+  template <class Visit>
+  static void tensors(Visit&& visit) {
+    visit("weight", 0, {Out, in_features}, false);
+  }
+
+  template <class T>
+  static void forward(const T* params, const T* x, T* y, T*, std::size_t samples) {
+    cpu::gemm<T>(false, true, samples * positions, Out, in_features, T(1), x, in_features, params,
+                 in_features, T(0), y, Out);
+  }
+
+  template <class T>
+  static void backward(const T* params, const T* x, const T*, const T* dy, T* dx, T* dparams, T*,
+                       std::size_t samples, bool accumulate) {
+    const std::size_t n = samples * positions;
+    cpu::gemm<T>(true, false, Out, in_features, n, T(1), dy, Out, x, in_features,
+                 accumulate ? T(1) : T(0), dparams, in_features);
+    if (dx != nullptr)
+      cpu::gemm<T>(false, false, n, in_features, Out, T(1), dy, Out, params, in_features, T(0), dx,
+                   in_features);
   }
 };
 

@@ -33,7 +33,7 @@ namespace loom {
 struct NonFiniteSpot {
   enum class Where : std::uint8_t { nowhere, input, weight, output, gradient };
   Where where = Where::nowhere;
-  std::size_t layer = 0;    // the user's index (a Residual block's layers: 64 x block + k)
+  std::size_t layer = 0;    // the user's index (a block's layers: 64 x block + k)
   std::size_t block = 0;    // the top-level layer holding it (== layer outside blocks)
   std::size_t element = 0;  // the first non-finite value: in one sample's output, or the gradient
   std::size_t size = 0;     // values of one sample's output (of the input), or of the gradient
@@ -86,7 +86,7 @@ bool all_finite(const T* values, std::size_t n) {
 }
 
 // f.template operator()<L>() for the bound layer of List whose index is
-// `index`, looking inside Residual blocks (their layers and projection);
+// `index`, looking inside blocks (their children, nested blocks' too);
 // false when none is.
 template <class List, class F>
 bool with_layer(std::size_t index, F&& f) {
@@ -99,14 +99,7 @@ bool with_layer(std::size_t index, F&& f) {
       found = true;
       return;
     }
-    if constexpr (requires { typename L::layers; }) {
-      found = with_layer<typename L::layers>(index, f);
-      if constexpr (!L::identity)
-        if (!found && L::shortcut::index == index) {
-          f.template operator()<typename L::shortcut>();
-          found = true;
-        }
-    }
+    if constexpr (BoundBlock<L>) found = with_layer<typename L::children>(index, f);
   });
   return found;
 }
@@ -115,20 +108,41 @@ inline std::string value_text(float value) {
   return std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf";
 }
 
-// "layer 3 (conv)"; inside a Residual block, "layer 66 (conv, the body's
-// 2nd layer of the Residual block at layer 1)" or its projection.
+// Where layer `index` sits inside block B, by the roles its blocks give
+// their children: "body layer 2 (conv)", or inside a nested block "body
+// layer 2 (linear) of the Residual block that is layer 1"; empty when it is
+// not inside B.
+template <class B>
+std::string inside_text(std::size_t index) {
+  using children = typename B::children;
+  std::string text;
+  static_for<children::size>([&](auto p) {
+    using C = type_at_t<p, children>;
+    if (!text.empty()) return;
+    if (C::index == index) {
+      text = B::child_role(p) + " (" + std::string(C::kind) + ")";
+    } else if constexpr (BoundBlock<C>) {
+      const std::string inner = inside_text<C>(index);
+      if (!inner.empty())
+        text = inner + " of the " + std::string(C::block_name) + " that is " + B::child_role(p);
+    }
+  });
+  return text;
+}
+
+// "layer 3 (conv)"; inside a block (`block`: the top-level layer holding
+// it), "body layer 2 (conv) of the Residual block at layer 1".
 template <class Net>
 std::string layer_text(std::size_t layer, std::size_t block) {
-  std::string_view kind = "?";
-  with_layer<typename Net::layers>(layer, [&]<class L>() { kind = L::kind; });
-  const std::string what = " (" + std::string(kind) + ")";
-  // A block's layers are numbered 64 x block + k inside: name them by the
-  // block's own number, as the user wrote it.
-  if (layer == block) return "layer " + std::to_string(layer) + what;
-  if (layer == 64 * block)
-    return "the projection" + what + " of the Residual block at layer " + std::to_string(block);
-  return "body layer " + std::to_string(layer - 64 * block) + what +
-         " of the Residual block at layer " + std::to_string(block);
+  std::string text;
+  with_layer<typename Net::layers>(block, [&]<class L>() {
+    if (layer == block)
+      text = "layer " + std::to_string(layer) + " (" + std::string(L::kind) + ")";
+    else if constexpr (BoundBlock<L>)
+      text = inside_text<L>(layer) + " of the " + std::string(L::block_name) + " at layer " +
+             std::to_string(block);
+  });
+  return text.empty() ? "layer " + std::to_string(layer) + " (?)" : text;
 }
 
 // "its weight, element 17 of 5000": where element `element` of layer
@@ -451,8 +465,8 @@ class Model {
   // non-finite value of the last forward through `slot`, in its input
   // (with `input`: a pipeline's later stages get theirs from the stage
   // before, which looks at it), then layer by layer in forward order in the
-  // layer's weights and its output (a Residual block's body layers' outputs
-  // before the block's sum).
+  // layer's weights and its output (a block's layers' outputs before the
+  // block's own).
   NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input = true) {
     NonFiniteSpot spot;
     const Slot& s = slots_.at(slot);
@@ -475,7 +489,7 @@ class Model {
         found = true;
         return;
       }
-      if constexpr (requires { typename L::layers; })
+      if constexpr (detail::BoundBlock<L>)
         found = L::visit_body_outputs(
             layer_input<i>(s), context<i>(s), s.batch,
             [&](std::size_t layer, const T* values, std::size_t per_sample) {
@@ -517,7 +531,7 @@ class Model {
       using L = type_at_t<i, executed>;
       if constexpr (L::param_count > 0) {
         if (found || !in_range(i)) return;
-        if constexpr (requires { typename L::layers; })
+        if constexpr (detail::BoundBlock<L>)
           found = L::visit_body_gradients(
               layer_grads<i>(), [&](std::size_t layer, const T* values, std::size_t count) {
                 return look(layer, L::index, values, count);

@@ -56,6 +56,11 @@ constexpr std::array<std::size_t, sizeof...(Sizes) + 1> offsets_of() {
   return offsets;
 }
 
+// A bound layer that holds layers: Residual, Series, a named Block
+// (net/block.hpp says the protocol).
+template <class L>
+concept BoundBlock = requires { typename L::children; };
+
 template <class List>
 struct list_info;
 
@@ -65,7 +70,7 @@ struct list_info<TypeList<Ls...>> {
   static constexpr std::size_t parameter_count = (std::size_t{0} + ... + Ls::param_count);
   static constexpr auto param_offsets = offsets_of<Ls::param_count...>();
   static constexpr std::size_t state_count = (std::size_t{0} + ... + Ls::state_count);
-  static constexpr bool has_residual = (false || ... || (Ls::kind == "residual"));
+  static constexpr bool has_block = (false || ... || BoundBlock<Ls>);
   static constexpr bool syncs = (false || ... || Ls::syncs);
   static constexpr auto state_offsets = offsets_of<Ls::state_count...>();
   // Per sample, in elements: every output that is not an alias of its input,
@@ -174,6 +179,65 @@ constexpr MemoryPlan plan_of(std::size_t parameters) {
 
 namespace detail {
 
+// A weight held twice (weight tying: TiedLinear's copy of an Embedding's),
+// as offsets into the flat parameter buffer.
+struct TieRun {
+  std::size_t source = 0;  // the tied-to layer's weight
+  std::size_t copy = 0;    // the tying layer's
+  std::size_t count = 0;
+};
+
+template <class L>
+concept TiesWeight = requires { L::tied_to; };
+
+// The ties among `List`'s layers (a network's top level, numbered from
+// First), each checked: the tied-to layer exists and has the shape. A
+// pipeline stage's network leaves out a tie whose layer it does not hold
+// (the whole network's engine sums the two).
+template <std::size_t First, class List>
+constexpr std::size_t tie_count() {
+  std::size_t n = 0;
+  static_for<List::size>([&](auto i) {
+    using L = type_at_t<i, List>;
+    if constexpr (TiesWeight<L>)
+      if (L::tied_to >= First && L::tied_to - First < List::size) ++n;
+  });
+  return n;
+}
+template <std::size_t First, class List>
+constexpr auto tie_table() {
+  std::array<TieRun, tie_count<First, List>()> runs{};
+  std::size_t k = 0;
+  static_for<List::size>([&](auto i) {
+    using L = type_at_t<i, List>;
+    if constexpr (TiesWeight<L>) {
+      if constexpr (L::tied_to >= First && L::tied_to - First < List::size) {
+        using Tied = type_at_t<L::tied_to - First, List>;
+        static_assert(tied_layer_must_be_an_embedding_of_its_shape<
+                      L::index, typename L::spec, L::tied_to, typename Tied::spec,
+                      L::out_features, L::in_features>::ok);
+        runs[k++] = {list_info<List>::param_offsets[L::tied_to - First],
+                     list_info<List>::param_offsets[i], L::param_count};
+      }
+    }
+  });
+  return runs;
+}
+
+// Whether every TiedLinear of a whole network's top level names a layer it
+// has (a pipeline stage's network holds only some).
+template <class List>
+constexpr bool ties_resolve() {
+  bool ok = true;
+  static_for<List::size>([&](auto i) {
+    using L = type_at_t<i, List>;
+    if constexpr (TiesWeight<L>)
+      ok = ok && tied_layer_not_in_the_network<L::index, typename L::spec, L::tied_to,
+                                               List::size>::ok;
+  });
+  return ok;
+}
+
 // The layers bound from `In`, numbered from FirstIndex: Sequential numbers
 // from 1; a pipeline stage keeps the numbers its layers have in the whole
 // network, so seeds that name a layer (Dropout's masks) are the same.
@@ -186,10 +250,10 @@ struct Network {
   using layers = typename detail::bind_all<input_shape, FirstIndex, TypeList<>, Layers_...>::type;
   // A block's layers are numbered 64 x (its index) + 1, 2, ...: the
   // numbers seed weights and Dropout, so they must not meet the network's own.
-  static_assert(!detail::list_info<layers>::has_residual || FirstIndex + sizeof...(Layers_) <= 64,
-                "a network with Residual blocks has at most 63 layers at its top level (a "
-                "block's layers are numbered 64 x its index + 1, 2, ...); group layers into "
-                "blocks");
+  static_assert(!detail::list_info<layers>::has_block || FirstIndex + sizeof...(Layers_) <= 64,
+                "a network with blocks (Residual, Series, ...) has at most 63 layers at its top "
+                "level (a block's layers are numbered 64 x its index + 1, 2, ...); group layers "
+                "into blocks");
   // The layers that run: the fusion pass's rewrite of `layers`.
   using executed = fuse_t<layers>;
   using output_shape = typename type_at_t<sizeof...(Layers_) - 1, layers>::output_shape;
@@ -210,6 +274,15 @@ struct Network {
   }(layers{});
 
   static constexpr MemoryPlan memory_plan = detail::plan_of<executed>(parameter_count);
+
+  // Weights held twice (TiedLinear): each pair trains as one tensor.
+  static constexpr auto ties = detail::tie_table<FirstIndex, layers>();
+  // The parameters counting a tied weight once (nanoGPT's count).
+  static constexpr std::size_t unique_parameter_count = [] {
+    std::size_t n = parameter_count;
+    for (const detail::TieRun& t : ties) n -= t.count;
+    return n;
+  }();
 };
 
 }  // namespace detail
@@ -222,7 +295,9 @@ struct Sequential {
 };
 
 template <std::size_t... Dims, class... Layers_>
-struct Sequential<Input<Dims...>, Layers_...> : detail::Network<1, Shape<Dims...>, Layers_...> {};
+struct Sequential<Input<Dims...>, Layers_...> : detail::Network<1, Shape<Dims...>, Layers_...> {
+  static_assert(detail::ties_resolve<typename Sequential::layers>());
+};
 
 // The same network with the fusion pass switched off: every layer runs on its
 // own. It computes the same function; tests compare the two.

@@ -52,7 +52,9 @@ void add_layer_squares(std::span<const float> grads, std::size_t offset,
   static_for<layers::size>([&](auto i) {
     using L = type_at_t<i, layers>;
     if (i < range.first || i >= range.last) return;
-    if constexpr (L::param_count > 0) {
+    // A tied copy (TiedLinear) holds the same gradient as the layer it
+    // ties to, after the engine's sum: the tensor counts once.
+    if constexpr (L::param_count > 0 && !TiesWeight<L>) {
       const std::size_t begin =
           list_info<layers>::param_offsets[i] - list_info<layers>::param_offsets[range.first];
       const auto at = std::ranges::lower_bound(starts, offset + begin) - starts.begin();

@@ -249,6 +249,7 @@ inline StageLinks split_links(comm::Comm world, const Mesh& mesh, std::size_t ra
 struct ParamSegment {
   std::size_t whole = 0, local = 0, count = 0;
   bool split = false;
+  bool tied_copy = false;  // a TiedLinear's copy: left out of the clipping norm
 };
 
 // A rank's own parameters (or optimizer buffer), cut by its runs from the
@@ -551,6 +552,9 @@ struct GridNet {
   // SyncBatchNorm (one stage only: DataParallel): its statistics are
   // summed over the replicas, on a communicator of their own.
   bool syncs = false;
+  // Weights held twice (TiedLinear), in whole-network offsets: their
+  // gradients are summed into both before every update.
+  std::span<const TieRun> ties;
 };
 
 // Makes the stage of the rank at `at` (its stage on the pipe axis, its share
@@ -581,7 +585,8 @@ GridNet grid_net(std::size_t stages, bool syncs) {
           .loss = &loss_ops<Loss, typename Net::output_shape>(),
           .stages = stages,
           .norm_segments = norm_segments<Net>,
-          .syncs = syncs};
+          .syncs = syncs,
+          .ties = std::span<const TieRun>(Net::ties)};
 }
 
 // A stage of the executed layers `range` of StageNet (all by default) from
@@ -786,6 +791,7 @@ class GridEngine {
     // denominator.
     std::array<double, 6> stats{};
     std::vector<double> squares;  // clipping's, per layer with parameters (kept: no allocation)
+    std::vector<float> tie_sum;   // a tied weight's summed gradient (several stages)
     double busy = 0.0;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
     bool overflowed = false;    // the last step's scaled gradients were not finite
@@ -871,6 +877,48 @@ class GridEngine {
   }
 
   void train(Rank& r, const Job& job);
+
+  // Where whole-network parameters [whole, whole + count) lie in this
+  // rank's gradients, or null when it holds none of them (a run held
+  // alike by a tensor group counts as held).
+  static float* gradients_at(Rank& r, std::size_t whole, std::size_t count) {
+    float* grads = r.net->gradients().data();
+    if (r.net->segments.empty())
+      return whole >= r.net->parameter_offset &&
+                     whole + count <= r.net->parameter_offset + r.net->parameter_size
+                 ? grads + (whole - r.net->parameter_offset)
+                 : nullptr;
+    for (const ParamSegment& s : r.net->segments)
+      if (whole >= s.whole && whole + count <= s.whole + s.count)
+        return grads + s.local + (whole - s.whole);
+    return nullptr;
+  }
+
+  // Weight tying: each tied pair's two gradients (reduced over the
+  // replicas) summed into both, so the copies take the same update and
+  // stay equal bit for bit. On one stage in place; across stages (the
+  // embedding on the first, the head on the last) summed over the pipe
+  // group, the stages that hold neither adding zeros, which changes no bit.
+  void tie_gradients(Rank& r) {
+    for (const TieRun& tie : net_.ties) {
+      float* source = gradients_at(r, tie.source, tie.count);
+      float* copy = gradients_at(r, tie.copy, tie.count);
+      LOOM_CHECK((source == nullptr && copy == nullptr) ||
+                     dynamic_cast<const HostMemory*>(&r.net->memory()) != nullptr,
+                 "weight tying (TiedLinear) runs on CPU devices only in this version");
+      if (stages_ == 1) {
+        for (std::size_t k = 0; k < tie.count; ++k) copy[k] = source[k] += copy[k];
+        continue;
+      }
+      r.tie_sum.assign(tie.count, 0.0f);
+      for (const float* part : {static_cast<const float*>(source), static_cast<const float*>(copy)})
+        if (part != nullptr)
+          for (std::size_t k = 0; k < tie.count; ++k) r.tie_sum[k] += part[k];
+      r.groups.pipe.all_reduce(std::span<float>(r.tie_sum), comm::ReduceOp::sum);
+      for (float* part : {source, copy})
+        if (part != nullptr) std::ranges::copy(r.tie_sum, part);
+    }
+  }
 
   // A rank's executor: its answers are the grid's (the sums all-reduced
   // before, the overflow and the norm over the stages).
@@ -1422,6 +1470,7 @@ LOOM_DECL void GridEngine::train(Rank& r, const Job& job) {
   if (reduce) post_ready(r, std::nullopt);
   drain(r);
   if (reduce) r.reducer->drain();
+  tie_gradients(r);
   // Only the last stages have the loss, and each stage its gradients (the
   // reduced ones with several replicas); every rank learns the sums, so
   // all skip a non-finite step or all take it. (fp16 checks its gradients

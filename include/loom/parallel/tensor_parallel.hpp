@@ -17,6 +17,9 @@
 //     layers/tensor_linear.hpp);
 //   - the network's last Linear (a GPT's vocabulary): column-parallel, its
 //     outputs gathered for the loss (TensorGather).
+// Blocks (Residual, Series, TransformerBlock, a user's) are looked into:
+// their layers are sharded by the same rules, so a TransformerBlock splits
+// its attention's heads and its MLP's pair.
 // Everything else (embeddings, norms, the loss) runs whole on every rank of
 // a tensor group, on the same values: after each split pair the features
 // are summed into equal copies, so their gradients are equal too, and need
@@ -35,15 +38,18 @@
 // not written yet (the trainer says so).
 #pragma once
 
+#include <concepts>
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
 #include "../core/error.hpp"
 #include "../layers/attention.hpp"
 #include "../layers/tensor_linear.hpp"
+#include "../net/block.hpp"
 #include "../net/model.hpp"
 #include "../net/residual.hpp"
 #include "../optim/clip.hpp"
@@ -156,6 +162,33 @@ struct shard_one<Residual<Ls...>, T> {
   using type = typename as_residual<typename shard_list<T, TypeList<>, false, Ls...>::type>::type;
 };
 
+template <class List, std::size_t T>
+struct shard_layers;
+template <class... Ls, std::size_t T>
+struct shard_layers<TypeList<Ls...>, T> {
+  using type = typename shard_list<T, TypeList<>, false, Ls...>::type;
+};
+
+}  // namespace detail
+
+// A named block (Series, TransformerBlock, ...) as one rank of T holds it:
+// its layers for the input, sharded as a network's are.
+template <class Spec, std::size_t T>
+struct TensorBlock : NamedBlock {
+  template <class In>
+  using layers = typename detail::shard_layers<typename Spec::template layers<In>, T>::type;
+  static constexpr std::string_view kind = Spec::kind;
+  static constexpr std::string_view name = Spec::name;
+};
+
+namespace detail {
+
+template <class Spec, std::size_t T>
+  requires std::derived_from<Spec, NamedBlock>
+struct shard_one<Spec, T> {
+  using type = TensorBlock<Spec, T>;
+};
+
 // Inside a pair, pointwise layers pass and the next Linear closes it.
 template <std::size_t T, class... Done, class L, class... Rest>
 struct shard_list<T, TypeList<Done...>, true, L, Rest...> {
@@ -223,11 +256,10 @@ template <class L>
 constexpr std::size_t whole_params() {
   if constexpr (requires { L::whole_param_count; }) {
     return L::whole_param_count;
-  } else if constexpr (requires { typename L::layers; typename L::shortcut; }) {
-    // A block: its layers', then its projection's (never split).
-    std::size_t total = L::shortcut_params;
-    static_for<L::layers::size>(
-        [&](auto i) { total += whole_params<type_at_t<i, typename L::layers>>(); });
+  } else if constexpr (BoundBlock<L>) {
+    std::size_t total = 0;
+    static_for<L::children::size>(
+        [&](auto i) { total += whole_params<type_at_t<i, typename L::children>>(); });
     return total;
   } else {
     return L::param_count;
@@ -243,16 +275,15 @@ void layer_segments(std::size_t rank, std::size_t whole_at, std::size_t local_at
     L::tensor_segments(rank, [&](std::size_t w, std::size_t l, std::size_t count, bool split) {
       visit(whole_at + w, local_at + l, count, split);
     });
-  } else if constexpr (requires { typename L::layers; typename L::shortcut; }) {
-    using layers = typename L::layers;
+  } else if constexpr (BoundBlock<L>) {
+    // A block's parameters are its children's, end to end, in both.
+    using children = typename L::children;
     std::size_t whole = whole_at;
-    static_for<layers::size>([&](auto i) {
-      using B = type_at_t<i, layers>;
-      layer_segments<B>(rank, whole, local_at + list_info<layers>::param_offsets[i], visit);
-      whole += whole_params<B>();
+    static_for<children::size>([&](auto i) {
+      using C = type_at_t<i, children>;
+      layer_segments<C>(rank, whole, local_at + list_info<children>::param_offsets[i], visit);
+      whole += whole_params<C>();
     });
-    if (L::shortcut_params > 0)
-      visit(whole, local_at + list_info<layers>::parameter_count, L::shortcut_params, false);
   } else if (L::param_count > 0) {
     visit(whole_at, local_at, L::param_count, false);
   }
@@ -276,7 +307,7 @@ class TensorStageOf final : public StageOf<ShardNet, Optimizer> {
                          std::span<double> squares) const override {
     const auto grads = this->model().gradients();
     for (const ParamSegment& s : this->segments) {
-      if (!s.split && this->tensor_rank != 0) continue;
+      if ((!s.split && this->tensor_rank != 0) || s.tied_copy) continue;
       const auto layer = std::ranges::upper_bound(starts, s.whole) - starts.begin() - 1;
       double sum = 0.0;
       for (std::size_t j = s.local; j < s.local + s.count; ++j)
@@ -319,12 +350,14 @@ class TensorEngine final : public GridSplitEngine<Net> {
       layer_segments<L>(rank, whole::param_offsets[i],
                         shard::param_offsets[i] - shard::param_offsets[range.first],
                         [&](std::size_t w, std::size_t l, std::size_t count, bool split) {
+                          const bool tied = TiesWeight<L>;
                           if (!runs.empty() && runs.back().split == split &&
+                              runs.back().tied_copy == tied &&
                               runs.back().whole + runs.back().count == w &&
                               runs.back().local + runs.back().count == l)
                             runs.back().count += count;
                           else
-                            runs.push_back({w, l, count, split});
+                            runs.push_back({w, l, count, split, tied});
                         });
     });
     return runs;

@@ -425,6 +425,25 @@ class Trainer : public detail::TrainerCore {
                                          names, options, tensor_table<Net>(),
                                          Net::parameter_count, Net::state_count);
     if (resume) detail::check_resumed_options(image, options, path.string());
+    // Training keeps a tied pair equal bit for bit: copies that differ
+    // were not written by it, and would train as two tensors.
+    for (const detail::TieRun& tie : Net::ties) {
+      const auto source = std::span<const float>(image.parameters).subspan(tie.source, tie.count);
+      const auto copy = std::span<const float>(image.parameters).subspan(tie.copy, tie.count);
+      const auto at = std::ranges::mismatch(source, copy).in1 - source.begin();
+      if (at == static_cast<std::ptrdiff_t>(tie.count)) continue;
+      const auto table = tensor_table<Net>();
+      const auto name = [&](std::size_t offset) {
+        const auto slot = std::ranges::find_if(
+            table, [&](const TensorSlot& t) { return !t.state && t.offset == offset; });
+        return slot == table.end() ? std::string("?") : slot->name;
+      };
+      LOOM_FAIL("Trainer::load: checkpoint '", path.string(), "' holds the tied weights '",
+                name(tie.copy), "' and '", name(tie.source), "', which differ at element ", at,
+                " (", copy[static_cast<std::size_t>(at)], " and ",
+                source[static_cast<std::size_t>(at)],
+                "); a tied pair trains as one tensor: give both the same values");
+    }
     return image;
   }
   std::string resharding(const detail::CheckpointImage& image) const {
