@@ -635,15 +635,12 @@ int example_main(int argc, char** argv, const char* title, Options o, DataLoad l
         return run_policy<CifarNet, Loss>(title, o, limit(data::cifar10(o.cifar_dir)), world,
                                           rank_devices, launch, out);
     }
-    if constexpr (!std::is_void_v<TiedNet>) {
+    const data::Split split =
+        limit(load != nullptr ? load(o, out) : data::fashion_mnist(o.data_dir));
+    if constexpr (!std::is_void_v<TiedNet>)
       if (o.tie_weights)
-        return run_policy<TiedNet, Loss>(
-            title, o, limit(load != nullptr ? load(o, out) : data::fashion_mnist(o.data_dir)),
-            world, rank_devices, launch, out);
-    }
-    return run_policy<Net, Loss>(
-        title, o, limit(load != nullptr ? load(o, out) : data::fashion_mnist(o.data_dir)), world,
-        rank_devices, launch, out);
+        return run_policy<TiedNet, Loss>(title, o, split, world, rank_devices, launch, out);
+    return run_policy<Net, Loss>(title, o, split, world, rank_devices, launch, out);
   } catch (const Error& error) {
     std::cerr << error.what() << '\n';
 #if defined(LOOM_WITH_MPI)

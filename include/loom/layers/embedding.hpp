@@ -35,6 +35,7 @@
 #include "../backend/cpu/cpu.hpp"
 #include "../core/error.hpp"
 #include "layer.hpp"
+#include "linear.hpp"
 
 namespace loom {
 
@@ -58,11 +59,6 @@ inline constexpr double gpt_init_limit = 0.02 * 1.7320508075688772;
 
 template <class In, std::size_t Width>
 using embedding_output = Shape<dim_or_one<In, 0>, Width>;
-
-// Per position over Positions x Features, else over a flat vector.
-template <class In, std::size_t Out>
-using linear_output_of =
-    std::conditional_t<In::rank == 2, Shape<dim_or_one<In, 0>, Out>, Shape<Out>>;
 
 }  // namespace detail
 
@@ -197,12 +193,12 @@ struct tied_layer_not_in_the_network {
 
 template <std::size_t Out, std::size_t Layer, class In, std::size_t Index>
 struct Bind<TiedLinear<Out, Layer>, In, Index>
-    : LayerBase<TiedLinear<Out, Layer>, In, detail::linear_output_of<In, Out>, Index> {
+    : LayerBase<TiedLinear<Out, Layer>, In, detail::linear_output<In, Out>, Index> {
   using Spec = TiedLinear<Out, Layer>;
   static constexpr bool checked =
       detail::layer_argument_must_be_positive<Index, Spec, Out>::ok &&
       detail::layer_input_rank_mismatch<Index, Spec, 1, In::rank == 2 ? 1 : In::rank>::ok;
-  static constexpr std::size_t positions = In::rank == 2 ? In::dims[0] : 1;
+  static constexpr std::size_t positions = detail::linear_positions<In>;
   static constexpr std::size_t in_features = In::size / positions;
   static constexpr std::size_t out_features = Out;
   static constexpr std::size_t weight_count = Out * in_features;

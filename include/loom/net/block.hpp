@@ -275,11 +275,17 @@ struct BlockBase : LayerBase<Spec, In, Out, Index> {
       "a layer that changes its samples' lengths (a strided Conv1d) belongs at the network's top "
       "level, not inside a block");
 
-  // He initialisation where a ReLU follows a child inside the block.
+  // He initialisation where a ReLU follows a child inside the block (a
+  // Residual's last layer is followed by the sum, whatever comes after).
   template <class T>
   static void init(T* params, std::uint64_t seed, bool) {
+    init_children(params, seed, false);
+  }
+  // The same, with `last_relu_follows` for the last child.
+  template <class T>
+  static void init_children(T* params, std::uint64_t seed, bool last_relu_follows) {
     static_for<Children::size>([&](auto i) {
-      bool relu_follows = false;
+      bool relu_follows = last_relu_follows;
       if constexpr (i + 1 < Children::size) relu_follows = type_at_t<i + 1, Children>::is_relu;
       type_at_t<i, Children>::init(params + child_info::param_offsets[i], seed, relu_follows);
     });
@@ -337,12 +343,7 @@ struct SequenceBlock
   static constexpr bool is_relu = type_at_t<0, typename SequenceBlock::children>::is_relu;
   template <class T>
   static void init(T* params, std::uint64_t seed, bool relu_follows) {
-    using children = typename SequenceBlock::children;
-    static_for<children::size>([&](auto i) {
-      bool follows = relu_follows;
-      if constexpr (i + 1 < children::size) follows = type_at_t<i + 1, children>::is_relu;
-      type_at_t<i, children>::init(params + list_info<children>::param_offsets[i], seed, follows);
-    });
+    SequenceBlock::init_children(params, seed, relu_follows);
   }
 
   static std::string child_role(std::size_t position) {

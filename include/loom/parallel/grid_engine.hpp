@@ -791,7 +791,7 @@ class GridEngine {
     // denominator.
     std::array<double, 6> stats{};
     std::vector<double> squares;  // clipping's, per layer with parameters (kept: no allocation)
-    std::vector<float> tie_sum;   // a tied weight's summed gradient (several stages)
+    std::vector<float> tie_sum;   // a tied weight's summed gradient (kept: no allocation)
     double busy = 0.0;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
     bool overflowed = false;    // the last step's scaled gradients were not finite
@@ -896,9 +896,10 @@ class GridEngine {
 
   // Weight tying: each tied pair's two gradients (reduced over the
   // replicas) summed into both, so the copies take the same update and
-  // stay equal bit for bit. On one stage in place; across stages (the
-  // embedding on the first, the head on the last) summed over the pipe
-  // group, the stages that hold neither adding zeros, which changes no bit.
+  // stay equal bit for bit. Summed over the pipe group (a group of one
+  // when both are on one stage; across stages the embedding is on the
+  // first, the head on the last), the stages that hold neither adding
+  // zeros, which changes no value.
   void tie_gradients(Rank& r) {
     for (const TieRun& tie : net_.ties) {
       float* source = gradients_at(r, tie.source, tie.count);
@@ -906,10 +907,6 @@ class GridEngine {
       LOOM_CHECK((source == nullptr && copy == nullptr) ||
                      dynamic_cast<const HostMemory*>(&r.net->memory()) != nullptr,
                  "weight tying (TiedLinear) runs on CPU devices only in this version");
-      if (stages_ == 1) {
-        for (std::size_t k = 0; k < tie.count; ++k) copy[k] = source[k] += copy[k];
-        continue;
-      }
       r.tie_sum.assign(tie.count, 0.0f);
       for (const float* part : {static_cast<const float*>(source), static_cast<const float*>(copy)})
         if (part != nullptr)
