@@ -17,5 +17,6 @@
 #include "test_cuda_model.cu"
 #include "test_cuda_training.cu"
 #include "test_cuda_stage.cu"
+#include "test_cuda_transformer.cu"
 
 LOOM_CUDA_TEST_MAIN

@@ -3,7 +3,9 @@
 // its heads, MLP and vocabulary; 120 training windows in batches of 24.
 #pragma once
 
+#include <cstdlib>
 #include <loom/loom.hpp>
+#include <string>
 #include <vector>
 
 namespace loom::test {
@@ -29,9 +31,16 @@ inline const SGD::Options gpt_sgd{.lr = 0.1f, .momentum = 0.9f};
 // Two epochs (the second's order shuffled): 10 steps.
 inline const FitOptions gpt_fit{.epochs = 2, .batch_size = 24, .seed = 5};
 
+// Debian's fortune files, or where LOOM_FORTUNES_DIR says (scripts/gpu-check
+// carries the package to GPU machines that lack it).
+inline std::string fortunes_folder() {
+  const char* dir = std::getenv("LOOM_FORTUNES_DIR");
+  return dir != nullptr && *dir != '\0' ? dir : data::fortunes_dir;
+}
+
 inline const data::Split& gpt_text() {
   static const data::Split split = [] {
-    data::Split s = data::text_split(data::read_fortunes(), gpt_context, 17);
+    data::Split s = data::text_split(data::read_fortunes(fortunes_folder()), gpt_context, 17);
     return data::Split{data::head(s.train, 120), data::head(s.test, 96)};
   }();
   return split;

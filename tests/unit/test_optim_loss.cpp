@@ -206,3 +206,11 @@ TEST_CASE("PositionCrossEntropy: a label past the classes is a loom::Error namin
                       Catch::Contains("dataset 'positions': sample 2 has label 5 at position 1; "
                                       "expected 0..4 for 5 classes (or < 0: ignored)"));
 }
+
+TEST_CASE("loss: which losses a backend may run as a softmax per row, and over how many rows") {
+  // The GPU runs these on the device (gpu/stage.cuh); CTC stays on the host.
+  REQUIRE(detail::loss_ops<SoftmaxCrossEntropy, Shape<10>>().softmax_rows() == 1);
+  REQUIRE(detail::loss_ops<PositionCrossEntropy, Shape<16, 256>>().softmax_rows() == 16);
+  REQUIRE(detail::loss_ops<PositionCrossEntropy, PositionOut>().softmax_rows() == 4);
+  REQUIRE(detail::loss_ops<CTC<>, Shape<16, 28>>().softmax_rows() == 0);
+}

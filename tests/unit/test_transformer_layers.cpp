@@ -4,6 +4,7 @@
 // attention's causality (a later position changes no earlier output), the
 // Embedding's errors for ids outside its vocabulary, and a small GPT's
 // compile-time facts against nanoGPT's parameter count.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -424,4 +425,45 @@ TEST_CASE("transformer layers: windows longer or shorter than the network's cont
   // The network's own context trains.
   trainer.fit(data::text_windows(text, 8, 6, 1, "fox"), {.epochs = 1, .batch_size = 2});
   REQUIRE(trainer.evaluate(data::text_windows(text, 8, 4, 2, "fox")).samples == 4);
+}
+
+TEST_CASE("transformer layers: in bf16 the attention rounds its heads' output and its q, k, v "
+          "gradient, which its projections read") {
+  const auto params = random_vector<double>(Attn::param_count, 12, -0.4, 0.4);
+  const auto x = random_vector<double>(3 * 40, 13);
+  const auto dy = random_vector<float>(3 * 40, 14);
+  // Bits below bf16's 8-bit mantissa: what rounding leaves as zero.
+  const auto bf16_exact = [](float v) {
+    float r = v;
+    round_to(Precision::bf16, &r, 1);
+    return r == v;
+  };
+  // Per sample: the heads' output at the end of the saved area; in the
+  // workspace the q, k, v gradient after the heads' output gradient.
+  const auto heads_of = [](const std::vector<float>& saved, std::size_t s) {
+    const auto* at = saved.data() + s * Attn::saved + Attn::heads_out_at;
+    return std::vector<float>(at, at + 5 * 8);
+  };
+  for (const Precision precision : {Precision::fp32, Precision::bf16}) {
+    INFO("precision " << static_cast<int>(precision));
+    Run<Attn, float> run(3, params, x);
+    run.context.precision = precision;
+    detail::run_forward<Attn, float>(run.params.data(), run.x.data(), run.y.data(),
+                                     run.work.data(), 3, run.context);
+    std::vector<float> dx(3 * 40), dparams(Attn::param_count);
+    run.backward(dy, dx, dparams);
+    std::vector<float> read;
+    for (std::size_t s = 0; s < 3; ++s) {
+      const auto heads = heads_of(run.saved, s);
+      read.insert(read.end(), heads.begin(), heads.end());
+    }
+    const float* d_qkv = run.work.data() + 3 * 5 * 8;
+    read.insert(read.end(), d_qkv, d_qkv + 3 * 5 * 24);
+    const auto count = read.size();
+    const auto exact = static_cast<std::size_t>(std::count_if(read.begin(), read.end(), bf16_exact));
+    if (precision == Precision::bf16)
+      REQUIRE(exact == count);
+    else
+      REQUIRE(exact < count / 10);  // fp32 values keep their low bits
+  }
 }

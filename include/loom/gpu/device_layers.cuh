@@ -60,6 +60,7 @@
 #include "../comm/nccl_comm.hpp"
 #include "../core/meta.hpp"
 #include "../net/model.hpp"
+#include "../net/residual.hpp"
 #include "../optim/adam.hpp"
 #include "../optim/any_optimizer.hpp"
 #include "../optim/sgd.hpp"
@@ -68,6 +69,7 @@
 #include "layer_call.hpp"
 #include "layers.cuh"
 #include "recurrent.cuh"
+#include "transformer.cuh"
 
 namespace loom::gpu {
 
@@ -112,9 +114,9 @@ namespace detail {
 // Where each layer's weights and bias sit in the device's flat parameter
 // buffer: the CPU Model's order, each block starting on a 256-byte boundary
 // (cuBLASLt's operands and epilogue vectors must be 16-byte aligned; cuDNN
-// is fastest at 256). A Residual block's body layers (and its projection)
-// are laid out the same way inside the block, so every layer a runner sees
-// is aligned however deep it sits. The gaps are zero in parameters and
+// is fastest at 256). A block's layers (and a Residual's projection) are
+// laid out the same way inside the block, so every layer a runner sees is
+// aligned however deep it sits. The gaps are zero in parameters and
 // gradients alike, so the update over the whole buffer leaves them zero.
 inline constexpr std::size_t parameter_align = 64;  // floats
 // Floats rounded up to whole 256-byte blocks (parameters and saved areas).
@@ -122,35 +124,118 @@ constexpr std::size_t round_to_block(std::size_t n) {
   return (n + parameter_align - 1) / parameter_align * parameter_align;
 }
 
+// Blocks (net/block.hpp), told apart by type: a Residual sums its body's
+// output with its input or projection; every other block (Series, named
+// blocks) runs its layers in sequence, the last writing the block's output.
+template <class Spec>
+inline constexpr bool is_residual_spec = false;
+template <class... Ls>
+inline constexpr bool is_residual_spec<Residual<Ls...>> = true;
 template <class L>
-struct residual_layout;
+concept DeviceBlock = ::loom::detail::BoundBlock<L>;
+template <class L>
+concept ResidualBlock = DeviceBlock<L> && is_residual_spec<typename L::spec>;
+
+// A block's layers as they run (fused), and the one among them whose
+// output is the block's (-1: none, a Residual makes its own by the sum).
+template <DeviceBlock L>
+constexpr auto block_body_of() {
+  if constexpr (ResidualBlock<L>)
+    return std::type_identity<typename L::body>{};
+  else
+    return std::type_identity<typename L::chain::body>{};
+}
+template <DeviceBlock L>
+using block_body_t = typename decltype(block_body_of<L>())::type;
+template <DeviceBlock L>
+constexpr int block_final_owner() {
+  if constexpr (ResidualBlock<L>)
+    return -1;
+  else
+    return L::chain::final_owner;
+}
+// Whether a block has a Residual's projection shortcut.
+template <DeviceBlock L>
+constexpr bool block_projects() {
+  if constexpr (ResidualBlock<L>)
+    return !L::identity;
+  else
+    return false;
+}
+
+template <DeviceBlock L>
+struct block_layout;
+
+// The first layer that runs in L (L itself, or a block's first child's).
+template <class L>
+constexpr auto first_leaf_of() {
+  if constexpr (DeviceBlock<L>)
+    return first_leaf_of<type_at_t<0, typename L::children>>();
+  else
+    return std::type_identity<L>{};
+}
+template <class L>
+using first_leaf_t = typename decltype(first_leaf_of<L>())::type;
+
+// The ops LayerRunner runs itself, by spec (a fused ReLU keeps the spec of
+// the layer it joins).
+template <class Spec>
+inline constexpr bool is_linear_spec = false;
+template <std::size_t O>
+inline constexpr bool is_linear_spec<Linear<O>> = true;
+template <class Spec>
+inline constexpr bool is_conv2d_spec = false;
+template <std::size_t O, std::size_t K, std::size_t S, std::size_t P>
+inline constexpr bool is_conv2d_spec<Conv2d<O, K, S, P>> = true;
+template <class Spec>
+inline constexpr bool is_max_pool_spec = false;
+template <std::size_t K, std::size_t S>
+inline constexpr bool is_max_pool_spec<MaxPool2d<K, S>> = true;
+template <class Spec>
+inline constexpr bool is_avg_pool_spec = false;
+template <std::size_t K, std::size_t S>
+inline constexpr bool is_avg_pool_spec<AvgPool2d<K, S>> = true;
+template <class Spec>
+inline constexpr bool is_conv1d_spec = false;
+template <std::size_t O, std::size_t K, std::size_t S, std::size_t P, std::size_t D>
+inline constexpr bool is_conv1d_spec<Conv1d<O, K, S, P, D>> = true;
+template <class L>
+inline constexpr bool is_linear = is_linear_spec<typename L::spec>;
+template <class L>
+inline constexpr bool is_conv2d = is_conv2d_spec<typename L::spec>;
+template <class L>
+inline constexpr bool is_pool = is_max_pool_spec<typename L::spec> ||
+                                is_avg_pool_spec<typename L::spec>;
+template <class L>
+inline constexpr bool is_relu_layer = std::is_same_v<typename L::spec, ReLU>;
 
 // A layer's block: its weights, then (aligned) the rest of its parameters.
 template <class L>
 constexpr std::size_t device_size() {
-  if constexpr (L::kind == "residual")
-    return residual_layout<L>::offsets.total;
+  if constexpr (DeviceBlock<L>)
+    return block_layout<L>::offsets.total;
   else
     return round_to_block(L::weight_count) + round_to_block(L::param_count - L::weight_count);
 }
 
-// Where a layer's "bias" pointer starts in its device block (a Residual
-// block's parameters are all weights).
+// Where a layer's "bias" pointer starts in its device block (a block's
+// parameters are all weights).
 template <class L>
 constexpr std::size_t weight_block() {
-  if constexpr (L::kind == "residual")
+  if constexpr (DeviceBlock<L>)
     return device_size<L>();
   else
     return round_to_block(L::weight_count);
 }
 
-template <class L>
-struct residual_layout {
-  using body = typename L::body;
+template <DeviceBlock L>
+struct block_layout {
+  using body = block_body_t<L>;
+  using info = ::loom::detail::list_info<body>;
   static constexpr std::size_t count = body::size;
   struct Offsets {
     std::array<std::size_t, count> at{};  // each body layer's block in the block
-    std::size_t shortcut = 0;             // the projection's
+    std::size_t shortcut = 0;             // a Residual's projection's
     std::size_t total = 0;
   };
   static constexpr Offsets offsets = [] {
@@ -159,7 +244,7 @@ struct residual_layout {
       o.at[i] = o.total;
       o.total += device_size<type_at_t<i, body>>();
     });
-    if constexpr (!L::identity) {
+    if constexpr (block_projects<L>()) {
       o.shortcut = o.total;
       o.total += device_size<typename L::shortcut>();
     }
@@ -213,14 +298,14 @@ inline void copy_floats(float* device, float* host, std::size_t count, cudaMemcp
 template <class L>
 void copy_layer_parameters(float* device, float* host, std::size_t device_at, std::size_t host_at,
                            cudaMemcpyKind kind, cudaStream_t stream) {
-  if constexpr (L::kind == "residual") {
-    using R = residual_layout<L>;
+  if constexpr (DeviceBlock<L>) {
+    using R = block_layout<L>;
     static_for<R::count>([&](auto i) {
       copy_layer_parameters<type_at_t<i, typename R::body>>(
-          device, host, device_at + R::offsets.at[i], host_at + L::info::param_offsets[i], kind,
+          device, host, device_at + R::offsets.at[i], host_at + R::info::param_offsets[i], kind,
           stream);
     });
-    if constexpr (!L::identity)
+    if constexpr (block_projects<L>())
       copy_layer_parameters<typename L::shortcut>(device, host, device_at + R::offsets.shortcut,
                                                   host_at + L::body_params, kind, stream);
   } else {
@@ -238,7 +323,7 @@ constexpr bool writes_relu_mask() {
   } else {
     using L = type_at_t<I, List>;
     using Next = type_at_t<I + 1, List>;
-    if constexpr (L::kind == "linear" && Next::kind == "linear")
+    if constexpr (is_linear<L> && is_linear<Next>)
       return L::activation == Act::relu;
     else
       return false;
@@ -274,8 +359,8 @@ constexpr RunnerRole runner_role(LayerRange range, bool sends) {
           .input_gradient = needs_input_gradient<List, I>() || sends};
 }
 
-template <class L>
-class ResidualRunner;
+template <DeviceBlock L>
+class BlockRunner;
 
 // The floats a layer keeps from forward to backward for a batch of n on the
 // device. The CPU's layout, except that inside a Residual block each body
@@ -284,39 +369,93 @@ class ResidualRunner;
 template <class L>
 constexpr std::size_t device_saved_floats(std::size_t n);
 
-// The runner of a layer kind that has one of its own (layers.cuh,
-// cudnn_rnn.cuh, recurrent.cuh, ResidualRunner), or void for the kinds
-// LayerRunner runs itself (conv, linear, pooling, ReLU, flatten). InBlock:
-// the layer is in a Residual block's body, whose saved areas are laid out
-// at compile time; a GRU or LSTM there runs on recurrent.cuh's runner, as
-// cuDNN's reserve space has a size only cuDNN knows.
+// The runner of a layer that has one of its own (layers.cuh, conv1d.cuh,
+// cudnn_rnn.cuh, recurrent.cuh, transformer.cuh, BlockRunner), chosen by
+// the layer's spec (the type it was written as), or void for the ops
+// LayerRunner runs itself (convolution, Linear, pooling, ReLU and the
+// layers that only rename the shape). InBlock: the layer is inside a
+// block, whose saved areas are laid out at compile time; a GRU or LSTM
+// there runs on recurrent.cuh's runner, as cuDNN's reserve space has a
+// size only cuDNN knows.
+template <class L, bool InBlock, class Spec = typename L::spec>
+struct kernel_runner {
+  using type = void;
+};
+template <class L, bool B>
+struct kernel_runner<L, B, Tanh> {
+  using type = PointwiseRunner<L, ::loom::detail::TanhFn>;
+};
+template <class L, bool B>
+struct kernel_runner<L, B, Sigmoid> {
+  using type = PointwiseRunner<L, ::loom::detail::SigmoidFn>;
+};
+template <class L, bool B>
+struct kernel_runner<L, B, GELU> {
+  using type = PointwiseRunner<L, ::loom::detail::GeluFn>;
+};
+template <class L, bool B>
+struct kernel_runner<L, B, GlobalAvgPool> {
+  using type = GlobalAvgPoolRunner<L>;
+};
+template <class L, bool B, double P>
+struct kernel_runner<L, B, Dropout<P>> {
+  using type = DropoutRunner<L>;
+};
+template <class L, bool B, BatchNormSpec S>
+struct kernel_runner<L, B, S> {
+  using type = BatchNormRunner<L>;
+};
+template <class L, bool B, std::size_t O, std::size_t K, std::size_t S, std::size_t P,
+          std::size_t D>
+struct kernel_runner<L, B, Conv1d<O, K, S, P, D>> {
+  using type = Conv1dRunner<L>;
+};
 template <class L, bool InBlock>
-constexpr auto kernel_runner_of() {
-  if constexpr (L::kind == "tanh")
-    return std::type_identity<PointwiseRunner<L, ::loom::detail::TanhFn>>{};
-  else if constexpr (L::kind == "sigmoid")
-    return std::type_identity<PointwiseRunner<L, ::loom::detail::SigmoidFn>>{};
-  else if constexpr (L::kind == "gelu")
-    return std::type_identity<PointwiseRunner<L, ::loom::detail::GeluFn>>{};
-  else if constexpr (L::kind == "globalavgpool")
-    return std::type_identity<GlobalAvgPoolRunner<L>>{};
-  else if constexpr (L::kind == "dropout")
-    return std::type_identity<DropoutRunner<L>>{};
-  else if constexpr (L::kind == "batchnorm" || L::kind == "batchnorm_time")
-    return std::type_identity<BatchNormRunner<L>>{};
-  else if constexpr (L::kind == "conv1d")
-    return std::type_identity<Conv1dRunner<L>>{};
-  else if constexpr ((L::kind == "gru" || L::kind == "lstm") && InBlock)
-    return std::type_identity<RecurrentRunner<L>>{};
-  else if constexpr (L::kind == "gru" || L::kind == "lstm")
-    return std::type_identity<CudnnRecurrentRunner<L>>{};
-  else if constexpr (L::kind == "residual")
-    return std::type_identity<ResidualRunner<L>>{};
-  else
-    return std::type_identity<void>{};
-}
+using recurrent_runner_t =
+    std::conditional_t<InBlock, RecurrentRunner<L>, CudnnRecurrentRunner<L>>;
+template <class L, bool B, std::size_t H, bool Seq, bool Bi>
+struct kernel_runner<L, B, GRU<H, Seq, Bi>> {
+  using type = recurrent_runner_t<L, B>;
+};
+template <class L, bool B, std::size_t H, bool Seq, bool Bi>
+struct kernel_runner<L, B, LSTM<H, Seq, Bi>> {
+  using type = recurrent_runner_t<L, B>;
+};
+template <class L, bool B, class... Ls>
+struct kernel_runner<L, B, Residual<Ls...>> {
+  using type = BlockRunner<L>;
+};
+template <class L, bool B, class S>
+  requires std::derived_from<S, NamedBlock>
+struct kernel_runner<L, B, S> {
+  using type = BlockRunner<L>;
+};
+template <class L, bool B, std::size_t V, std::size_t W>
+struct kernel_runner<L, B, Embedding<V, W>> {
+  using type = EmbeddingRunner<L>;
+};
+template <class L, bool B>
+struct kernel_runner<L, B, PositionEmbedding> {
+  using type = PositionEmbeddingRunner<L>;
+};
+template <class L, bool B, std::size_t O, std::size_t T>
+struct kernel_runner<L, B, TiedLinear<O, T>> {
+  using type = TiedLinearRunner<L>;
+};
+template <class L, bool B>
+struct kernel_runner<L, B, LayerNorm> {
+  using type = RowNormRunner<L, true>;
+};
+template <class L, bool B>
+struct kernel_runner<L, B, RMSNorm> {
+  using type = RowNormRunner<L, false>;
+};
+template <class L, bool B, std::size_t H, class P>
+struct kernel_runner<L, B, CausalSelfAttention<H, P>> {
+  using type = AttentionRunner<L>;
+};
 template <class L, bool InBlock>
-using kernel_runner_t = typename decltype(kernel_runner_of<L, InBlock>())::type;
+using kernel_runner_t = typename kernel_runner<L, InBlock>::type;
 
 // A runner that plans its launches from the host's lengths (cuDNN's RNN):
 // a call with lengths may not be captured (its capturable(call)).
@@ -336,16 +475,17 @@ class LayerRunner {
               TensorMath math, RunnerRole role)
       : batch_(batch), role_(role) {
     const bool tensor_cores = math != TensorMath::fp32;
-    if constexpr (L::kind == "residual") {
+    if constexpr (std::is_constructible_v<Kernel, DeviceContext&, std::size_t, std::size_t,
+                                          TensorMath>) {
       kernel_ = std::make_unique<Kernel>(context, batch, library_limit, math);
     } else if constexpr (!std::is_void_v<Kernel>) {
       // Their GEMMs (recurrent.cuh) take TF32 when tensor cores are allowed.
       kernel_ = std::make_unique<Kernel>(context, batch, library_limit, tensor_cores);
-    } else if constexpr (L::kind == "conv") {
+    } else if constexpr (is_conv2d<L>) {
       conv_ = std::make_unique<Convolution>(
           context.dnn, L::geometry(batch), out_channels,
           ConvOptions{.allow_tensor_ops = tensor_cores, .workspace_limit = library_limit});
-    } else if constexpr (L::kind == "linear") {
+    } else if constexpr (is_linear<L>) {
       constexpr std::size_t in = L::in_features, out_channels = L::out_features;
       // Over Frames x Features it acts per position: a row per sample and position.
       const std::size_t rows = batch * L::positions;
@@ -404,22 +544,22 @@ class LayerRunner {
   void forward(const LayerCall& c) {
     if constexpr (!std::is_void_v<Kernel>) {
       kernel_->forward(c);
-    } else if constexpr (L::kind == "conv") {
+    } else if constexpr (is_conv2d<L>) {
       conv_->forward_bias_act(c.x, c.weights, c.bias, c.y, activation_is_relu(),
                               library(c.scratch), library_size(c.scratch_bytes));
-    } else if constexpr (L::kind == "linear") {
+    } else if constexpr (is_linear<L>) {
       GemmArgs args = gemm_args(c.x, c.weights, c.y, c);
       args.bias = c.bias;
       if (role_.writes_mask) args.relu_mask_out = c.mask;
       forward_->run(args);
-    } else if constexpr (L::kind == "maxpool" || L::kind == "avgpool") {
-      pool_forward<L::kind == "maxpool">(L::geometry(batch_), c.x, c.y, c.stream);
-    } else if constexpr (L::kind == "relu") {
+    } else if constexpr (is_pool<L>) {
+      pool_forward<is_max_pool_spec<typename L::spec>>(L::geometry(batch_), c.x, c.y, c.stream);
+    } else if constexpr (is_relu_layer<L>) {
       activation_forward<Act::relu>(c.x, c.y, batch_ * L::output_shape::size, c.stream);
-    } else if constexpr (L::kind != "flatten") {
+    } else if constexpr (!L::in_place) {
       static_assert(dependent_false<L>,
-                    "No CUDA runner for this layer kind (the template argument names the "
-                    "layer); add one to kernel_runner_of");
+                    "No CUDA runner for this layer (the template argument names it); add one "
+                    "to kernel_runner");
     }
   }
 
@@ -427,14 +567,14 @@ class LayerRunner {
     float* dz = reinterpret_cast<float*>(c.scratch);
     if constexpr (!std::is_void_v<Kernel>) {
       kernel_->backward(c);
-    } else if constexpr (L::kind == "conv") {
+    } else if constexpr (is_conv2d<L>) {
       conv_->bias_act_backward(c.dy, c.y, dz, c.dbias, activation_is_relu(), false);
       conv_->backward_filter(c.x, dz, c.dweights, false, library(c.scratch),
                              library_size(c.scratch_bytes));
       if (c.dx != nullptr)
         conv_->backward_data(c.weights, dz, c.dx, library(c.scratch),
                              library_size(c.scratch_bytes));
-    } else if constexpr (L::kind == "linear") {
+    } else if constexpr (is_linear<L>) {
       // With the mask kept, dy is already dZ (the next layer's epilogue made it).
       const float* grad = c.dy;
       if (L::activation == Act::relu && !role_.writes_mask) {
@@ -452,10 +592,11 @@ class LayerRunner {
         }
         input_grad_->run(input);
       }
-    } else if constexpr (L::kind == "maxpool" || L::kind == "avgpool") {
+    } else if constexpr (is_pool<L>) {
       if (c.dx != nullptr)
-        pool_backward<L::kind == "maxpool">(L::geometry(batch_), c.x, c.dy, c.dx, c.stream);
-    } else if constexpr (L::kind == "relu") {
+        pool_backward<is_max_pool_spec<typename L::spec>>(L::geometry(batch_), c.x, c.dy, c.dx,
+                                                          c.stream);
+    } else if constexpr (is_relu_layer<L>) {
       if (c.dx != nullptr)
         activation_backward<Act::relu>(c.dy, c.y, c.dx, batch_ * L::output_shape::size, c.stream);
     }
@@ -496,9 +637,9 @@ class LayerRunner {
   std::unique_ptr<GemmPlan> forward_, weight_grad_, input_grad_;
 };
 
-// A Residual block's layers run by the same runners as the top level's
-// (without the ReLU-mask hand-over between Linear layers), each passing a
-// gradient to its input.
+// A block's layers run by the same runners as the top level's (without
+// the ReLU-mask hand-over between Linear layers), each passing a gradient
+// to its input.
 template <class Body, class Indices>
 struct body_runners;
 template <class Body, std::size_t... I>
@@ -506,55 +647,70 @@ struct body_runners<Body, std::index_sequence<I...>> {
   using type = std::tuple<LayerRunner<type_at_t<I, Body>, true>...>;
 };
 
-
-template <class Body, std::size_t I>
-constexpr std::size_t body_region_floats(std::size_t n) {
-  using B = type_at_t<I, Body>;
-  return (B::in_place ? 0 : round_to_block(n * B::output_shape::size)) +
-         device_saved_floats<B>(n);
+// Body layer I's region of block L's saved area: its output (unless it
+// works in place or writes the block's), then its saved tensors.
+template <class L, std::size_t I>
+constexpr std::size_t block_region_floats(std::size_t n) {
+  using B = type_at_t<I, block_body_t<L>>;
+  const bool own_output = !B::in_place && static_cast<int>(I) != block_final_owner<L>();
+  return (own_output ? round_to_block(n * B::output_shape::size) : 0) + device_saved_floats<B>(n);
 }
 
-// Where body layer I's region (its output, then its saved tensors) starts.
-template <class Body, std::size_t I>
-constexpr std::size_t body_region_at(std::size_t n) {
+// Where body layer I's region starts.
+template <class L, std::size_t I>
+constexpr std::size_t block_region_at(std::size_t n) {
   std::size_t at = 0;
-  static_for<I>([&](auto j) { at += body_region_floats<Body, j>(n); });
+  static_for<I>([&](auto j) { at += block_region_floats<L, j>(n); });
   return at;
 }
 
 template <class L>
 constexpr std::size_t device_saved_floats(std::size_t n) {
-  if constexpr (L::kind == "residual")
-    return body_region_at<typename L::body, L::body::size>(n);
+  if constexpr (DeviceBlock<L>)
+    return block_region_at<L, block_body_t<L>::size>(n);
   else
     return L::saved == 0 ? 0 : round_to_block(n * L::saved);
 }
 
-// Residual<Layers...> on the GPU, as the CPU runs it: the body's outputs and
-// saved tensors sit in the block's saved area (device_saved_floats' layout),
-// y = body(x) + shortcut(x); backward runs the projection (or copies dy),
-// then the body in reverse over two gradient buffers at the start of the
-// scratch, and adds the body's input gradient. In a reduced precision the
-// body's outputs and passed-back gradients, and the projection's, are
-// rounded as the CPU rounds them (net/residual.hpp).
-template <class L>
-class ResidualRunner {
-  using Body = typename L::body;
-  using R = residual_layout<L>;
+// The runner of a Residual's projection shortcut, or none.
+struct NoShortcut {
+  static std::size_t fixed_bytes(std::size_t) { return 0; }
+};
+template <DeviceBlock L>
+constexpr auto shortcut_runner_of() {
+  if constexpr (block_projects<L>())
+    return std::type_identity<LayerRunner<typename L::shortcut, true>>{};
+  else
+    return std::type_identity<NoShortcut>{};
+}
+
+// A block on the GPU, as the CPU runs it (net/block.hpp's Chain): the
+// body's outputs and saved tensors sit in the block's saved area
+// (device_saved_floats' layout); backward runs the body in reverse over two
+// gradient buffers at the start of the scratch. A Residual: y = body(x) +
+// shortcut(x), and backward runs the projection (or copies dy) and adds the
+// body's input gradient. A sequence block (Series, named blocks): its
+// last layer writes the block's output, and its first the block's input
+// gradient. In a reduced precision the body's outputs and passed-back
+// gradients, and the projection's, are rounded as the CPU rounds them.
+template <DeviceBlock L>
+class BlockRunner {
+  using Body = block_body_t<L>;
+  using R = block_layout<L>;
+  using Info = typename R::info;
   static constexpr std::size_t count = Body::size;
+  static constexpr bool residual = ResidualBlock<L>;
+  static constexpr bool projects = block_projects<L>();
+  static constexpr int final_owner = block_final_owner<L>();
   using Runners = typename body_runners<Body, std::make_index_sequence<count>>::type;
-  struct NoShortcut {
-    static std::size_t fixed_bytes(std::size_t) { return 0; }
-  };
-  using Shortcut = std::conditional_t<L::identity, NoShortcut,
-                                      LayerRunner<typename L::shortcut, true>>;
+  using Shortcut = typename decltype(shortcut_runner_of<L>())::type;
 
  public:
-  ResidualRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
-                 TensorMath math)
+  BlockRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
+              TensorMath math)
       : batch_(batch),
         body_(make_body(context, batch, library_limit, math, std::make_index_sequence<count>{})) {
-    if constexpr (!L::identity)
+    if constexpr (projects)
       shortcut_ = std::make_unique<Shortcut>(
           context, batch, limit_for(Shortcut::fixed_bytes(batch), batch, library_limit), math,
           RunnerRole{});
@@ -565,7 +721,7 @@ class ResidualRunner {
   std::size_t scratch_bytes() const {
     std::size_t inner = 0;
     static_for<count>([&](auto i) { inner = std::max(inner, std::get<i>(body_).scratch_bytes()); });
-    if constexpr (!L::identity) inner = std::max(inner, shortcut_->scratch_bytes());
+    if constexpr (projects) inner = std::max(inner, shortcut_->scratch_bytes());
     return 2 * gradient_bytes(batch_) + inner;
   }
 
@@ -576,59 +732,69 @@ class ResidualRunner {
       if constexpr (!B::in_place)
         round_values(c.precision, output<i>(c), batch_ * B::output_shape::size, c.stream);
     });
-    const float* body_out = output<count - 1>(c);
-    const std::size_t out = batch_ * L::output_shape::size;
-    if constexpr (L::identity) {
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(c.y, c.x, out * sizeof(float), cudaMemcpyDeviceToDevice,
-                                      c.stream));
-    } else {
-      shortcut_->forward(shortcut_call(c));
-      round_values(c.precision, c.y, out, c.stream);
+    if constexpr (residual) {
+      const float* body_out = output<count - 1>(c);
+      const std::size_t out = batch_ * L::output_shape::size;
+      if constexpr (projects) {
+        shortcut_->forward(shortcut_call(c));
+        round_values(c.precision, c.y, out, c.stream);
+      } else {
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(c.y, c.x, out * sizeof(float), cudaMemcpyDeviceToDevice,
+                                        c.stream));
+      }
+      // The sum is rounded by the owner, as any layer's output.
+      add_into(c.y, body_out, out, c.stream);
     }
-    // The sum is rounded by the owner, as any layer's output.
-    add_into(c.y, body_out, out, c.stream);
   }
 
   void backward(const LayerCall& c) {
     std::array<float*, 2> gradients{
         reinterpret_cast<float*>(c.scratch),
         reinterpret_cast<float*>(c.scratch + gradient_bytes(batch_))};
-    if constexpr (L::identity) {
-      if (c.dx != nullptr)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(c.dx, c.dy, batch_ * L::input_shape::size * sizeof(float),
-                                        cudaMemcpyDeviceToDevice, c.stream));
-    } else {
+    const std::size_t in = batch_ * L::input_shape::size;
+    if constexpr (projects) {
       // The projection has no activation: its output is not read, dy stands in.
       LayerCall s = shortcut_call(c);
       s.y = const_cast<float*>(c.dy);
       s.dy = c.dy;
       s.dx = c.dx;
       shortcut_->backward(s);
+      if (c.dx != nullptr) round_values(c.precision, c.dx, in, c.stream);
+    } else if constexpr (residual) {
       if (c.dx != nullptr)
-        round_values(c.precision, c.dx, batch_ * L::input_shape::size, c.stream);
+        LOOM_CUDA_CHECK(
+            cudaMemcpyAsync(c.dx, c.dy, in * sizeof(float), cudaMemcpyDeviceToDevice, c.stream));
     }
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(gradients[0], c.dy,
-                                    batch_ * L::output_shape::size * sizeof(float),
-                                    cudaMemcpyDeviceToDevice, c.stream));
-    int current = 0;
+    // A Residual's body adds its input gradient to the shortcut's; a
+    // sequence's first layer writes the block's.
+    const float* gradient = c.dy;
+    int next = 0;
     static_for_reverse<count>([&](auto i) {
       using B = type_at_t<i, Body>;
       LayerCall b = body_call<i>(c);
-      b.dy = gradients[current];
-      b.dx = i == 0 && c.dx == nullptr ? nullptr : gradients[1 - current];
+      b.dy = gradient;
+      b.dx = gradients[next];
+      if constexpr (i == 0)
+        if (c.dx == nullptr || !residual) b.dx = c.dx;
       std::get<i>(body_).backward(b);
       // The block's weight gradients are rounded by the owner, all at once.
-      if constexpr (!B::in_place)
-        if (b.dx != nullptr)
-          round_values(c.precision, b.dx, batch_ * B::input_shape::size, c.stream);
-      if (!B::in_place) current = 1 - current;
+      if constexpr (!B::in_place) {
+        if (b.dx != nullptr) round_values(c.precision, b.dx, batch_ * B::input_shape::size, c.stream);
+        gradient = b.dx;
+        next = 1 - next;
+      }
     });
-    if (c.dx != nullptr) add_into(c.dx, gradients[current], batch_ * L::input_shape::size, c.stream);
+    if (c.dx == nullptr) return;
+    if constexpr (residual)
+      add_into(c.dx, gradient, in, c.stream);
+    else if (gradient != c.dx)
+      LOOM_CUDA_CHECK(
+          cudaMemcpyAsync(c.dx, gradient, in * sizeof(float), cudaMemcpyDeviceToDevice, c.stream));
   }
 
  private:
   static std::size_t gradient_bytes(std::size_t n) {
-    return DeviceArena::padded_bytes<float>(n * L::gradient_buffer);
+    return DeviceArena::padded_bytes<float>(n * Info::largest_activation);
   }
   static std::size_t largest_fixed(std::size_t n) {
     std::size_t most = Shortcut::fixed_bytes(n);
@@ -654,11 +820,13 @@ class ResidualRunner {
 
   template <std::size_t I>
   float* output(const LayerCall& c) const {
-    constexpr int owner = L::info::output_owner[I];
+    constexpr int owner = Info::output_owner[I];
     if constexpr (owner < 0)
       return const_cast<float*>(c.x);
+    else if constexpr (owner == final_owner)
+      return c.y;
     else
-      return c.saved + body_region_at<Body, static_cast<std::size_t>(owner)>(batch_);
+      return c.saved + block_region_at<L, static_cast<std::size_t>(owner)>(batch_);
   }
   template <std::size_t I>
   const float* input(const LayerCall& c) const {
@@ -693,9 +861,10 @@ class ResidualRunner {
     LayerCall b = inner_call(c, R::offsets.at[I], weight_block<B>());
     b.x = input<I>(c);
     b.y = output<I>(c);
-    b.state = c.state + L::info::state_offsets[I];
-    b.saved = c.saved + body_region_at<Body, I>(batch_) +
-              (B::in_place ? 0 : round_to_block(batch_ * B::output_shape::size));
+    b.state = c.state + Info::state_offsets[I];
+    const bool own_output = !B::in_place && static_cast<int>(I) != final_owner;
+    b.saved = c.saved + block_region_at<L, I>(batch_) +
+              (own_output ? round_to_block(batch_ * B::output_shape::size) : 0);
     return b;
   }
   LayerCall shortcut_call(const LayerCall& c) const {
@@ -930,7 +1099,7 @@ class DeviceLayers {
         for (std::size_t k = 0; k < n; ++k) {
           out[k] = static_cast<std::int32_t>(L::frames_out(static_cast<std::size_t>(in[k])));
           // The CPU's Conv1d refuses a sample it leaves without a frame.
-          if constexpr (L::kind == "conv1d")
+          if constexpr (detail::is_conv1d_spec<typename L::spec>)
             LOOM_CHECK(out[k] > 0, ::loom::detail::type_label<typename L::spec>(), " (layer ", L::index,
                        "): sample ", k, " of the batch has ", in[k], " frames; padded by ",
                        L::spec::pad, " at both ends that is shorter than the ", L::span,
@@ -963,7 +1132,7 @@ class DeviceLayers {
     if (s.frames_count == 0) return;
     each([&](auto i) {
       using L = type_at_t<i, executed>;
-      if constexpr (L::kind == "batchnorm_time") {
+      if constexpr (batch_norm_over_time<L>()) {
         if (L::syncs && replicas_ != nullptr) return;
         const std::int32_t* at = s.host_frames.data() + frames_rules_before[i] * max_batch_;
         std::size_t valid = 0;
@@ -975,6 +1144,14 @@ class DeviceLayers {
       }
     });
   }
+  // A first stage's batch, on the host before it goes over: token ids are
+  // checked as the CPU's Embedding checks them, with its message (the
+  // gather reads the table at each id).
+  void check_input(const float* host, std::size_t n) const {
+    if constexpr (requires { first_layer::check_ids(host, n); })
+      if (range_.first == 0) first_layer::check_ids(host, n);
+  }
+
   // SyncBatchNorm sums its statistics over these ranks (null: one device).
   void set_replicas(comm::NcclComm* replicas) { replicas_ = replicas; }
 
@@ -1015,7 +1192,7 @@ class DeviceLayers {
     const Slot& s = slots_[slot];
     // The network's input (a later stage's, the stage before rounded).
     // Rounding it again (a slot stepped on twice) changes nothing.
-    if (!sends_) round_values(precision_, input, n * in_size_, stream());
+    if (!sends_ && !takes_ids) round_values(precision_, input, n * in_size_, stream());
     each([&](auto i) {
       using L = type_at_t<i, executed>;
       std::get<i>(plan)->forward(call<i>(s));
@@ -1113,6 +1290,16 @@ class DeviceLayers {
   static constexpr std::size_t frames_rows = frames_rules_before[layer_count] + 1;
 
  public:
+  // Whether the network's input holds token ids (an Embedding first, perhaps
+  // in a block), which no precision may round.
+  using first_layer = detail::first_leaf_t<type_at_t<0, executed>>;
+  static constexpr bool takes_ids = [] {
+    if constexpr (requires { first_layer::takes_ids; })
+      return first_layer::takes_ids;
+    else
+      return false;
+  }();
+
   // Whether a step whose batch has lengths must run uncaptured: some layer's
   // runner plans from the host lengths (plans_from_host_lengths).
   static constexpr bool lengths_on_host = [] {

@@ -426,9 +426,14 @@ class DropoutRunner {
   std::size_t count_;
 };
 
+// BatchNorm1d over Frames x C: batch_norm_layer_t's rule (layers/normalization.hpp).
 template <class L>
 constexpr bool batch_norm_over_time() {
-  return L::kind == "batchnorm_time";
+  if constexpr (BatchNormSpec<typename L::spec>)
+    return ::loom::detail::batch_norm_kind<typename L::spec>::rank == 1 &&
+           L::input_shape::rank == 2;
+  else
+    return false;
 }
 // Where a channel's elements lie: `plane` in a row (1 over time), and
 // per_sample of them in one sample.

@@ -171,7 +171,10 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     Layers& l = built();
     float* x = inputs_.at(slot).data();
     // The first stage: the batch's samples, from the host.
-    if (input != x) copy_in(x, input, n * input_size);
+    if (input != x) {
+      l.check_input(input, n);
+      copy_in(x, input, n * input_size);
+    }
     l.set_frames(slot, pass.frames, n);
     if (pass.training && pass.frames != nullptr) l.check_training_frames(slot, n);
     if (pass.training && l.contextual())
@@ -191,19 +194,21 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     return layers_ ? layers_->output_frames(slot) : nullptr;
   }
 
-  // A loss whose arithmetic is a softmax over classes against a label
-  // (LossOps::class_softmax) runs on the device (softmax_xent.cuh: the
-  // CPU's formulas, within ULPs): the labels go over, three sums come
-  // back. Any other loss runs on the host (LossOps, loss/loss.hpp) over the
-  // output copied back (CTC, per-position: a device loss of their own is a
-  // later speed-up), and so does a softmax batch holding a label outside
-  // the classes, so that its error is the CPU's, word for word.
+  // A loss whose arithmetic is a softmax over classes against a label, a
+  // sample's scores or each position's (LossOps::softmax_rows), runs on the
+  // device (softmax_xent.cuh: the CPU's formulas, within ULPs): the labels
+  // go over, three sums come back. Any other loss runs on the host
+  // (LossOps, loss/loss.hpp) over the output copied back (CTC: a device
+  // loss of its own is a later speed-up), and so do a batch of sequences
+  // with lengths and a batch holding a label outside the classes (or an
+  // ignored position's), so that its error is the CPU's, word for word.
   cpu::LossSums loss(const ::loom::detail::LossOps& ops, std::size_t slot, std::size_t n,
                      const Targets& targets, float scale, bool train) override {
     on_device();
     Layers& l = built();
-    if (ops.class_softmax())
-      if (const auto sums = device_softmax_loss(slot, n, targets, scale, train)) return *sums;
+    if (const std::size_t rows = ops.softmax_rows())
+      if (const auto sums = device_softmax_loss(slot, n, rows, targets, scale, train))
+        return *sums;
     const std::size_t count = n * output_size;
     const float* output = output_on_host(slot, n);
     float* gradient = train ? room(host_gradient_, count) : nullptr;
@@ -621,25 +626,34 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     return buffer.data();
   }
 
-  // The softmax loss of slot's last forward on the device, and with `train`
-  // its gradient (times scale, as the host's), rounded for the precision;
+  // The softmax loss of slot's last forward on the device, over `rows`
+  // rows per sample (1: the sample's scores against targets.labels; more:
+  // each position's against targets.sequences), and with `train` its
+  // gradient (times scale, as the host's), rounded for the precision;
   // nothing when the host must compute it (see loss()).
   std::optional<cpu::LossSums> device_softmax_loss(std::size_t slot, std::size_t n,
-                                                   const Targets& targets, float scale,
-                                                   bool train) {
+                                                   std::size_t rows, const Targets& targets,
+                                                   float scale, bool train) {
     if (n == 0) return std::nullopt;  // a rank without samples: the host's empty sums
+    // Positions past a sample's length count for nothing, and targets of
+    // another shape get the loss's message: the host's.
+    if (rows > 1 && (targets.frames != nullptr || targets.sequences == nullptr ||
+                     targets.max_target != rows))
+      return std::nullopt;
     Layers& l = *layers_;
-    if (!softmax_ || softmax_->max_batch() < n) {
-      softmax_ = std::make_unique<SoftmaxXentWorkspace>(l.max_batch());
-      labels_ = DeviceBuffer<std::int32_t>(l.max_batch(), owner() + "'s labels");
+    const std::size_t count = n * rows;
+    if (!softmax_ || softmax_->max_batch() < count) {
+      softmax_ = std::make_unique<SoftmaxXentWorkspace>(l.max_batch() * rows);
+      labels_ = DeviceBuffer<std::int32_t>(l.max_batch() * rows, owner() + "'s labels");
     }
-    std::copy_n(targets.labels, n, room(host_labels_, n));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(labels_.data(), host_labels_.data(), n * sizeof(std::int32_t),
-                                    cudaMemcpyHostToDevice, stream()));
+    std::copy_n(rows == 1 ? targets.labels : targets.sequences, count, room(host_labels_, count));
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(labels_.data(), host_labels_.data(),
+                                    count * sizeof(std::int32_t), cudaMemcpyHostToDevice,
+                                    stream()));
     // The gradient is (softmax - one-hot) x scale: the kernel's global
     // batch of 1 and loss scale `scale` give that factor.
     scalars_.copy(loss_scale_.data(), scale, stream());
-    softmax_xent_async(l.output(slot), labels_.data(), n, output_size, 1,
+    softmax_xent_async(l.output(slot), labels_.data(), count, output_size / rows, 1,
                        train ? l.output_gradient() : nullptr, *softmax_, stream(),
                        loss_scale_.data());
     if (train) round_values(precision_, l.output_gradient(), n * output_size, stream());
@@ -648,7 +662,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     cpu::LossSums sums;
     sums.loss = back.loss;
     sums.correct = static_cast<std::size_t>(back.correct);
-    sums.denominator = static_cast<double>(n);
+    sums.denominator = static_cast<double>(count);
     return sums;
   }
 

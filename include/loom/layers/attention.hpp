@@ -26,7 +26,9 @@
 // sample and head on strided views of q, k and v (no copy). The softmax is
 // fused with the causal mask and the scale, a row at a time in T with its
 // maximum subtracted. Forward keeps q, k, v, the probabilities and the
-// heads' outputs for backward (LayerContext::saved).
+// heads' outputs for backward (LayerContext::saved). In bf16 and fp16 the
+// heads' output and the q, k, v gradient are rounded as a layer's output
+// and passed-back gradient are: what the projections read.
 #pragma once
 
 #include <algorithm>
@@ -110,6 +112,7 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
   static_assert(std::is_void_v<Positions> || detail::is_rotary<Positions>,
                 "CausalSelfAttention<Heads, Positions>: Positions is void or Rotary<Theta>");
   static constexpr bool rotary = detail::is_rotary<Positions>;
+  using positions = Positions;  // void or Rotary<Theta>
   static constexpr std::size_t context = detail::dim_or_one<In, 0>;
   static constexpr std::size_t width = detail::dim_or_one<In, 1>;
   static constexpr bool checked =
@@ -188,6 +191,10 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
         cpu::gemm<T>(false, false, context, head_width, context, T(1), p, context, v, qkv_width,
                      T(0), kept + heads_out_at + h * head_width, inner);
       }
+      // In a reduced precision the heads' output is an activation like a
+      // layer's: rounded before the projection reads it (a GPU's bf16 or
+      // fp16 GEMM then takes it exactly).
+      round_to(ctx.precision, kept + heads_out_at, context * inner);
       cpu::gemm<T>(false, true, context, width, inner, T(1), kept + heads_out_at, inner,
                    params + proj_weight_at, inner, T(0), y + s * context * width, width);
     }
@@ -245,6 +252,8 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
     // they are the projection's.
     if constexpr (rotary)
       for (std::size_t s = 0; s < samples; ++s) turn(d_qkv + s * context * qkv_width, true);
+    // Likewise the q, k, v gradient: rounded as a gradient passed between layers.
+    round_to(ctx.precision, d_qkv, rows * qkv_width);
     // The q, k, v projection: its bias and weight gradients, and the input's.
     cpu::bias_act_backward_rows<Act::identity>(d_qkv, d_qkv, d_qkv, dparams + qkv_bias_at, rows,
                                                qkv_width, accumulate);

@@ -100,6 +100,13 @@ struct Bind<Embedding<Vocab, Width>, In, Index>
     }
   }
 
+  // Every id of `samples` samples, checked as forward checks them (the GPU
+  // checks a batch here before it goes over).
+  template <class T>
+  static void check_ids(const T* x, std::size_t samples) {
+    for (std::size_t i = 0; i < samples * context; ++i) id_at(x, i);
+  }
+
   template <class T>
   static void backward(const T*, const T* x, const T*, const T* dy, T* dx, T* dparams, T*,
                        std::size_t samples, bool accumulate) {

@@ -71,10 +71,13 @@ class LossOps {
   virtual Denominator denominator() const = 0;
   virtual cpu::LossSums compute(const float* outputs, std::size_t n, const Targets& targets,
                                 float grad_scale, float* doutputs) const = 0;
-  // Whether compute() is a softmax over each sample's scores against its
-  // class label (the loss's class_softmax): a backend holding that op may
-  // run it in compute()'s place, knowing the arithmetic, not the loss.
-  virtual bool class_softmax() const = 0;
+  // How many rows of the output, per sample, compute() takes a softmax of
+  // against a class label each (the loss's class_softmax: 1, a sample's
+  // scores; its position_softmax: one per output position), the gradient
+  // (softmax - one-hot) x scale; 0 for any other arithmetic. A backend
+  // holding that op may run it in compute()'s place, knowing the
+  // arithmetic, not the loss.
+  virtual std::size_t softmax_rows() const = 0;
 };
 
 template <class Loss, class Out>
@@ -87,11 +90,13 @@ class LossOpsOf final : public LossOps {
                         float grad_scale, float* doutputs) const override {
     return Loss::template compute<Out, float>(outputs, n, targets, grad_scale, doutputs);
   }
-  bool class_softmax() const override {
+  std::size_t softmax_rows() const override {
     if constexpr (requires { Loss::class_softmax; })
-      return Loss::class_softmax;
+      return Loss::class_softmax ? 1 : 0;
+    else if constexpr (requires { Loss::position_softmax; })
+      return Loss::position_softmax ? Out::dims[0] : 0;
     else
-      return false;
+      return 0;
   }
 };
 

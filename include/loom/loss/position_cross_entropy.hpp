@@ -28,6 +28,9 @@ struct PositionCrossEntropy {
   static constexpr const char* error_rate = nullptr;
   template <class Out>
   static constexpr bool fits = Out::rank == 2 && Out::dims[1] >= 2;
+  // A softmax of each position's scores against its label
+  // (LossOps::softmax_rows): what a GPU runs on the device.
+  static constexpr bool position_softmax = true;
 
   // A sample's valid positions: its frames at the output, at most the output's.
   template <class Out>

@@ -18,7 +18,7 @@ struct SoftmaxCrossEntropy {
   static constexpr TargetKind target = TargetKind::class_label;
   static constexpr const char* error_rate = nullptr;
   // A softmax over each sample's scores against its class label
-  // (LossOps::class_softmax): what a GPU runs on the device.
+  // (LossOps::softmax_rows): what a GPU runs on the device.
   static constexpr bool class_softmax = true;
   template <class Out>
   static constexpr bool fits = Out::rank == 1;

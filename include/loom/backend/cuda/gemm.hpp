@@ -109,6 +109,11 @@ struct GemmShape {
   bool trans_b = false;
   std::size_t m = 0, n = 0, k = 0;
   std::size_t lda = 0, ldb = 0, ldc = 0;
+  // Strided batches (attention's products per sample): `batch` products,
+  // the i-th of a + i stride_a, b + i stride_b into c + i stride_c
+  // (elements), with the `none` epilogue only.
+  std::size_t batch = 1;
+  std::size_t stride_a = 0, stride_b = 0, stride_c = 0;
 };
 
 struct GemmOptions {
@@ -175,6 +180,16 @@ inline LtDesc<cublasLtMatrixLayoutOpaque_t> row_major_layout(std::size_t rows, s
   return LtDesc<cublasLtMatrixLayoutOpaque_t>(layout);
 }
 
+// `batch` matrices of a layout, `stride` elements apart.
+inline void set_batches(cublasLtMatrixLayout_t layout, std::size_t batch, std::size_t stride) {
+  const auto count = static_cast<std::int32_t>(batch);
+  const auto offset = static_cast<std::int64_t>(stride);
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                     &count, sizeof(count)));
+  LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+      layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset, sizeof(offset)));
+}
+
 inline bool aligned(const void* p, std::size_t alignment) {
   return reinterpret_cast<std::uintptr_t>(p) % alignment == 0;
 }
@@ -211,6 +226,11 @@ class GemmPlan {
     layout_b_ = shape.trans_b ? detail::row_major_layout(shape.n, shape.k, shape.ldb)
                               : detail::row_major_layout(shape.k, shape.n, shape.ldb);
     layout_c_ = detail::row_major_layout(shape.m, shape.n, shape.ldc);
+    if (shape.batch > 1) {
+      detail::set_batches(layout_a_.get(), shape.batch, shape.stride_a);
+      detail::set_batches(layout_b_.get(), shape.batch, shape.stride_b);
+      detail::set_batches(layout_c_.get(), shape.batch, shape.stride_c);
+    }
     pick_algorithm();
   }
 
@@ -229,8 +249,11 @@ class GemmPlan {
     std::ostringstream s;
     s << "loom::gpu::GemmPlan(trans_a=" << shape_.trans_a << ", trans_b=" << shape_.trans_b
       << ", m=" << shape_.m << ", n=" << shape_.n << ", k=" << shape_.k << ", lda=" << shape_.lda
-      << ", ldb=" << shape_.ldb << ", ldc=" << shape_.ldc
-      << ", epilogue=" << epilogue_name(epilogue_)
+      << ", ldb=" << shape_.ldb << ", ldc=" << shape_.ldc;
+    if (shape_.batch > 1)
+      s << ", batch=" << shape_.batch << ", stride_a=" << shape_.stride_a
+        << ", stride_b=" << shape_.stride_b << ", stride_c=" << shape_.stride_c;
+    s << ", epilogue=" << epilogue_name(epilogue_)
       << (options_.allow_bf16   ? ", bf16"
           : options_.allow_fp16 ? ", fp16"
           : options_.allow_tf32 ? ", tf32"
@@ -311,6 +334,10 @@ class GemmPlan {
                "; pass B's row stride");
     LOOM_CHECK(s.ldc >= s.n, describe(), ": ldc ", s.ldc, " is smaller than the ", s.n,
                " columns of C (m x n); pass C's row stride");
+    LOOM_CHECK(s.batch >= 1 && s.batch <= std::size_t{1} << 30, describe(), ": batch ", s.batch,
+               " is outside 1 to 2^30");
+    LOOM_CHECK(s.batch == 1 || epilogue_ == Epilogue::none, describe(),
+               ": strided batches take the none epilogue only");
     const std::size_t al = options_.alignment_bytes;
     LOOM_CHECK(al >= sizeof(float) && (al & (al - 1)) == 0, describe(), ": alignment_bytes ", al,
                " must be a power of two of at least ", sizeof(float));
