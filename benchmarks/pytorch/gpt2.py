@@ -3,8 +3,8 @@
 
 The peer of benchmarks/gpt2_gpu_bench.cu: the same network (12 pre-norm
 blocks of 12-head causal self-attention and a GELU MLP, width 768, context
-1024, a vocabulary of 50257, learned positions, the head not tied to the
-embedding unless --tied), written as nanoGPT writes it, with PyTorch's
+1024, a vocabulary of 50257, learned positions, the head's weight the
+embedding's unless --untied), written as nanoGPT writes it, with PyTorch's
 fused attention (F.scaled_dot_product_attention, causal), AdamW (lr 3e-4,
 weight decay 0.1) and, for bf16 and fp16, autocast over fp32 weights (fp16
 with a GradScaler). Each step takes a new batch of --batch windows of
@@ -34,9 +34,8 @@ def parse_args(argv):
                         choices=["fp32", "tf32", "bf16", "fp16"])
     parser.add_argument("--modes", nargs="+", default=["eager", "compile"],
                         choices=["eager", "compile"])
-    parser.add_argument("--tied", action="store_true",
-                        help="the head's weight is the embedding's (GPT-2's own; loom's GPU "
-                             "side does not tie yet)")
+    parser.add_argument("--untied", action="store_true",
+                        help="the head a Linear of its own, not the embedding's weight")
     return parser.parse_args(argv)
 
 
@@ -113,7 +112,7 @@ def measure(torch, args, text, precision, mode):
     torch.manual_seed(1)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    model = build(torch, args.tied).cuda()
+    model = build(torch, not args.untied).cuda()
     parameters = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     step_model = torch.compile(model) if mode == "compile" else model
@@ -141,7 +140,8 @@ def measure(torch, args, text, precision, mode):
             sys.exit(f"gpt2.py: step {step}'s loss is {loss.item()}; the figures are void")
     timed = sorted(times[args.warmup:])
     median = timed[len(timed) // 2]
-    return {"benchmark": f"gpt2_small_{precision}", "library": f"pytorch-{mode}",
+    name = "gpt2_small_untied_" if args.untied else "gpt2_small_"
+    return {"benchmark": f"{name}{precision}", "library": f"pytorch-{mode}",
             "batch": args.batch, "context": CONTEXT, "parameters": parameters,
             "metric": "tokens_per_s", "value": args.batch * CONTEXT / (median / 1e3),
             "median_step_ms": median, "steps": len(timed),

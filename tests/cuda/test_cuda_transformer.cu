@@ -5,8 +5,9 @@
 // and rotary) and a whole TransformerBlock to fp32 rounding; cuBLASLt's
 // strided batches against one product per batch; then the small GPT of
 // tests/support/tiny_gpt.hpp trained by the Trainer on a GPU, alone and as
-// two pipeline stages sharing it, against the CPU, and a token id outside
-// the vocabulary refused with the CPU's message. Where no GPU is present
+// two pipeline stages sharing it, untied and with its head tied to its
+// embedding, against the CPU, and a token id outside the vocabulary
+// refused with the CPU's message. Where no GPU is present
 // every test reports skipped (77).
 #include <loom/gpu/device_layers.cuh>
 #include <loom/loom.hpp>
@@ -280,6 +281,24 @@ TEST_CASE("cuda transformer: the small GPT trains on a GPU as on the CPU") {
   gpt_follows_cpu<test::TinyGptBlocks>("TransformerBlocks, one GPU");
   gpt_follows_cpu<test::TinyGptBlocks, ModelSplit<Balanced<2>, OneFOneB<4>>>(
       "TransformerBlocks, 2 stages on one GPU", 2);
+}
+
+TEST_CASE("cuda transformer: a weight-tied GPT trains on a GPU as on the CPU, its copies equal") {
+  // One stage: the pair summed on the device; two: on the host over the
+  // pipe group (the embedding on the first stage, the head on the last).
+  gpt_follows_cpu<test::TinyGptTied>("tied, one GPU");
+  gpt_follows_cpu<test::TinyGptTied, ModelSplit<Balanced<2>, OneFOneB<4>>>(
+      "tied, 2 stages on one GPU", 2);
+  Trainer<test::TinyGptTied, SingleDevice, SGD, PositionCrossEntropy> gpu(
+      {devices::gpus().front()}, test::gpt_sgd, {.seed = 9});
+  gpu.fit(test::gpt_text().train, test::gpt_fit);
+  const auto w = gpu.model().parameters();
+  using Net = test::TinyGptTied;
+  for (const auto& tie : Net::ties)
+    for (std::size_t k = 0; k < tie.count; ++k) {
+      INFO("element " << k);
+      REQUIRE(w[tie.copy + k] == w[tie.source + k]);
+    }
 }
 
 TEST_CASE("cuda transformer: a token id outside the vocabulary is the CPU's loom::Error") {

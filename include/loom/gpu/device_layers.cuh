@@ -1255,6 +1255,24 @@ class DeviceLayers {
           kind, stream());
     });
   }
+  // Where the range's parameters [at, at + count) (its slice of the CPU
+  // Model's order) lie in the device buffers: a run within one layer's
+  // weights (weight tying's, of a top-level Embedding or TiedLinear).
+  std::size_t device_offset(std::size_t at, std::size_t count) const {
+    std::optional<std::size_t> found;
+    each([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if constexpr (!detail::DeviceBlock<L>) {
+        const std::size_t first = info::param_offsets[i] - host_base_;
+        if (!found && at >= first && at + count <= first + L::weight_count)
+          found = layout::offsets.weight[i] - base_ + (at - first);
+      }
+    });
+    LOOM_CHECK(found.has_value(), "DeviceLayers: parameters [", at, ", ", at + count,
+               ") of the range are not within one layer's weights");
+    return *found;
+  }
+
   // The range's running statistics to or from its slice of the host's.
   void copy_running_state(float* host, cudaMemcpyKind kind) {
     detail::copy_floats(state_, host, state_count_, kind, stream());

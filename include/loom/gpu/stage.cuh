@@ -75,6 +75,14 @@ inline __global__ void scale_values(float* values, std::size_t count, float fact
     values[i] *= factor;
 }
 
+// Weight tying: both runs set to a + b, the CPU's sum.
+inline __global__ void sum_runs(float* a, float* b, std::size_t count) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride)
+    b[i] = a[i] = a[i] + b[i];
+}
+
 // *found = 1 when some value is NaN or infinite (every writer writes 1).
 inline __global__ void find_nonfinite(const float* values, std::size_t count, int* found) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
@@ -338,6 +346,32 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
       return;
     }
     copy_buffer(what, b, const_cast<float*>(host.data()), cudaMemcpyHostToDevice);
+  }
+
+  // Weight tying's runs (PipelineStage): in the accumulator, at the
+  // device layout's offsets.
+  void read_gradients(std::size_t at, std::span<float> host) override {
+    on_device();
+    const float* run = accumulator_.data() + layers().device_offset(at, host.size());
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(host.data(), run, host.size() * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream()));
+    synchronize();
+  }
+  void write_gradients(std::size_t at, std::span<const float> host) override {
+    on_device();
+    float* run = accumulator_.data() + layers().device_offset(at, host.size());
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(run, host.data(), host.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream()));
+    synchronize();
+  }
+  void sum_gradients(std::size_t a, std::size_t b, std::size_t count) override {
+    on_device();
+    Layers& l = layers();
+    float* first = accumulator_.data() + l.device_offset(a, count);
+    float* second = accumulator_.data() + l.device_offset(b, count);
+    kernels::sum_runs<<<grid_blocks(count), block_threads, 0, stream()>>>(first, second, count);
+    LOOM_CUDA_LAUNCH_CHECK("sum_runs");
+    synchronize();
   }
 
   void keep_state() override {

@@ -318,6 +318,19 @@ class PipelineStage {
   virtual void write(Buffer what, std::size_t b, std::span<const float> host) = 0;
   virtual void keep_state() = 0;
   virtual void restore_state() = 0;
+  // Weight tying: gradients at the stage's offsets `at` (its slice of the
+  // Model's order; a run within one layer's weights), to or from the host,
+  // or the runs at `a` and `b` both set to a + b (in that order).
+  virtual void read_gradients(std::size_t at, std::span<float> host) {
+    std::ranges::copy(gradients().subspan(at, host.size()), host.begin());
+  }
+  virtual void write_gradients(std::size_t at, std::span<const float> host) {
+    std::ranges::copy(host, gradients().subspan(at, host.size()).begin());
+  }
+  virtual void sum_gradients(std::size_t a, std::size_t b, std::size_t count) {
+    float* g = gradients().data();
+    for (std::size_t k = 0; k < count; ++k) g[b + k] = g[a + k] = g[a + k] + g[b + k];
+  }
   // A non-finite step's diagnosis (see Model).
   virtual bool gradients_finite() const = 0;
   virtual NonFiniteSpot find_nonfinite_output(std::size_t slot, bool input) = 0;
@@ -792,6 +805,7 @@ class GridEngine {
     std::array<double, 6> stats{};
     std::vector<double> squares;  // clipping's, per layer with parameters (kept: no allocation)
     std::vector<float> tie_sum;   // a tied weight's summed gradient (kept: no allocation)
+    std::vector<float> tie_part;  // one copy's, read from the stage
     double busy = 0.0;
     double step_seconds = 0.0;  // the last optimizer step's jobs, end to end
     bool overflowed = false;    // the last step's scaled gradients were not finite
@@ -879,41 +893,45 @@ class GridEngine {
   void train(Rank& r, const Job& job);
 
   // Where whole-network parameters [whole, whole + count) lie in this
-  // rank's gradients, or null when it holds none of them (a run held
-  // alike by a tensor group counts as held).
-  static float* gradients_at(Rank& r, std::size_t whole, std::size_t count) {
-    float* grads = r.net->gradients().data();
+  // rank's slice (its offset), or nothing when it holds none of them (a
+  // run held alike by a tensor group counts as held).
+  static std::optional<std::size_t> gradients_at(Rank& r, std::size_t whole, std::size_t count) {
     if (r.net->segments.empty())
       return whole >= r.net->parameter_offset &&
                      whole + count <= r.net->parameter_offset + r.net->parameter_size
-                 ? grads + (whole - r.net->parameter_offset)
-                 : nullptr;
+                 ? std::optional<std::size_t>(whole - r.net->parameter_offset)
+                 : std::nullopt;
     for (const ParamSegment& s : r.net->segments)
       if (whole >= s.whole && whole + count <= s.whole + s.count)
-        return grads + s.local + (whole - s.whole);
-    return nullptr;
+        return s.local + (whole - s.whole);
+    return std::nullopt;
   }
 
   // Weight tying: each tied pair's two gradients (reduced over the
   // replicas) summed into both, so the copies take the same update and
-  // stay equal bit for bit. Summed over the pipe group (a group of one
-  // when both are on one stage; across stages the embedding is on the
-  // first, the head on the last), the stages that hold neither adding
-  // zeros, which changes no value.
+  // stay equal bit for bit. Where one stage holds both, in its own memory
+  // (on a GPU, on the device). Else summed over the pipe group on the
+  // host (across stages the embedding is on the first, the head on the
+  // last), the stages that hold neither adding zeros, which changes no
+  // value.
   void tie_gradients(Rank& r) {
     for (const TieRun& tie : net_.ties) {
-      float* source = gradients_at(r, tie.source, tie.count);
-      float* copy = gradients_at(r, tie.copy, tie.count);
-      LOOM_CHECK((source == nullptr && copy == nullptr) ||
-                     dynamic_cast<const HostMemory*>(&r.net->memory()) != nullptr,
-                 "weight tying (TiedLinear) runs on CPU devices only in this version");
+      const auto source = gradients_at(r, tie.source, tie.count);
+      const auto copy = gradients_at(r, tie.copy, tie.count);
+      if (source && copy && r.groups.pipe.size() == 1) {
+        r.net->sum_gradients(*source, *copy, tie.count);
+        continue;
+      }
       r.tie_sum.assign(tie.count, 0.0f);
-      for (const float* part : {static_cast<const float*>(source), static_cast<const float*>(copy)})
-        if (part != nullptr)
-          for (std::size_t k = 0; k < tie.count; ++k) r.tie_sum[k] += part[k];
+      for (const auto& part : {source, copy})
+        if (part) {
+          r.tie_part.resize(tie.count);
+          r.net->read_gradients(*part, r.tie_part);
+          for (std::size_t k = 0; k < tie.count; ++k) r.tie_sum[k] += r.tie_part[k];
+        }
       r.groups.pipe.all_reduce(std::span<float>(r.tie_sum), comm::ReduceOp::sum);
-      for (float* part : {source, copy})
-        if (part != nullptr) std::ranges::copy(r.tie_sum, part);
+      for (const auto& part : {source, copy})
+        if (part) r.net->write_gradients(*part, r.tie_sum);
     }
   }
 
