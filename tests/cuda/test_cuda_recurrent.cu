@@ -316,7 +316,7 @@ TEST_CASE("cuda: the loom recurrent runner refuses per-sample lengths") {
   for (const bool backward : {false, true})
     REQUIRE_THROWS_WITH(backward ? runner.backward(c) : runner.forward(c),
                         Catch::Contains("RecurrentRunner<gru> (layer 1): per-sample lengths") &&
-                            Catch::Contains("inside a Residual block"));
+                            Catch::Contains("inside a block (Residual, Series, ...)"));
 }
 
 TEST_CASE("cuda: the cuDNN recurrent runner refuses a scratch smaller than its workspace") {

@@ -46,7 +46,7 @@
 // that returns its last state only, every step's output, which cuDNN's
 // backward reads) lives in the layer's saved area, whose size only cuDNN
 // knows: saved_floats() says how much the owner must give for this batch.
-// A Residual block lays its body's saved areas out at compile time, so a
+// A block lays its layers' saved areas out at compile time, so a
 // GRU or LSTM inside one runs on recurrent.cuh's runner instead.
 //
 // The weight spaces, the all-steps lengths cuDNN reads on the device, a zero

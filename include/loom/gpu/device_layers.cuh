@@ -363,8 +363,8 @@ template <DeviceBlock L>
 class BlockRunner;
 
 // The floats a layer keeps from forward to backward for a batch of n on the
-// device. The CPU's layout, except that inside a Residual block each body
-// layer's output and saved tensors start on a 256-byte boundary: GEMMs and
+// device. The CPU's layout, except that inside a block each body layer's
+// output and saved tensors start on a 256-byte boundary: GEMMs and
 // cuDNN are planned for 16-byte aligned pointers at any batch size.
 template <class L>
 constexpr std::size_t device_saved_floats(std::size_t n);

@@ -8,7 +8,7 @@
 // d(loss)/d(h_t-1); then one GEMM for dW_ih (its epilogue sums b_ih's
 // gradient) and one for dx. Gradients are overwritten, never accumulated
 // across calls, and every sum runs in a fixed order (no atomics). It runs a
-// GRU or LSTM inside a Residual block (device_layers.cuh); one direction only, and
+// GRU or LSTM inside a block (device_layers.cuh); one direction only, and
 // every sample over all the steps: a call with per-sample lengths is
 // refused (cudnn_rnn.cuh's runner, used outside blocks, has both).
 #pragma once
@@ -107,8 +107,8 @@ template <class L>
 class RecurrentRunner {
   static_assert(!L::spec::bidirectional,
                 "loom: a bidirectional GRU or LSTM (BiGRU, BiLSTM, Bidirectional = true) inside a "
-                "Residual block runs on the CPU only; on the GPU put it outside the block (it "
-                "then runs on cuDNN) or train this network on CPU devices");
+                "block (Residual, Series, ...) runs on the CPU only; on the GPU put it outside "
+                "the block (it then runs on cuDNN) or train this network on CPU devices");
  public:
   RecurrentRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
                   bool allow_tf32)
@@ -256,8 +256,8 @@ class RecurrentRunner {
   static void refuse_frames(const detail::LayerCall& c) {
     LOOM_CHECK(c.frames == nullptr && c.host_frames == nullptr, "RecurrentRunner<", L::kind,
                "> (layer ", L::index, "): per-sample lengths (a batch with frames) reach a ",
-               L::Cell::name, " inside a Residual block, whose GPU runner runs every sample "
-               "over all ", steps, " steps; put the ", L::Cell::name,
+               L::Cell::name, " inside a block (Residual, Series, ...), whose GPU runner runs "
+               "every sample over all ", steps, " steps; put the ", L::Cell::name,
                " outside the block (cuDNN's runner honours lengths), give every sample all its "
                "frames, or train on CPU devices");
   }
