@@ -2,8 +2,10 @@
 // runs it beside benchmarks/pytorch/gpt.py, the same network in PyTorch, on
 // the same windows of Debian's fortunes):
 //   gpt_step        the median training step (AdamW) after --warmup steps,
-//                   over --steps batches of --batch windows, tokens/s, and
-//                   the first batch's loss at the initial weights;
+//                   over --steps batches of --batch windows, tokens/s, the
+//                   first batch's loss at the initial weights, and the
+//                   median step's time inside OpenBLAS's sgemm (sgemm_ms)
+//                   and outside it (other_ms);
 //   attention_step  CausalSelfAttention alone at the network's shape
 //                   (--batch x context 64 x width 128, 4 heads), the median
 //                   forward + backward;
@@ -22,8 +24,11 @@
 // --dump FILE writes the training windows in the order they are taken, the
 // validation windows and loom's initial parameters, so that PyTorch starts
 // from the same weights and sees the same batches.
+#include <dlfcn.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <fstream>
@@ -44,6 +49,39 @@ using examples::gpt_context;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Nanoseconds spent in OpenBLAS's sgemm so far, all threads together.
+std::atomic<std::int64_t> sgemm_ns{0};
+
+}  // namespace
+
+// This program's cblas_sgemm stands in front of OpenBLAS's (an executable's
+// definition takes precedence over a shared library's), times each call
+// into sgemm_ns and forwards it: a step's line then says how much of the
+// step is GEMMs, which loom and PyTorch both leave to OpenBLAS, and how
+// much is everything else.
+extern "C" void cblas_sgemm(OPENBLAS_CONST enum CBLAS_ORDER order,
+                            OPENBLAS_CONST enum CBLAS_TRANSPOSE trans_a,
+                            OPENBLAS_CONST enum CBLAS_TRANSPOSE trans_b, OPENBLAS_CONST blasint m,
+                            OPENBLAS_CONST blasint n, OPENBLAS_CONST blasint k,
+                            OPENBLAS_CONST float alpha, OPENBLAS_CONST float* a,
+                            OPENBLAS_CONST blasint lda, OPENBLAS_CONST float* b,
+                            OPENBLAS_CONST blasint ldb, OPENBLAS_CONST float beta, float* c,
+                            OPENBLAS_CONST blasint ldc) {
+  using Sgemm = void (*)(enum CBLAS_ORDER, enum CBLAS_TRANSPOSE, enum CBLAS_TRANSPOSE, blasint,
+                         blasint, blasint, float, const float*, blasint, const float*, blasint,
+                         float, float*, blasint);
+  static const auto openblas = reinterpret_cast<Sgemm>(dlsym(RTLD_NEXT, "cblas_sgemm"));
+  if (openblas == nullptr) {
+    std::cerr << "gpt_bench: OpenBLAS's cblas_sgemm not found behind this program's\n";
+    std::abort();
+  }
+  const auto begin = Clock::now();
+  openblas(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  sgemm_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - begin).count();
+}
+
+namespace {
 
 double ms_since(Clock::time_point begin) {
   return std::chrono::duration<double, std::milli>(Clock::now() - begin).count();
@@ -82,12 +120,22 @@ void dump(const data::Split& split, std::span<const float> parameters, const std
   LOOM_CHECK(out.good(), "gpt_bench: writing --dump '", path, "' failed");
 }
 
-// Each step's wall time, from its first batch to its end.
+// Each step's wall time, from its first batch to its end, and (with
+// sgemm) its time inside sgemm.
 struct StepTimes {
-  void on_step_begin(const StepBegin&) { begin = Clock::now(); }
-  void on_step(const StepInfo&) { ms->push_back(ms_since(begin)); }
+  void on_step_begin(const StepBegin&) {
+    begin = Clock::now();
+    sgemm_begin = sgemm_ns.load();
+  }
+  void on_step(const StepInfo&) {
+    ms->push_back(ms_since(begin));
+    if (sgemm != nullptr)
+      sgemm->push_back(static_cast<double>(sgemm_ns.load() - sgemm_begin) / 1e6);
+  }
   std::vector<double>* ms;
+  std::vector<double>* sgemm = nullptr;
   Clock::time_point begin{};
+  std::int64_t sgemm_begin = 0;
 };
 
 // The example's learning rate: a 100-step warm-up from a tenth, then a cosine to 0.
@@ -203,20 +251,28 @@ void run(const data::Split& split, const std::string& dump_path, std::size_t bat
   // The first batch's loss at the initial weights: PyTorch's side must
   // find the same (gpt.py --expect-initial-loss), or the networks differ.
   const double initial_loss = trainer.evaluate(data::head(split.train, batch)).loss;
-  std::vector<double> ms;
-  trainer.fit(split.train, fit, StepTimes{.ms = &ms});
-  const double step_ms =
-      median(std::vector<double>(ms.begin() + static_cast<std::ptrdiff_t>(warmup), ms.end()));
+  std::vector<double> ms, sgemm;
+  trainer.fit(split.train, fit, StepTimes{.ms = &ms, .sgemm = &sgemm});
+  const auto timed = static_cast<std::ptrdiff_t>(warmup);
+  const double step_ms = median(std::vector<double>(ms.begin() + timed, ms.end()));
+  // The median step's split: the step whose time is the median.
+  std::size_t middle = static_cast<std::size_t>(timed);
+  for (std::size_t i = middle; i < ms.size(); ++i)
+    if (ms[i] == step_ms) middle = i;
   line["benchmark"] = "gpt_step";
   line["steps"] = steps;
   line["median_step_ms"] = step_ms;
   line["tokens_per_s"] = static_cast<double>(batch * gpt_context) / (step_ms / 1e3);
+  line["sgemm_ms"] = sgemm[middle];
+  line["other_ms"] = step_ms - sgemm[middle];
   line["initial_loss"] = initial_loss;
   std::cout << line.dump() << '\n';
   cpu::set_threads(static_cast<int>(threads));
   line["benchmark"] = "attention_step";
   line.erase("parameters");
   line.erase("tokens_per_s");
+  line.erase("sgemm_ms");
+  line.erase("other_ms");
   line.erase("initial_loss");
   line["network"] = "causal_self_attention";
   line["width"] = examples::gpt_width;

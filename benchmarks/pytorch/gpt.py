@@ -9,7 +9,10 @@ loom's initial weights and fed the windows that benchmarks/gpt_bench.cpp
 --dump wrote, in the same order. JSON lines, as gpt_bench prints them:
 
   gpt_step         the median training step (AdamW) of --steps after --warmup,
-                   and the loss of the first batch at the initial weights
+                   the median step's time inside OpenBLAS's sgemm and
+                   outside it (sgemm_ms, other_ms: where loom_sgemm_timer
+                   is preloaded, as benchmarks/gpt_vs_pytorch does), and
+                   the loss of the first batch at the initial weights
                    (--expect-initial-loss X: exit 1 unless it is X to 1e-5,
                    gpt_bench's figure, so that the two networks are one);
   attention_step   the attention alone at the network's shape, forward + backward;
@@ -19,13 +22,13 @@ loom's initial weights and fed the windows that benchmarks/gpt_bench.cpp
                    the mean loss over the validation windows' positions.
 """
 import argparse
+import ctypes
 import json
 import math
 import os
 import sys
 import time
 
-import numpy as np
 
 
 def parse_args(argv):
@@ -43,6 +46,12 @@ def parse_args(argv):
 
 
 def read_windows(path):
+    # Imported only now: Debian's numpy and PyTorch share one OpenBLAS, which
+    # sizes its thread pool when it loads, and main() sets
+    # OPENBLAS_NUM_THREADS first (imported at the top, numpy gave PyTorch's
+    # GEMMs every core whatever --threads said).
+    import numpy as np
+
     """The training windows, the validation windows and loom's initial parameters."""
     with open(path, "rb") as f:
         train, validation, context, parameters = (int(v) for v in np.frombuffer(f.read(32), np.int64))
@@ -71,7 +80,7 @@ def main(argv):
     args = parse_args(argv)
     # PyTorch's CPU GEMMs go to OpenBLAS's own thread pool, which
     # torch.set_num_threads does not size (loom's side: cpu::set_threads); it
-    # reads this when the library loads, so before the import.
+    # reads this when the library loads, so before numpy and torch.
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
     try:
         import torch
@@ -195,16 +204,29 @@ def main(argv):
         print(f"gpt.py: the first batch's loss at loom's weights is {initial_loss!r} here and "
               f"{expected!r} in loom: the networks differ", file=sys.stderr)
         return 1
-    times = []
+    # The time inside sgemm, where benchmarks/gpt_vs_pytorch preloads
+    # loom_sgemm_timer (benchmarks/pytorch/sgemm_timer.cpp) in front of OpenBLAS.
+    try:
+        sgemm_ns = ctypes.CDLL(None).sgemm_timer_ns
+        sgemm_ns.restype = ctypes.c_int64
+    except AttributeError:
+        sgemm_ns = None
+    times, sgemm_times = [], []
     for s in range(args.warmup + args.steps):
         ids, targets = batch(train, s)
-        start = time.perf_counter()
+        start, start_ns = time.perf_counter(), sgemm_ns() if sgemm_ns else 0
         train_step(ids, targets, clip=False)
         if s >= args.warmup:
             times.append((time.perf_counter() - start) * 1000.0)
+            sgemm_times.append((sgemm_ns() - start_ns) / 1e6 if sgemm_ns else 0.0)
     step_ms = sorted(times)[len(times) // 2]
+    split = {}
+    if sgemm_ns:
+        # The median step's split.
+        sgemm_ms = sgemm_times[times.index(step_ms)]
+        split = {"sgemm_ms": sgemm_ms, "other_ms": step_ms - sgemm_ms}
     emit(benchmark="gpt_step", steps=args.steps, median_step_ms=step_ms,
-         tokens_per_s=args.batch * context / (step_ms / 1e3), initial_loss=initial_loss)
+         tokens_per_s=args.batch * context / (step_ms / 1e3), initial_loss=initial_loss, **split)
 
     attention = Attention()
     with torch.no_grad():

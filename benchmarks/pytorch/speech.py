@@ -22,7 +22,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 
 
 def parse_args(argv):
@@ -36,6 +35,12 @@ def parse_args(argv):
 
 
 def read_batches(path):
+    # Imported only now: Debian's numpy and PyTorch share one OpenBLAS, which
+    # sizes its thread pool when it loads, and main() sets
+    # OPENBLAS_NUM_THREADS first (imported at the top, numpy gave PyTorch's
+    # GEMMs every core whatever --threads said).
+    import numpy as np
+
     with open(path, "rb") as f:
         count, frames, mels, max_target = np.frombuffer(f.read(32), dtype=np.int64)
         per = frames * mels * 4 + 8 + max_target * 4
@@ -58,6 +63,10 @@ def read_batches(path):
 
 def main(argv):
     args = parse_args(argv)
+    # PyTorch's CPU GEMMs go to OpenBLAS's own thread pool, which
+    # torch.set_num_threads does not size (loom's side: cpu::set_threads); it
+    # reads this when the library loads, so before numpy and torch.
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
     try:
         import torch
         import torch.nn.functional as F
