@@ -245,6 +245,59 @@ TEST_CASE("deep layers: the CPU's float erf (GELU's) keeps its bounds, saturates
   CHECK(differing == 0);
 }
 
+TEST_CASE("deep layers: the float GELU layer keeps erf's bounds over every float it runs on") {
+  // Through the layer's loop, vectorised, not the scalar function (whose
+  // bounds the erf test checks); LOOM_CPU_KERNEL's clones compute these
+  // bits too (test_cpu_dispatch.cpp).
+  using Gelu = detail::PointwiseLayer<GELU, detail::GeluFn, Shape<1>, 0>;
+  const auto xs = sweep();
+  std::vector<float> y(xs.size()), dx(xs.size());
+  const std::vector<float> ones(xs.size(), 1.0f);
+  Gelu::forward<float>(nullptr, xs.data(), y.data(), nullptr, xs.size());
+  Gelu::backward<float>(nullptr, xs.data(), y.data(), ones.data(), dx.data(), nullptr, nullptr,
+                        xs.size(), false);
+  double worst = 0, worst_gradient = 0;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const double x = xs[i];
+    const double cdf = 0.5 * (1.0 + std::erf(x / std::sqrt(2.0)));
+    // The value's error relative to |x| (erf's 4.7e-7 at most, halved;
+    // where GELU(x) is subnormal, rounding's), its derivative's absolutely.
+    if (std::fabs(x) > 1e-37) worst = std::max(worst, std::fabs(y[i] - x * cdf) / std::fabs(x));
+    const double pdf = std::exp(-0.5 * x * x) / std::sqrt(2.0 * 3.14159265358979323846);
+    worst_gradient = std::max(worst_gradient, std::fabs(dx[i] - (cdf + x * pdf)));
+  }
+  INFO("worst: " << worst << " of |x|, gradient " << worst_gradient << ", over " << xs.size()
+                 << " floats");
+  CHECK(worst <= 3e-7);
+  CHECK(worst_gradient <= 3e-7);
+}
+
+TEST_CASE("deep layers: the CPU's lane sums keep their fixed order, lane maxima the maximum") {
+  const auto values = random_vector<double>(80, 41, -10.0, 10.0);
+  const std::vector<float> x(values.begin(), values.end());
+  for (std::size_t n = 0; n <= x.size(); ++n) {
+    INFO("n = " << n);
+    // The order lane_sum promises: term c into sum c % 16, then halves added pairwise.
+    float part[16] = {};
+    for (std::size_t c = 0; c < n; ++c) part[c % 16] += x[c];
+    for (std::size_t width = 8; width > 0; width /= 2)
+      for (std::size_t j = 0; j < width; ++j) part[j] += part[j + width];
+    const float sum = cpu::lane_sum<16, float>(n, [&](std::size_t c) { return x[c]; });
+    CHECK(std::bit_cast<std::uint32_t>(sum) == std::bit_cast<std::uint32_t>(part[0]));
+    double exact = 0;
+    for (std::size_t c = 0; c < n; ++c) exact += x[c];
+    CHECK(std::fabs(sum - exact) <= 1e-5 * (1.0 + std::fabs(exact)));
+    if (n == 0) continue;
+    CHECK(cpu::lane_max<16>(x.data(), n) == *std::max_element(x.begin(), x.begin() + n));
+    std::vector<float> negative(x.begin(), x.begin() + n);
+    for (float& v : negative) v = -std::fabs(v) - 1.0f;
+    negative[n / 2] = -0.5f;
+    CHECK(cpu::lane_max<16>(negative.data(), n) == -0.5f);
+  }
+  const std::vector<float> lowest{-std::numeric_limits<float>::infinity(), -3.0f};
+  CHECK(cpu::lane_max<16>(lowest.data(), 2) == -3.0f);
+}
+
 TEST_CASE("deep layers: BatchNorm2d in training normalises per channel and updates running statistics") {
   using Net = Sequential<Input<3, 4, 5>, BatchNorm2d>;
   constexpr std::size_t batch = 6, plane = 20, channels = 3;

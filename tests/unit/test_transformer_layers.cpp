@@ -438,10 +438,11 @@ TEST_CASE("transformer layers: in bf16 the attention rounds its heads' output an
     round_to(Precision::bf16, &r, 1);
     return r == v;
   };
-  // Per sample: the heads' output at the end of the saved area; in the
-  // workspace the q, k, v gradient after the heads' output gradient.
+  // A sample's heads' output: after every sample's q, k, v and probabilities
+  // in the saved area (3 samples); in the workspace the q, k, v gradient
+  // after the heads' output gradient.
   const auto heads_of = [](const std::vector<float>& saved, std::size_t s) {
-    const auto* at = saved.data() + s * Attn::saved + Attn::heads_out_at;
+    const auto* at = saved.data() + 3 * Attn::heads_out_at + s * 5 * 8;
     return std::vector<float>(at, at + 5 * 8);
   };
   for (const Precision precision : {Precision::fp32, Precision::bf16}) {

@@ -15,7 +15,7 @@
 // context of 1024 that is 48 MiB per sample and layer, and it keeps the
 // backward GEMMs plain. Forward keeps q, k, v, the probabilities and the
 // heads' outputs in the layer's saved area, laid out per tensor over the
-// whole batch (the CPU's per sample), so that each product is one call.
+// whole batch as on the CPU, so that each product is one call.
 //
 // In a reduced precision the projections take the network's tensor math:
 // their operands are the layer's input, weights and output gradient, which

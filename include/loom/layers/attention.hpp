@@ -26,9 +26,14 @@
 // sample and head on strided views of q, k and v (no copy). The softmax is
 // fused with the causal mask and the scale, a row at a time in T with its
 // maximum subtracted. Forward keeps q, k, v, the probabilities and the
-// heads' outputs for backward (LayerContext::saved). In bf16 and fp16 the
-// heads' output and the q, k, v gradient are rounded as a layer's output
-// and passed-back gradient are: what the projections read.
+// heads' outputs for backward (LayerContext::saved), each tensor whole over
+// the batch (all samples' q, k, v, then their probabilities, then their
+// heads' outputs), so that a projection is one GEMM of every position
+// rather than one per sample (64 rows each in the baby GPT, where OpenBLAS
+// ran a fifth slower: docs/cpu-backend.md); the GPU keeps the same layout.
+// In bf16 and fp16 the heads' output and the q, k, v gradient are rounded
+// as a layer's output and passed-back gradient are: what the projections
+// read.
 #pragma once
 
 #include <algorithm>
@@ -42,8 +47,10 @@
 
 #include "../backend/cpu/epilogue.hpp"
 #include "../backend/cpu/gemm.hpp"
+#include "../backend/cpu/reduce.hpp"
 #include "../backend/cpu/transcendental.hpp"
 #include "../core/error.hpp"
+#include "../core/host_device.hpp"
 #include "layer.hpp"
 
 namespace loom {
@@ -136,6 +143,9 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
   static constexpr std::size_t param_count = weight_count;
   // Kept per sample: q, k, v (Context x 3 Inner), every head's probabilities
   // (Heads x Context x Context) and the heads' outputs (Context x Inner).
+  // For n samples each tensor is n times its sample's, one after the other:
+  // the probabilities start at n x probabilities_at, the heads' outputs at
+  // n x heads_out_at.
   static constexpr std::size_t probabilities_at = context * qkv_width;
   static constexpr std::size_t heads_out_at = probabilities_at + heads * context * context;
   static constexpr std::size_t saved = heads_out_at + context * inner;
@@ -173,15 +183,17 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
   static void forward(const T* params, const T* x, T* y, T*, std::size_t samples,
                       const LayerContext<T>& ctx) {
     const std::size_t rows = samples * context;
+    T* const qkv_all = ctx.saved;
+    T* const probabilities = ctx.saved + samples * probabilities_at;
+    T* const heads_out = ctx.saved + samples * heads_out_at;
+    cpu::gemm<T>(false, true, rows, qkv_width, width, T(1), x, width, params, width, T(0), qkv_all,
+                 qkv_width);
+    cpu::bias_act_rows<Act::identity>(qkv_all, params + qkv_bias_at, rows, qkv_width);
     for (std::size_t s = 0; s < samples; ++s) {
-      T* kept = ctx.saved + s * saved;
-      T* qkv = kept;
-      cpu::gemm<T>(false, true, context, qkv_width, width, T(1), x + s * context * width, width,
-                   params, width, T(0), qkv, qkv_width);
-      cpu::bias_act_rows<Act::identity>(qkv, params + qkv_bias_at, context, qkv_width);
+      T* qkv = qkv_all + s * context * qkv_width;
       if constexpr (rotary) turn(qkv, false);
       for (std::size_t h = 0; h < heads; ++h) {
-        T* p = kept + probabilities_at + h * context * context;
+        T* p = probabilities + (s * heads + h) * context * context;
         const T* q = qkv + h * head_width;
         const T* k = qkv + inner + h * head_width;
         const T* v = qkv + 2 * inner + h * head_width;
@@ -189,15 +201,15 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
                      qkv_width, T(0), p, context);
         causal_softmax(p);
         cpu::gemm<T>(false, false, context, head_width, context, T(1), p, context, v, qkv_width,
-                     T(0), kept + heads_out_at + h * head_width, inner);
+                     T(0), heads_out + s * context * inner + h * head_width, inner);
       }
-      // In a reduced precision the heads' output is an activation like a
-      // layer's: rounded before the projection reads it (a GPU's bf16 or
-      // fp16 GEMM then takes it exactly).
-      round_to(ctx.precision, kept + heads_out_at, context * inner);
-      cpu::gemm<T>(false, true, context, width, inner, T(1), kept + heads_out_at, inner,
-                   params + proj_weight_at, inner, T(0), y + s * context * width, width);
     }
+    // In a reduced precision the heads' output is an activation like a
+    // layer's: rounded before the projection reads it (a GPU's bf16 or
+    // fp16 GEMM then takes it exactly).
+    round_to(ctx.precision, heads_out, rows * inner);
+    cpu::gemm<T>(false, true, rows, width, inner, T(1), heads_out, inner, params + proj_weight_at,
+                 inner, T(0), y, width);
     // Split heads: the ranks' partial projections summed, then the bias once.
     if constexpr (Tensor > 1) tensor_group(ctx).sum(std::span<T>(y, rows * width));
     cpu::bias_act_rows<Act::identity>(y, params + proj_bias_at, rows, width);
@@ -212,19 +224,19 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
     T* d_heads = work;                     // rows x inner
     T* d_qkv = d_heads + rows * inner;     // rows x 3 inner
     T* d_p = d_qkv + rows * qkv_width;     // context x context, one head at a time
+    const T* const probabilities = ctx.saved + samples * probabilities_at;
+    const T* const heads_out = ctx.saved + samples * heads_out_at;
     // The projection: its bias and weight gradients, and the heads' output gradient.
     cpu::column_sums(dy, dparams + proj_bias_at, rows, width, accumulate);
-    for (std::size_t s = 0; s < samples; ++s)
-      cpu::gemm<T>(true, false, width, inner, context, T(1), dy + s * context * width, width,
-                   ctx.saved + s * saved + heads_out_at, inner, s == 0 ? keep : T(1),
-                   dparams + proj_weight_at, inner);
+    cpu::gemm<T>(true, false, width, inner, rows, T(1), dy, width, heads_out, inner, keep,
+                 dparams + proj_weight_at, inner);
     cpu::gemm<T>(false, false, rows, inner, width, T(1), dy, width, params + proj_weight_at, inner,
                  T(0), d_heads, inner);
     for (std::size_t s = 0; s < samples; ++s) {
-      const T* qkv = ctx.saved + s * saved;
+      const T* qkv = ctx.saved + s * context * qkv_width;
       T* dq = d_qkv + s * context * qkv_width;
       for (std::size_t h = 0; h < heads; ++h) {
-        const T* p = qkv + probabilities_at + h * context * context;
+        const T* p = probabilities + (s * heads + h) * context * context;
         const T* q = qkv + h * head_width;
         const T* k = qkv + inner + h * head_width;
         const T* v = qkv + 2 * inner + h * head_width;
@@ -234,13 +246,7 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
                      T(0), d_p, context);
         cpu::gemm<T>(true, false, context, head_width, context, T(1), p, context, d_o, inner, T(0),
                      dq + 2 * inner + h * head_width, qkv_width);
-        // The softmax's: dS = P * (dP - rowsum(P * dP)), masked entries 0 (P is).
-        for (std::size_t i = 0; i < context; ++i) {
-          T dot = T(0);
-          for (std::size_t j = 0; j <= i; ++j) dot += p[i * context + j] * d_p[i * context + j];
-          for (std::size_t j = 0; j < context; ++j)
-            d_p[i * context + j] = j <= i ? p[i * context + j] * (d_p[i * context + j] - dot) : T(0);
-        }
+        causal_softmax_backward(p, d_p);
         // dQ = scale dS k; dK = scale dS^T q.
         cpu::gemm<T>(false, false, context, head_width, context, scale<T>(), d_p, context, k,
                      qkv_width, T(0), dq + h * head_width, qkv_width);
@@ -255,8 +261,7 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
     // Likewise the q, k, v gradient: rounded as a gradient passed between layers.
     round_to(ctx.precision, d_qkv, rows * qkv_width);
     // The q, k, v projection: its bias and weight gradients, and the input's.
-    cpu::bias_act_backward_rows<Act::identity>(d_qkv, d_qkv, d_qkv, dparams + qkv_bias_at, rows,
-                                               qkv_width, accumulate);
+    cpu::column_sums(d_qkv, dparams + qkv_bias_at, rows, qkv_width, accumulate);
     cpu::gemm<T>(true, false, qkv_width, width, rows, T(1), d_qkv, qkv_width, x, width, keep,
                  dparams, width);
     if (dx == nullptr) return;
@@ -322,24 +327,37 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
   }
 
   // Each row i of the scores (already scaled) to the softmax over its
-  // columns 0..i; the columns after i to 0.
+  // columns 0..i; the columns after i to 0. Each loop on its own, the
+  // maximum and the sum in lanes (backend/cpu/reduce.hpp), so that the
+  // compiler vectorises all of them.
   template <class T>
-  static void causal_softmax(T* p) {
+  LOOM_CPU_KERNEL static void causal_softmax(T* p) {
     for (std::size_t i = 0; i < context; ++i) {
       T* row = p + i * context;
-      T top = row[0];
-      for (std::size_t j = 1; j <= i; ++j) top = std::max(top, row[j]);
-      T total = T(0);
+      const T top = cpu::lane_max<16>(row, i + 1);
       for (std::size_t j = 0; j <= i; ++j) {
         // Never above 0: float takes the vectorised exp (backend/cpu/transcendental.hpp).
         if constexpr (std::is_same_v<T, float>)
           row[j] = cpu::exp_nonpositive(row[j] - top);
         else
           row[j] = std::exp(row[j] - top);
-        total += row[j];
       }
+      const T total = cpu::lane_sum<16, T>(i + 1, [&](std::size_t j) { return row[j]; });
       for (std::size_t j = 0; j <= i; ++j) row[j] /= total;
       for (std::size_t j = i + 1; j < context; ++j) row[j] = T(0);
+    }
+  }
+
+  // The softmax's backward, in place of dP: dS = P * (dP - rowsum(P * dP)),
+  // the masked entries 0 (P is).
+  template <class T>
+  LOOM_CPU_KERNEL static void causal_softmax_backward(const T* p, T* d_p) {
+    for (std::size_t i = 0; i < context; ++i) {
+      const T* prow = p + i * context;
+      T* drow = d_p + i * context;
+      const T dot = cpu::lane_sum<16, T>(i + 1, [&](std::size_t j) { return prow[j] * drow[j]; });
+      for (std::size_t j = 0; j <= i; ++j) drow[j] = prow[j] * (drow[j] - dot);
+      for (std::size_t j = i + 1; j < context; ++j) drow[j] = T(0);
     }
   }
 };

@@ -7,6 +7,9 @@
 // No running statistics, so training and evaluation compute alike. Each
 // row's statistics are summed in double; backward recomputes them from x
 // rather than keeping them (one more pass, no buffer per batch in flight).
+// A row's sums run as 8 running sums (cpu::lane_sum), an order the GPU's
+// kernels (backend/cuda/transformer.cuh) do not follow: the two agree to
+// rounding, not to the bit.
 #pragma once
 
 #include <cmath>
@@ -14,6 +17,8 @@
 #include <cstdint>
 #include <string_view>
 
+#include "../backend/cpu/reduce.hpp"
+#include "../core/host_device.hpp"
 #include "layer.hpp"
 
 namespace loom {
@@ -53,7 +58,7 @@ struct RowNormLayer : LayerBase<Spec, In, In, Index> {
   }
 
   template <class T>
-  static void forward(const T* params, const T* x, T* y, T*, std::size_t samples) {
+  LOOM_CPU_KERNEL static void forward(const T* params, const T* x, T* y, T*, std::size_t samples) {
     for (std::size_t r = 0; r < samples * rows; ++r) {
       const T* in = x + r * features;
       T* out = y + r * features;
@@ -70,32 +75,35 @@ struct RowNormLayer : LayerBase<Spec, In, In, Index> {
   //   LayerNorm: dx = rstd * (g - mean(g) - x̂ * mean(g * x̂));
   //   RMSNorm:   dx = rstd * (g - x̂ * mean(g * x̂)).
   template <class T>
-  static void backward(const T* params, const T* x, const T*, const T* dy, T* dx, T* dparams, T*,
-                       std::size_t samples, bool accumulate) {
+  LOOM_CPU_KERNEL static void backward(const T* params, const T* x, const T*, const T* dy, T* dx,
+                                       T* dparams, T*, std::size_t samples, bool accumulate) {
     if (!accumulate)
       for (std::size_t c = 0; c < param_count; ++c) dparams[c] = T(0);
     for (std::size_t r = 0; r < samples * rows; ++r) {
       const T* in = x + r * features;
       const T* grad = dy + r * features;
       const Moments m = moments(in);
-      double g_mean = 0.0, gx_mean = 0.0;
+      auto normalised = [&](std::size_t c) {
+        return (static_cast<double>(in[c]) - m.mean) * m.rstd;
+      };
+      auto g = [&](std::size_t c) {
+        return static_cast<double>(grad[c]) * static_cast<double>(params[c]);
+      };
       for (std::size_t c = 0; c < features; ++c) {
-        const double normalised = (static_cast<double>(in[c]) - m.mean) * m.rstd;
-        const double g = static_cast<double>(grad[c]) * static_cast<double>(params[c]);
-        g_mean += g;
-        gx_mean += g * normalised;
-        dparams[c] += static_cast<T>(static_cast<double>(grad[c]) * normalised);
+        dparams[c] += static_cast<T>(static_cast<double>(grad[c]) * normalised(c));
         if constexpr (Centered) dparams[features + c] += grad[c];
       }
-      g_mean /= static_cast<double>(features);
-      gx_mean /= static_cast<double>(features);
       if (dx == nullptr) continue;
+      const double g_mean =
+          Centered ? cpu::lane_sum<8, double>(features, [&](std::size_t c) { return g(c); }) /
+                         static_cast<double>(features)
+                   : 0.0;
+      const double gx_mean =
+          cpu::lane_sum<8, double>(features, [&](std::size_t c) { return g(c) * normalised(c); }) /
+          static_cast<double>(features);
       T* out = dx + r * features;
-      for (std::size_t c = 0; c < features; ++c) {
-        const double normalised = (static_cast<double>(in[c]) - m.mean) * m.rstd;
-        const double g = static_cast<double>(grad[c]) * static_cast<double>(params[c]);
-        out[c] = static_cast<T>(m.rstd * (g - (Centered ? g_mean : 0.0) - normalised * gx_mean));
-      }
+      for (std::size_t c = 0; c < features; ++c)
+        out[c] = static_cast<T>(m.rstd * (g(c) - g_mean - normalised(c) * gx_mean));
     }
   }
 
@@ -107,15 +115,14 @@ struct RowNormLayer : LayerBase<Spec, In, In, Index> {
   template <class T>
   static Moments moments(const T* in) {
     Moments m;
-    if constexpr (Centered) {
-      for (std::size_t c = 0; c < features; ++c) m.mean += static_cast<double>(in[c]);
-      m.mean /= static_cast<double>(features);
-    }
-    double squares = 0.0;
-    for (std::size_t c = 0; c < features; ++c) {
+    if constexpr (Centered)
+      m.mean = cpu::lane_sum<8, double>(features,
+                                        [&](std::size_t c) { return static_cast<double>(in[c]); }) /
+               static_cast<double>(features);
+    const double squares = cpu::lane_sum<8, double>(features, [&](std::size_t c) {
       const double d = static_cast<double>(in[c]) - m.mean;
-      squares += d * d;
-    }
+      return d * d;
+    });
     m.rstd = 1.0 / std::sqrt(squares / static_cast<double>(features) + eps);
     return m;
   }

@@ -44,7 +44,7 @@ struct LinearLayer : LayerBase<Linear<Out>, In, linear_output<In, Out>, Index> {
   static constexpr std::size_t weight_count = Out * in_features;
   static constexpr std::size_t bias_count = Out;
   static constexpr std::size_t param_count = weight_count + bias_count;
-  // The gradient after the activation derivative (dZ).
+  // The gradient after the activation derivative (dZ; unused without one).
   static constexpr std::size_t workspace = Out * positions;
   static constexpr std::size_t forward_flops = positions * (2 * in_features * Out + Out);
   static constexpr std::size_t backward_flops = positions * (4 * in_features * Out + Out);
@@ -75,8 +75,7 @@ struct LinearLayer : LayerBase<Linear<Out>, In, linear_output<In, Out>, Index> {
   static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
                        T* work, std::size_t samples, bool accumulate) {
     const std::size_t n = samples * positions;
-    T* dz = work;
-    cpu::bias_act_backward_rows<A>(dy, y, dz, dparams + weight_count, n, Out, accumulate);
+    const T* dz = cpu::linear_dz<A>(dy, y, work, dparams + weight_count, n, Out, accumulate);
     cpu::gemm<T>(true, false, Out, in_features, n, T(1), dz, Out, x, in_features,
                  accumulate ? T(1) : T(0), dparams, in_features);
     if (dx == nullptr) return;

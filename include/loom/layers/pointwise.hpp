@@ -101,13 +101,13 @@ struct PointwiseLayer : LayerBase<Spec, In, In, Index> {
   static constexpr std::string_view kind = Fn::kind;
 
   template <class T>
-  static void forward(const T*, const T* x, T* y, T*, std::size_t n) {
+  LOOM_CPU_KERNEL static void forward(const T*, const T* x, T* y, T*, std::size_t n) {
     for (std::size_t i = 0; i < n * In::size; ++i) y[i] = Fn::forward(x[i]);
   }
 
   template <class T>
-  static void backward(const T*, const T* x, const T* y, const T* dy, T* dx, T*, T*,
-                       std::size_t n, bool) {
+  LOOM_CPU_KERNEL static void backward(const T*, const T* x, const T* y, const T* dy, T* dx, T*,
+                                       T*, std::size_t n, bool) {
     if (dx == nullptr) return;
     for (std::size_t i = 0; i < n * In::size; ++i) dx[i] = Fn::backward(x[i], y[i], dy[i]);
   }

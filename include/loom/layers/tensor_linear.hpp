@@ -189,13 +189,7 @@ struct TensorRowsLayer
   static void backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T* dparams,
                        T* work, std::size_t samples, bool accumulate, const LayerContext<T>&) {
     const std::size_t n = samples * positions;
-    const T* dz = dy;
-    if constexpr (A == Act::identity) {
-      cpu::column_sums(dy, dparams + weight_count, n, N, accumulate);
-    } else {
-      cpu::bias_act_backward_rows<A>(dy, y, work, dparams + weight_count, n, N, accumulate);
-      dz = work;
-    }
+    const T* dz = cpu::linear_dz<A>(dy, y, work, dparams + weight_count, n, N, accumulate);
     cpu::gemm<T>(true, false, N, in_features, n, T(1), dz, N, x, in_features,
                  accumulate ? T(1) : T(0), dparams, in_features);
     if (dx == nullptr) return;

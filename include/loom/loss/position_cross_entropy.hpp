@@ -81,16 +81,21 @@ struct PositionCrossEntropy {
         std::size_t best = 0;
         for (std::size_t c = 1; c < classes; ++c) best = row[c] > row[best] ? c : best;
         const T top = row[best];
+        // Each exponential once: kept in the gradient's row where there is one.
+        T* grad = dlogits != nullptr ? dlogits + (i * positions + p) * classes : nullptr;
         T total = 0;
-        for (std::size_t c = 0; c < classes; ++c) total += std::exp(row[c] - top);
+        for (std::size_t c = 0; c < classes; ++c) {
+          const T e = std::exp(row[c] - top);
+          if (grad != nullptr) grad[c] = e;
+          total += e;
+        }
         const auto k = static_cast<std::size_t>(label);
         sums.loss += static_cast<double>(std::log(total) - (row[k] - top));
         sums.denominator += 1.0;
         sums.correct += best == k ? 1 : 0;
-        if (dlogits == nullptr) continue;
-        T* grad = dlogits + (i * positions + p) * classes;
+        if (grad == nullptr) continue;
         for (std::size_t c = 0; c < classes; ++c)
-          grad[c] = grad_scale * (std::exp(row[c] - top) / total - (c == k ? T(1) : T(0)));
+          grad[c] = grad_scale * (grad[c] / total - (c == k ? T(1) : T(0)));
       }
     }
     return sums;

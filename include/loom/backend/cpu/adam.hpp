@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../../core/host_device.hpp"
+
 namespace loom::cpu {
 
 struct AdamStep {
@@ -33,8 +35,8 @@ inline AdamScalars adam_scalars(const AdamStep& s) {
 }
 
 template <class T>
-void adam_update(T* weights, const T* grads, T* exp_avg, T* exp_avg_sq, std::size_t count,
-                 const AdamStep& s) {
+LOOM_CPU_KERNEL void adam_update(T* weights, const T* grads, T* exp_avg, T* exp_avg_sq,
+                                 std::size_t count, const AdamStep& s) {
   const AdamScalars k = adam_scalars(s);
   const T step_size = static_cast<T>(k.step_size);
   const T correction2 = static_cast<T>(k.correction2);

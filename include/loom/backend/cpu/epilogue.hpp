@@ -33,7 +33,7 @@ LOOM_HOST_DEVICE inline T activate_grad(T dy, T y) {
 
 // y[n, o] = act(y[n, o] + bias[o]) in place, after y = x * W^T.
 template <Act A, class T>
-void bias_act_rows(T* y, const T* bias, std::size_t batch, std::size_t out) {
+LOOM_CPU_KERNEL void bias_act_rows(T* y, const T* bias, std::size_t batch, std::size_t out) {
   for (std::size_t n = 0; n < batch; ++n) {
     T* row = y + n * out;
     for (std::size_t o = 0; o < out; ++o) row[o] = activate<A>(row[o] + bias[o]);
@@ -47,7 +47,8 @@ void bias_act_rows(T* y, const T* bias, std::size_t batch, std::size_t out) {
 // read and missed the cache on each (half of a GPT MLP's backward, 2,048
 // rows of 512).
 template <class T>
-void column_sums(const T* m, T* db, std::size_t rows, std::size_t cols, bool accumulate) {
+LOOM_CPU_KERNEL void column_sums(const T* m, T* db, std::size_t rows, std::size_t cols,
+                                 bool accumulate) {
   constexpr std::size_t block = 256;
   T sums[block];
   for (std::size_t first = 0; first < cols; first += block) {
@@ -65,10 +66,25 @@ void column_sums(const T* m, T* db, std::size_t rows, std::size_t cols, bool acc
 // dz = act'(dy), db (+)= column sums of dz. Sums run over n in order for
 // every o: the result does not depend on how the batch is laid out in memory.
 template <Act A, class T>
-void bias_act_backward_rows(const T* dy, const T* y, T* dz, T* db, std::size_t batch,
-                            std::size_t out, bool accumulate) {
+LOOM_CPU_KERNEL void bias_act_backward_rows(const T* dy, const T* y, T* dz, T* db,
+                                            std::size_t batch, std::size_t out, bool accumulate) {
   for (std::size_t i = 0; i < batch * out; ++i) dz[i] = activate_grad<A>(dy[i], y[i]);
   column_sums(dz, db, batch, out, accumulate);
+}
+
+// A Linear's backward epilogue: dZ = act'(dY) in `work` and db (+)= its
+// column sums, returning dZ; without an activation dZ is dY itself, not
+// copied (the copy was a pass over every output gradient for nothing).
+template <Act A, class T>
+const T* linear_dz(const T* dy, const T* y, T* work, T* db, std::size_t batch, std::size_t out,
+                   bool accumulate) {
+  if constexpr (A == Act::identity) {
+    column_sums(dy, db, batch, out, accumulate);
+    return dy;
+  } else {
+    bias_act_backward_rows<A>(dy, y, work, db, batch, out, accumulate);
+    return work;
+  }
 }
 
 // y[n, o, p] = act(cols[o, n * plane + p] + bias[o]).
@@ -105,12 +121,12 @@ void bias_act_backward_cols(const T* dy, const T* y, T* dcols, T* db, std::size_
 
 // Standalone activation layers (unfused networks).
 template <Act A, class T>
-void activation_forward(const T* x, T* y, std::size_t count) {
+LOOM_CPU_KERNEL void activation_forward(const T* x, T* y, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) y[i] = activate<A>(x[i]);
 }
 
 template <Act A, class T>
-void activation_backward(const T* dy, const T* y, T* dx, std::size_t count) {
+LOOM_CPU_KERNEL void activation_backward(const T* dy, const T* y, T* dx, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) dx[i] = activate_grad<A>(dy[i], y[i]);
 }
 
