@@ -332,6 +332,12 @@ TEST_CASE(
   REQUIRE_THROWS_WITH((Run<L, float>(3, params, x, &too_long, later)),
                       Catch::Contains("sample 1 of the batch (global sample 33) has length 11, "
                                       "outside 0..10"));
+  // Inside a block (the 3rd layer of the block that is layer 2) the message
+  // names the layer by its path.
+  using InBlock = Bind<Conv1d<2, 5>, Shape<10, 3>, 64 * 2 + 3>;
+  REQUIRE_THROWS_WITH((Run<InBlock, float>(3, params, x, &short_one, training)),
+                      Catch::Contains("(layer 2.3): sample 1 of the batch (global sample 1) has 4 "
+                                      "frames"));
 }
 
 // ----------------------------------------------------------- BatchNorm1d

@@ -30,6 +30,28 @@ TEST_CASE("shapes: LeNet's shapes are inferred left to right") {
   STATIC_REQUIRE(lenet_layer<7>::index == 8);
 }
 
+TEST_CASE("shapes: a layer inside blocks is named by its path") {
+  using Net = Sequential<Input<1, 8, 8>, Conv2d<4, 3, 1, 1>,
+                         Series<ReLU, Residual<ReLU, Conv2d<4, 3, 1, 1>>>, Flatten, Linear<10>>;
+  using Series2 = type_at_t<1, Net::layers>;
+  using Residual22 = type_at_t<1, Series2::children>;
+  using Conv222 = type_at_t<1, Residual22::children>;
+  STATIC_REQUIRE(std::is_same_v<detail::layer_path_t<type_at_t<0, Net::layers>::index>,
+                                LayerPath<1>>);
+  STATIC_REQUIRE(std::is_same_v<detail::layer_path_t<Series2::index>, LayerPath<2>>);
+  STATIC_REQUIRE(std::is_same_v<detail::layer_path_t<Residual22::index>, LayerPath<2, 2>>);
+  STATIC_REQUIRE(std::is_same_v<detail::layer_path_t<Conv222::index>, LayerPath<2, 2, 2>>);
+  STATIC_REQUIRE(std::is_same_v<typename Conv222::spec, Conv2d<4, 3, 1, 1>>);
+  CHECK(detail::layer_path_text(type_at_t<3, Net::layers>::index) == "layer 4");
+  CHECK(detail::layer_path_text(Residual22::index) == "layer 2.2");
+  CHECK(detail::layer_path_text(Conv222::index) == "layer 2.2.2");
+  // A projection shortcut is its Residual's child 0.
+  using Projected = Sequential<Input<6>, Residual<Linear<4>>, Linear<2>>;
+  using Shortcut = typename type_at_t<0, Projected::layers>::shortcut;
+  STATIC_REQUIRE(std::is_same_v<detail::layer_path_t<Shortcut::index>, LayerPath<1, 0>>);
+  CHECK(detail::layer_path_text(Shortcut::index) == "layer 1.0");
+}
+
 TEST_CASE("shapes: parameter counts") {
   STATIC_REQUIRE(LeNet::parameter_count == 431080);
   STATIC_REQUIRE(lenet_layer<0>::param_count == 20 * 25 + 20);

@@ -255,7 +255,7 @@ class RecurrentRunner {
   // call stops instead.
   static void refuse_frames(const detail::LayerCall& c) {
     LOOM_CHECK(c.frames == nullptr && c.host_frames == nullptr, "RecurrentRunner<", L::kind,
-               "> (layer ", L::index, "): per-sample lengths (a batch with frames) reach a ",
+               "> (", ::loom::detail::layer_path_text(L::index), "): per-sample lengths (a batch with frames) reach a ",
                L::Cell::name, " inside a block (Residual, Series, ...), whose GPU runner runs "
                "every sample over all ", steps, " steps; put the ", L::Cell::name,
                " outside the block (cuDNN's runner honours lengths), give every sample all its "

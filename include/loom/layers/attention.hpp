@@ -70,23 +70,29 @@ struct CausalSelfAttention {
 
 namespace detail {
 
-template <std::size_t Index, class Layer, std::size_t Width, std::size_t Heads>
-struct attention_heads_must_divide_width {
+template <class At, class Layer, std::size_t Width, std::size_t Heads>
+struct attention_heads_must_divide_width_at {
   static_assert(Heads > 0 && Width % Heads == 0,
                 "loom shape error: the attention's heads do not divide its width (template "
-                "arguments: layer index, layer, width, heads); choose heads that divide the "
+                "arguments: layer path, layer, width, heads); choose heads that divide the "
                 "width, each head taking width / heads features");
   static constexpr bool ok = Heads > 0 && Width % Heads == 0;
 };
+template <std::size_t Index, class Layer, std::size_t Width, std::size_t Heads>
+using attention_heads_must_divide_width =
+    attention_heads_must_divide_width_at<layer_path_t<Index>, Layer, Width, Heads>;
 
-template <std::size_t Index, class Layer, std::size_t HeadWidth>
-struct rotary_head_width_must_be_even {
+template <class At, class Layer, std::size_t HeadWidth>
+struct rotary_head_width_must_be_even_at {
   static_assert(HeadWidth % 2 == 0,
                 "loom shape error: rotary positions turn a head's features in pairs, and this "
                 "attention's head width (width / heads: the third template argument) is odd; "
                 "choose a width and heads whose quotient is even");
   static constexpr bool ok = HeadWidth % 2 == 0;
 };
+template <std::size_t Index, class Layer, std::size_t HeadWidth>
+using rotary_head_width_must_be_even =
+    rotary_head_width_must_be_even_at<layer_path_t<Index>, Layer, HeadWidth>;
 
 template <class Positions>
 inline constexpr bool is_rotary = false;
@@ -103,14 +109,17 @@ namespace detail {
 // projection) and the matching columns of the output projection
 // (row-parallel), whose partial products the ranks sum before the bias,
 // which every rank holds whole. Backward sums the input gradient's parts.
-template <std::size_t Index, class Layer, std::size_t Heads_, std::size_t Tensor>
-struct attention_split_heads_by_degree {
+template <class At, class Layer, std::size_t Heads_, std::size_t Tensor>
+struct attention_split_heads_by_degree_at {
   static_assert(Heads_ % Tensor == 0,
                 "loom tensor-parallel error: the tensor degree does not divide the attention's "
-                "heads (template arguments: layer index, layer, heads, degree); each rank takes "
+                "heads (template arguments: layer path, layer, heads, degree); each rank takes "
                 "heads / degree whole heads: choose a degree that divides them");
   static constexpr bool ok = Heads_ % Tensor == 0;
 };
+template <std::size_t Index, class Layer, std::size_t Heads_, std::size_t Tensor>
+using attention_split_heads_by_degree =
+    attention_split_heads_by_degree_at<layer_path_t<Index>, Layer, Heads_, Tensor>;
 
 template <class Spec_, std::size_t Heads, class Positions, class In, std::size_t Index,
           std::size_t Tensor>
@@ -274,8 +283,8 @@ struct AttentionLayer : LayerBase<Spec_, In, In, Index> {
  private:
   template <class T>
   static TensorGroup& tensor_group(const LayerContext<T>& ctx) {
-    LOOM_CHECK(ctx.pass.tensor != nullptr && ctx.pass.tensor->size == Tensor, "layer ", Index,
-               " (attention, heads split over ", Tensor,
+    LOOM_CHECK(ctx.pass.tensor != nullptr && ctx.pass.tensor->size == Tensor,
+               detail::layer_path_text(Index), " (attention, heads split over ", Tensor,
                " ranks) runs without its tensor group: only TensorParallel's engine runs it");
     return *ctx.pass.tensor;
   }
@@ -382,8 +391,9 @@ struct Bind<TensorHeads<CausalSelfAttention<Heads, Positions>, Tensor>, In, Inde
   using Base = detail::AttentionLayer<CausalSelfAttention<Heads, Positions>, Heads, Positions, In,
                                       Index, Tensor>;
   static constexpr bool checked =
-      Base::checked && detail::attention_split_heads_by_degree<Index, CausalSelfAttention<Heads, Positions>, Heads,
-                                                 Tensor>::ok;
+      Base::checked &&
+      detail::attention_split_heads_by_degree<Index, CausalSelfAttention<Heads, Positions>, Heads,
+                                              Tensor>::ok;
   // The whole layer's parameters, and where this rank's lie in them (in
   // the order of its own): its heads' rows of q, k and v and their biases,
   // its columns of the projection's rows; the projection's bias whole.

@@ -126,7 +126,7 @@ struct Conv1dLayer<Conv1d<Out, K, S, P, D>, In, Index, A>
   static Lengths lengths(const LayerContext<T>& context, std::size_t s) {
     const std::size_t in = sample_frames<Spec, Index, frames>(context, s);
     const std::size_t out = frames_out(in);
-    LOOM_CHECK(out > 0, type_label<Spec>(), " (layer ", Index, "): sample ", s,
+    LOOM_CHECK(out > 0, type_label<Spec>(), " (", layer_path_text(Index), "): sample ", s,
                " of the batch (global sample ", context.pass.first_sample + s, ") has ", in,
                " frames; padded by ", P, " at both ends that is shorter than the ", span,
                " frames the window spans, so it has no output frame; leave such short "

@@ -126,8 +126,8 @@ struct Bind<Embedding<Vocab, Width>, In, Index>
   template <class T>
   static std::size_t id_at(const T* x, std::size_t i) {
     const T v = x[i];
-    LOOM_CHECK(v >= T(0) && v < T(Vocab) && std::floor(v) == v, "Embedding (layer ", Index,
-               "): sample ", i / context, " holds ", v, " at position ", i % context,
+    LOOM_CHECK(v >= T(0) && v < T(Vocab) && std::floor(v) == v, "Embedding (",
+               detail::layer_path_text(Index), "): sample ", i / context, " holds ", v, " at position ", i % context,
                ", which is not a token id of its vocabulary of ", Vocab,
                " (whole numbers 0 to ", Vocab - 1, ")");
     return static_cast<std::size_t>(v);
@@ -176,25 +176,33 @@ struct Bind<PositionEmbedding, In, Index> : LayerBase<PositionEmbedding, In, In,
 
 namespace detail {
 
-template <std::size_t Index, class Layer, std::size_t Tied, class TiedLayer, std::size_t Out,
+template <class At, class Layer, std::size_t Tied, class TiedLayer, std::size_t Out,
           std::size_t Width>
-struct tied_layer_must_be_an_embedding_of_its_shape {
+struct tied_layer_must_be_an_embedding_of_its_shape_at {
   static_assert(std::is_same_v<TiedLayer, Embedding<Out, Width>>,
                 "loom shape error: a TiedLinear<Out, Layer> ties its weight to layer Layer, "
                 "which must be an Embedding<Out, Width> of its Out and its input's Width "
-                "(template arguments: layer index, layer, tied layer index, tied layer, Out, "
+                "(template arguments: layer path, layer, tied layer index, tied layer, Out, "
                 "Width)");
   static constexpr bool ok = std::is_same_v<TiedLayer, Embedding<Out, Width>>;
 };
+template <std::size_t Index, class Layer, std::size_t Tied, class TiedLayer, std::size_t Out,
+          std::size_t Width>
+using tied_layer_must_be_an_embedding_of_its_shape =
+    tied_layer_must_be_an_embedding_of_its_shape_at<layer_path_t<Index>, Layer, Tied, TiedLayer,
+                                                    Out, Width>;
 
-template <std::size_t Index, class Layer, std::size_t Tied, std::size_t Count>
-struct tied_layer_not_in_the_network {
+template <class At, class Layer, std::size_t Tied, std::size_t Count>
+struct tied_layer_not_in_the_network_at {
   static_assert(Tied >= 1 && Tied <= Count,
                 "loom shape error: a TiedLinear<Out, Layer> names a layer the network's top "
-                "level does not have (template arguments: layer index, layer, tied layer "
+                "level does not have (template arguments: layer path, layer, tied layer "
                 "index, top-level layer count)");
   static constexpr bool ok = Tied >= 1 && Tied <= Count;
 };
+template <std::size_t Index, class Layer, std::size_t Tied, std::size_t Count>
+using tied_layer_not_in_the_network =
+    tied_layer_not_in_the_network_at<layer_path_t<Index>, Layer, Tied, Count>;
 
 }  // namespace detail
 

@@ -19,8 +19,8 @@ template <class Spec, std::size_t Index, std::size_t Frames, class T>
 std::size_t sample_frames(const LayerContext<T>& context, std::size_t sample) {
   if (context.frames == nullptr) return Frames;
   const std::int32_t length = context.frames[sample];
-  LOOM_CHECK(length >= 0 && static_cast<std::size_t>(length) <= Frames, type_label<Spec>(),
-             " (layer ", Index, "): sample ", sample, " of the batch (global sample ",
+  LOOM_CHECK(length >= 0 && static_cast<std::size_t>(length) <= Frames, type_label<Spec>(), " (",
+             layer_path_text(Index), "): sample ", sample, " of the batch (global sample ",
              context.pass.first_sample + sample, ") has length ", length, ", outside 0..", Frames,
              " (the frames its input holds); check the lengths the batch carries");
   return static_cast<std::size_t>(length);

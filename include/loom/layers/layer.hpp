@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "../core/meta.hpp"
@@ -94,38 +95,78 @@ struct Fused {
   using Activation = Activation_;
 };
 
+// Where a layer sits, as compile errors print it: LayerPath<3> is layer 3 of
+// the network, LayerPath<3, 2> the 2nd layer inside the block that is layer
+// 3 (a Residual's projection shortcut is its child 0), LayerPath<3, 2, 1>
+// the 1st inside that one. Run-time messages write it "layer 3.2.1".
+template <std::size_t... Steps>
+struct LayerPath {};
+
 namespace detail {
 
+// A layer's index, as Bind numbers it, read as its path: a block's children
+// are numbered 64 x (the block's index) + 1, 2, ... and a network has at
+// most 63 layers at its top level (net/sequential.hpp), so every index
+// below 64 is a top-level layer's and the rest are children's.
+template <std::size_t Index, std::size_t... Tail>
+constexpr auto layer_path_of() {
+  if constexpr (Index < 64)
+    return LayerPath<Index, Tail...>{};
+  else
+    return layer_path_of<Index / 64, Index % 64, Tail...>();
+}
+template <std::size_t Index>
+using layer_path_t = decltype(layer_path_of<Index>());
+
+// "layer 3", "layer 3.2", "layer 3.2.1": layer_path_t's path, for messages.
+inline std::string layer_path_text(std::size_t index) {
+  std::string steps;
+  while (index >= 64) {
+    steps = "." + std::to_string(index % 64) + steps;
+    index /= 64;
+  }
+  return "layer " + std::to_string(index) + steps;
+}
+
 // These structs carry the numbers of a shape error in their template
-// arguments, so the compiler prints layer index, layer, expected and actual
-// values next to the message.
-template <std::size_t Index, class Layer, std::size_t ExpectedRank, std::size_t ActualRank>
-struct layer_input_rank_mismatch {
+// arguments, so the compiler prints the layer's path (LayerPath), the
+// layer, and the expected and actual values next to the message.
+template <class At, class Layer, std::size_t ExpectedRank, std::size_t ActualRank>
+struct layer_input_rank_mismatch_at {
   static_assert(ExpectedRank == ActualRank,
                 "loom shape error: the layer's input has the wrong number of dimensions "
-                "(template arguments: layer index, layer, expected rank, actual rank). "
+                "(template arguments: layer path, layer, expected rank, actual rank). "
                 "Conv2d and pooling take C x H x W; Linear takes a flat vector, or Positions x "
                 "Features (per position): on C x H x W insert Flatten before it; Conv1d, GRU and "
                 "LSTM take Frames x Features: insert Reshape<Frames, Features>");
   static constexpr bool ok = ExpectedRank == ActualRank;
 };
+template <std::size_t Index, class Layer, std::size_t ExpectedRank, std::size_t ActualRank>
+using layer_input_rank_mismatch =
+    layer_input_rank_mismatch_at<layer_path_t<Index>, Layer, ExpectedRank, ActualRank>;
 
-template <std::size_t Index, class Layer, std::size_t Window, std::size_t InputSize>
-struct layer_window_larger_than_input {
+template <class At, class Layer, std::size_t Window, std::size_t InputSize>
+struct layer_window_larger_than_input_at {
   static_assert(Window <= InputSize,
                 "loom shape error: the layer's window is larger than its (padded) input "
-                "(template arguments: layer index, layer, window size, input size); check the "
+                "(template arguments: layer path, layer, window size, input size); check the "
                 "sizes of the Conv2d/MaxPool2d layers before it");
   static constexpr bool ok = Window <= InputSize;
 };
+template <std::size_t Index, class Layer, std::size_t Window, std::size_t InputSize>
+using layer_window_larger_than_input =
+    layer_window_larger_than_input_at<layer_path_t<Index>, Layer, Window, InputSize>;
 
-template <std::size_t Index, class Layer, std::size_t Value>
-struct layer_argument_must_be_positive {
+template <class At, class Layer, std::size_t Value>
+struct layer_argument_must_be_positive_at {
   static_assert(Value > 0,
                 "loom shape error: a layer size, kernel or stride is zero (template arguments: "
-                "layer index, layer, value)");
+                "layer path, layer, value)");
   static constexpr bool ok = Value > 0;
 };
+template <std::size_t Index, class Layer, std::size_t Value>
+using layer_argument_must_be_positive =
+    layer_argument_must_be_positive_at<layer_path_t<Index>, Layer, Value>;
 
 // Dimension I of S, or 1 when S has fewer dimensions; keeps shape arithmetic
 // well-formed after a rank error so that only the named error is reported.

@@ -281,7 +281,7 @@ struct BatchNormTimeLayer : BatchNormBase<Spec, In, Index, In::dims[1], A, Sync>
   }
 
   static void check_count(double count) {
-    LOOM_CHECK(count > 0, type_label<Spec>(), " (layer ", Index,
+    LOOM_CHECK(count > 0, type_label<Spec>(), " (", layer_path_text(Index),
                ") in training: no sample of the batch has a valid frame (every length is 0), "
                "so there are no statistics to normalise with; leave empty sequences out of the "
                "data");

@@ -314,7 +314,7 @@ struct RecurrentLayer
     if (context.frames != nullptr)
       for (std::size_t s = 0; s < n; ++s)
         LOOM_CHECK(context.frames[s] >= 0 && static_cast<std::size_t>(context.frames[s]) <= steps,
-                   Cell::name, " (layer ", Index, "): sample ", context.pass.first_sample + s,
+                   Cell::name, " (", layer_path_text(Index), "): sample ", context.pass.first_sample + s,
                    " has ", context.frames[s], " frames, outside 0..", steps,
                    " (the steps of its input)");
     return context.frames;

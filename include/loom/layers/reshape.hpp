@@ -19,14 +19,16 @@ struct Reshape {};
 
 namespace detail {
 
-template <std::size_t Index, class Layer, std::size_t Expected, std::size_t Actual>
-struct layer_size_mismatch {
+template <class At, class Layer, std::size_t Expected, std::size_t Actual>
+struct layer_size_mismatch_at {
   static_assert(Expected == Actual,
                 "loom shape error: Reshape's shape has a different number of elements than its "
-                "input (template arguments: layer index, layer, input elements, reshaped "
+                "input (template arguments: layer path, layer, input elements, reshaped "
                 "elements)");
   static constexpr bool ok = Expected == Actual;
 };
+template <std::size_t Index, class Layer, std::size_t Expected, std::size_t Actual>
+using layer_size_mismatch = layer_size_mismatch_at<layer_path_t<Index>, Layer, Expected, Actual>;
 
 }  // namespace detail
 

@@ -49,19 +49,22 @@ namespace detail {
 
 // `what`: 0 the output features of a Linear whose outputs are split, 1 the
 // vocabulary (the network's last Linear).
-template <std::size_t Index, class Layer, std::size_t Features, std::size_t Tensor>
-struct tensor_degree_must_divide_features {
+template <class At, class Layer, std::size_t Features, std::size_t Tensor>
+struct tensor_degree_must_divide_features_at {
   static_assert(Features % Tensor == 0,
                 "loom tensor-parallel error: the tensor degree does not divide the features this "
-                "Linear splits over the ranks (template arguments: layer index, layer, features, "
+                "Linear splits over the ranks (template arguments: layer path, layer, features, "
                 "degree): in a block's MLP the first Linear's (4 x width in a GPT), at the "
                 "network's end the vocabulary; choose a degree that divides them");
   static constexpr bool ok = Features % Tensor == 0;
 };
+template <std::size_t Index, class Layer, std::size_t Features, std::size_t Tensor>
+using tensor_degree_must_divide_features =
+    tensor_degree_must_divide_features_at<layer_path_t<Index>, Layer, Features, Tensor>;
 
 template <class T>
 TensorGroup& tensor_group_of(const LayerContext<T>& ctx, std::size_t index, std::size_t size) {
-  LOOM_CHECK(ctx.pass.tensor != nullptr && ctx.pass.tensor->size == size, "layer ", index,
+  LOOM_CHECK(ctx.pass.tensor != nullptr && ctx.pass.tensor->size == size, layer_path_text(index),
              " (a Linear split over ", size,
              " ranks) runs without its tensor group: only TensorParallel's engine runs it");
   return *ctx.pass.tensor;
@@ -94,6 +97,8 @@ struct TensorColumnsLayer
     : TensorLinearBase<TensorColumns<Linear<N>, Tensor>, In, linear_output<In, N / Tensor>, Index> {
   using Spec = Linear<N>;
   using Local = LinearLayer<N / Tensor, In, Index, A>;
+  static constexpr Act activation = A;
+  static constexpr std::size_t tensor = Tensor;
   static constexpr bool checked =
       layer_input_rank_mismatch<Index, Spec, 1, In::rank == 2 ? 1 : In::rank>::ok &&
       tensor_degree_must_divide_features<Index, Spec, N, Tensor>::ok;
@@ -154,6 +159,8 @@ struct TensorRowsLayer
       layer_input_rank_mismatch<Index, Spec, 1, In::rank == 2 ? 1 : In::rank>::ok;
   static constexpr std::size_t positions = linear_positions<In>;
   static constexpr std::size_t in_features = In::size / positions;  // this rank's
+  static constexpr Act activation = A;
+  static constexpr std::size_t tensor = Tensor;
   static constexpr std::size_t weight_count = N * in_features;
   static constexpr std::size_t bias_count = N;
   static constexpr std::size_t param_count = weight_count + bias_count;
@@ -219,6 +226,8 @@ struct Bind<TensorGather<Linear<N>, Tensor>, In, Index>
   static constexpr std::size_t positions = detail::linear_positions<In>;
   static constexpr std::size_t in_features = In::size / positions;
   static constexpr std::size_t own = N / Tensor;  // this rank's outputs
+  static constexpr Act activation = Act::identity;
+  static constexpr std::size_t tensor = Tensor;
   static constexpr std::size_t weight_count = own * in_features;
   static constexpr std::size_t bias_count = own;
   static constexpr std::size_t param_count = weight_count + bias_count;

@@ -7,7 +7,8 @@
 // BatchNorm2d>, ReLU.
 //
 // Body layers are numbered 64 x (block index) + 1, 2, ... (the projection
-// 64 x block index) in their seeds and error messages.
+// 64 x block index) in their seeds; error messages print their paths
+// (LayerPath<block index, 1>, ...).
 #pragma once
 
 #include <algorithm>
@@ -28,12 +29,32 @@ struct Residual {};
 
 namespace detail {
 
-template <class In, class Out, std::size_t Index>
-struct shortcut_of {
-  static_assert(std::is_same_v<In, Out>,
+// Projects: a shortcut maps In to Out (the identity, when they are equal).
+// Given explicitly by every user, so that g++ prints it (it leaves defaulted
+// arguments out).
+template <class At, class In, class Out, bool Projects>
+struct residual_body_changes_shape_at {
+  static_assert(Projects,
                 "loom shape error: Residual's body changes the shape in a way no shortcut "
-                "projects (a 1 x 1 Conv2d maps C x H x W to C' x H' x W', a Linear maps F to "
-                "F'; anything else must keep the shape)");
+                "projects (template arguments: the block's path, its input shape, its body's "
+                "output shape, false). A 1 x 1 Conv2d maps C x H x W to C' x H' x W' with a "
+                "stride that takes H to H' and W to W', a Linear maps F to F'; any other body "
+                "must keep the shape");
+  static constexpr bool ok = Projects;
+};
+
+// Whether a 1 x 1 convolution with a stride maps H x W onto H2 x W2.
+constexpr bool strided_projection_fits(std::size_t h, std::size_t w, std::size_t h2,
+                                       std::size_t w2) {
+  const std::size_t stride = (h + h2 - 1) / h2;
+  return window_out(h, 1, stride, 0) == h2 && window_out(w, 1, stride, 0) == w2;
+}
+
+// Index: the projection's, 64 x the block's (its child 0). The check is a
+// base, so it is instantiated, and reported, once.
+template <class In, class Out, std::size_t Index>
+struct shortcut_of
+    : residual_body_changes_shape_at<layer_path_t<Index / 64>, In, Out, std::is_same_v<In, Out>> {
   using type = void;  // identity
 };
 
@@ -42,12 +63,11 @@ struct shortcut_of {
 template <std::size_t C, std::size_t H, std::size_t W, std::size_t C2, std::size_t H2,
           std::size_t W2, std::size_t Index>
   requires(C != C2 || H != H2 || W != W2)
-struct shortcut_of<Shape<C, H, W>, Shape<C2, H2, W2>, Index> {
+struct shortcut_of<Shape<C, H, W>, Shape<C2, H2, W2>, Index>
+    : residual_body_changes_shape_at<layer_path_t<Index / 64>, Shape<C, H, W>, Shape<C2, H2, W2>,
+                                     strided_projection_fits(H, W, H2, W2)> {
   static constexpr std::size_t stride = (H + H2 - 1) / H2;
   using type = Bind<Conv2d<C2, 1, stride>, Shape<C, H, W>, Index>;
-  static_assert(window_out(H, 1, stride, 0) == H2 && window_out(W, 1, stride, 0) == W2,
-                "loom shape error: Residual's body changes the image size in a way no strided "
-                "1 x 1 projection matches");
 };
 
 template <std::size_t F, std::size_t F2, std::size_t Index>

@@ -249,11 +249,12 @@ struct Network {
   // The layers as written, each bound to its input shape and index.
   using layers = typename detail::bind_all<input_shape, FirstIndex, TypeList<>, Layers_...>::type;
   // A block's layers are numbered 64 x (its index) + 1, 2, ...: the
-  // numbers seed weights and Dropout, so they must not meet the network's own.
-  static_assert(!detail::list_info<layers>::has_block || FirstIndex + sizeof...(Layers_) <= 64,
-                "a network with blocks (Residual, Series, ...) has at most 63 layers at its top "
-                "level (a block's layers are numbered 64 x its index + 1, 2, ...); group layers "
-                "into blocks");
+  // numbers seed weights and Dropout, so they must not meet the network's
+  // own, and error messages read them back as paths (LayerPath<3, 2>).
+  static_assert(FirstIndex + sizeof...(Layers_) <= 64,
+                "a network has at most 63 layers at its top level (a block's layers are "
+                "numbered 64 x its index + 1, 2, ..., and error messages name a layer by its "
+                "path); group layers into blocks: Series<...>, Residual<...> or a named block");
   // The layers that run: the fusion pass's rewrite of `layers`.
   using executed = fuse_t<layers>;
   using output_shape = typename type_at_t<sizeof...(Layers_) - 1, layers>::output_shape;
