@@ -338,7 +338,8 @@ int train(const char* title, const Options& o, const data::Split& data,
           const Launch& launch) {
   static_assert(ExamplePolicies::contains<Policy> || is_tensor_parallel<Policy>,
                 "example_trainers.hpp names the examples' trainers: their CUDA side registers "
-                "executors for those alone (TensorParallel runs on CPUs only)");
+                "executors for those alone (TensorParallel's, the GPT's, run on CPU devices: the "
+                "GPT example has no CUDA side)");
   const auto started = std::chrono::steady_clock::now();
   const TrainerOptions trainer = trainer_options(o, runs_pipelines<Policy>);
   std::ostringstream policy;

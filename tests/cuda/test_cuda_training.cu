@@ -969,4 +969,39 @@ TEST_CASE("cuda ModelSplit: a checkpoint saved on GPUs mid-epoch resumes on GPUs
                       "weights at the end, resumed on a CPU device");
 }
 
+namespace {
+
+// Net split over 2 tensor ranks sharing the first GPU against one CPU
+// device, on the same batches: each rank computes its share of every sum
+// one device computes whole, so they agree to fp32 rounding.
+template <class Net>
+void tensor_follows_cpu() {
+  const auto part = head(fashion().train, 640);
+  const FitOptions fit{.epochs = 1, .batch_size = 64, .seed = 3};
+  const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
+  std::vector<StepInfo> cpu_steps, gpu_steps;
+  Trainer<Net> cpu(devices::cpu(1), sgd, {.seed = 6});
+  cpu.fit(part, fit, Record{&cpu_steps});
+  Trainer<Net, TensorParallel<2>> gpu(first_gpu_times(2), sgd, {.seed = 6});
+  gpu.fit(part, fit, Record{&gpu_steps});
+  REQUIRE(gpu_steps.size() == 10);
+  same_steps(gpu_steps, cpu_steps, 1e-4);
+  test::require_close(gpu.model().parameters(), cpu.model().parameters(), {1e-5, 1e-3},
+                      "weights after an epoch");
+}
+
+}  // namespace
+
+TEST_CASE("cuda TensorParallel: ReLU MLPs and LeNet over 2 tensor ranks follow one CPU device") {
+  // The column-parallel Linear's ReLU runs in its GEMM's epilogue and its
+  // derivative before the weight GEMM; the row-parallel one adds its bias
+  // (and ReLU) after the ranks' sum. The deeper MLP's last Linear follows
+  // a row-parallel one: its scores are gathered (TensorGather).
+  using DeepMlp =
+      Sequential<Input<1, 28, 28>, Flatten, Linear<64>, ReLU, Linear<32>, ReLU, Linear<10>>;
+  tensor_follows_cpu<Mlp>();
+  tensor_follows_cpu<DeepMlp>();
+  tensor_follows_cpu<LeNet>();
+}
+
 }  // namespace cuda_training_tests

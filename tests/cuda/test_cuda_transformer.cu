@@ -6,8 +6,9 @@
 // strided batches against one product per batch; then the small GPT of
 // tests/support/tiny_gpt.hpp trained by the Trainer on a GPU, alone and as
 // two pipeline stages sharing it, untied and with its head tied to its
-// embedding, against the CPU, and a token id outside the vocabulary
-// refused with the CPU's message. Where no GPU is present
+// embedding, and split over tensor ranks (TensorParallel), against the
+// CPU, and a token id outside the vocabulary refused with the CPU's
+// message. Where no GPU is present
 // every test reports skipped (77).
 #include <loom/gpu/device_layers.cuh>
 #include <loom/loom.hpp>
@@ -299,6 +300,20 @@ TEST_CASE("cuda transformer: a weight-tied GPT trains on a GPU as on the CPU, it
       INFO("element " << k);
       REQUIRE(w[tie.copy + k] == w[tie.source + k]);
     }
+}
+
+TEST_CASE("cuda transformer: the small GPT split over tensor ranks sharing a GPU trains as on "
+          "the CPU") {
+  // Ranks on one GPU sum and gather through the host (NCCL takes one rank
+  // per device): the split layers' runners and the engine's wiring, not
+  // NCCL's sums, are what this checks.
+  gpt_follows_cpu<test::TinyGpt, TensorParallel<2>>("tensor 2 on one GPU", 2);
+  gpt_follows_cpu<test::TinyGptBlocks, TensorParallel<4>>("TransformerBlocks, tensor 4 on one GPU",
+                                                          4);
+  gpt_follows_cpu<test::TinyGptBlocks, TensorParallel<2, ModelSplit<Balanced<2>, OneFOneB<4>>>>(
+      "pipe 2 x tensor 2 on one GPU", 4);
+  gpt_follows_cpu<test::TinyGptTied, TensorParallel<2, DataParallel<>>>(
+      "tied, data 2 x tensor 2 on one GPU", 4);
 }
 
 TEST_CASE("cuda transformer: a token id outside the vocabulary is the CPU's loom::Error") {

@@ -127,6 +127,13 @@ class NcclComm {
     wait("ncclReduceScatter");
   }
 
+  // `count` elements of every rank's `mine`, rank r's at all + r x count,
+  // enqueued on `stream`.
+  template <Element T>
+  void all_gather_async(const T* mine, T* all, std::size_t count, cudaStream_t stream) {
+    LOOM_CHECK(!state_->aborted, describe(), ": the communicator was aborted");
+    check(ncclAllGather(mine, all, count, detail::nccl_type<T>(), get(), stream), "ncclAllGather");
+  }
   template <Element T>
   void all_gather(std::span<const T> mine, std::span<T> all) {
     check_parts(all.size(), mine.size(), element_name<T>(), "ncclAllGather", "all", "mine");

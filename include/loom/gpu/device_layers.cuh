@@ -69,6 +69,7 @@
 #include "layer_call.hpp"
 #include "layers.cuh"
 #include "recurrent.cuh"
+#include "tensor_linear.cuh"
 #include "transformer.cuh"
 
 namespace loom::gpu {
@@ -453,6 +454,20 @@ struct kernel_runner<L, B, RMSNorm> {
 template <class L, bool B, std::size_t H, class P>
 struct kernel_runner<L, B, CausalSelfAttention<H, P>> {
   using type = AttentionRunner<L>;
+};
+// TensorParallel's shares of a Linear (its share of an attention keeps the
+// attention's spec, above).
+template <class L, bool B, std::size_t N, std::size_t T>
+struct kernel_runner<L, B, TensorColumns<Linear<N>, T>> {
+  using type = TensorLinearRunner<L, TensorSplit::columns>;
+};
+template <class L, bool B, std::size_t N, std::size_t T>
+struct kernel_runner<L, B, TensorRows<Linear<N>, T>> {
+  using type = TensorLinearRunner<L, TensorSplit::rows>;
+};
+template <class L, bool B, std::size_t N, std::size_t T>
+struct kernel_runner<L, B, TensorGather<Linear<N>, T>> {
+  using type = TensorLinearRunner<L, TensorSplit::gather>;
 };
 template <class L, bool InBlock>
 using kernel_runner_t = typename kernel_runner<L, InBlock>::type;
@@ -849,6 +864,7 @@ class BlockRunner {
     b.training = c.training;
     b.pass = c.pass;
     b.replicas = c.replicas;
+    b.tensor = c.tensor;
     b.precision = c.precision;
     // A block's layers keep the samples' lengths (none inside changes them).
     b.frames = c.frames;
@@ -1154,6 +1170,8 @@ class DeviceLayers {
 
   // SyncBatchNorm sums its statistics over these ranks (null: one device).
   void set_replicas(comm::NcclComm* replicas) { replicas_ = replicas; }
+  // TensorParallel's split layers sum and gather over this group (null: no split layer).
+  void set_tensor(DeviceTensorGroup* tensor) { tensor_ = tensor; }
 
   // Before a step's or an evaluation's first forward, in a reduced
   // precision: the weights the layers compute with, rounded again from the
@@ -1405,6 +1423,7 @@ class DeviceLayers {
     if constexpr (L::state_count > 0) c.state = state_ + (info::state_offsets[I] - state_base_);
     c.saved = s.saved[I];
     if constexpr (L::syncs) c.replicas = replicas_;
+    c.tensor = tensor_;
     const float* weights = reduced() ? compute_params_ : params_;
     c.weights = weights + (layout::offsets.weight[I] - base_);
     c.bias = weights + (layout::offsets.bias[I] - base_);
@@ -1443,6 +1462,7 @@ class DeviceLayers {
   detail::PlanCache<executed> plans_;
   std::vector<Slot> slots_;
   comm::NcclComm* replicas_ = nullptr;
+  DeviceTensorGroup* tensor_ = nullptr;
   std::unique_ptr<DeviceArena> arena_;
   float* params_ = nullptr;
   float* compute_params_ = nullptr;  // params_ rounded to a reduced precision (else null)

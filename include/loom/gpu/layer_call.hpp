@@ -50,6 +50,20 @@ inline TensorMath tensor_math(Precision precision, bool allow_tf32) {
                                         : TensorMath::fp32;
 }
 
+// TensorParallel's group for the layers it splits (layers/tensor_linear.hpp,
+// TensorHeads): the sums and gathers of device memory over the ranks of
+// the tensor group, enqueued on the layer's stream. Over NCCL where every
+// rank has a GPU of its own; staged through the host's group where ranks
+// share one (gpu/stage.cuh).
+struct DeviceTensorGroup {
+  virtual ~DeviceTensorGroup() = default;
+  // `count` floats summed over the group, in place.
+  virtual void sum(float* values, std::size_t count, cudaStream_t stream) = 0;
+  // Every rank's `count` floats of `mine`, rank r's as the r-th block of `all`.
+  virtual void gather(const float* mine, float* all, std::size_t count, cudaStream_t stream) = 0;
+  std::size_t rank = 0, size = 1;
+};
+
 namespace detail {
 
 // The pointers of one layer's forward or backward call. Backward overwrites
@@ -77,6 +91,8 @@ struct LayerCall {
   // SyncBatchNorm under data parallelism: sums statistics over the ranks
   // (null: this device's batch is the whole batch).
   comm::NcclComm* replicas = nullptr;
+  // TensorParallel's group, for the layers it splits (null elsewhere).
+  DeviceTensorGroup* tensor = nullptr;
   // What a Residual block rounds its inner layers' outputs and gradients
   // to (the owner rounds its own layers').
   Precision precision = Precision::fp32;

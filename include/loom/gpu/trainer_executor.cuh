@@ -1,10 +1,11 @@
 // The CUDA executor of a Trainer: what the trainer asks of GPUs
 // (detail::GpuExecutor). Every policy runs on the grid engine over GPU
 // stages (gpu/stage.cuh): SingleDevice and DataParallel as the CPU's
-// DataParallelEngine, ModelSplit and Hybrid as its PipelineEngine, each
-// with gpu::DeviceStages. loom.hpp includes it when nvcc compiles; a Trainer
-// finds it by make_gpu_executor, so that train/ never names CUDA and the
-// host compiler never sees this file.
+// DataParallelEngine, ModelSplit and Hybrid as its PipelineEngine,
+// TensorParallel as its TensorEngine, each with gpu::DeviceStages.
+// loom.hpp includes it when nvcc compiles; a Trainer finds it by
+// make_gpu_executor, so that train/ never names CUDA and the host compiler
+// never sees this file.
 #pragma once
 
 #include <memory>
@@ -28,7 +29,10 @@ class TrainerExecutor final : public ::loom::detail::GpuExecutor<Trainer> {
   using Loss = typename Trainer::Loss;
 
   static auto engine_type() {
-    if constexpr (is_pipelined<Policy>)
+    if constexpr (is_tensor_parallel<Policy>)
+      return static_cast<
+          ::loom::detail::TensorEngine<Net, Policy, Optimizer, Loss, DeviceStages>*>(nullptr);
+    else if constexpr (is_pipelined<Policy>)
       return static_cast<::loom::detail::PipelineEngine<Net, typename Policy::partition, Optimizer,
                                                         Loss, DeviceStages>*>(nullptr);
     else

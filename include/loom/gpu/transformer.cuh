@@ -34,6 +34,7 @@
 
 #include "../backend/cuda/arena.hpp"
 #include "../backend/cuda/check.hpp"
+#include "../backend/cuda/epilogue.cuh"
 #include "../backend/cuda/gemm.hpp"
 #include "../backend/cuda/precision.cuh"
 #include "../backend/cuda/transformer.cuh"
@@ -63,6 +64,18 @@ inline GemmOptions gemm_options(TensorMath math, std::size_t library_limit,
 // where the network allows tensor cores, never bf16 or fp16.
 inline TensorMath inner_math(TensorMath math) {
   return math == TensorMath::fp32 ? TensorMath::fp32 : TensorMath::tf32;
+}
+
+// The group a split layer runs over (TensorParallel's shares: the
+// attention's heads here, a Linear's in tensor_linear.cuh), or the CPU's
+// message when it has none.
+inline DeviceTensorGroup& tensor_group_of(const LayerCall& c, std::size_t index,
+                                          std::size_t size) {
+  LOOM_CHECK(c.tensor != nullptr && c.tensor->size == size,
+             ::loom::detail::layer_path_text(index), " (a layer split over ", size,
+             " ranks) runs on a GPU without its tensor group: only TensorParallel's engine "
+             "runs it");
+  return *c.tensor;
 }
 
 inline GemmArgs gemm_call(const float* a, const float* b, float* c, unsigned char* workspace,
@@ -207,7 +220,9 @@ template <class L>
 class AttentionRunner {
   static constexpr std::size_t C = L::context, W = L::width, H = L::heads, hw = L::head_width,
                                I = L::inner, Q = L::qkv_width;
-  static_assert(I == W, "a tensor-parallel share of an attention has no CUDA runner yet");
+  // TensorParallel's share (TensorHeads): this rank's H of the heads, whose
+  // partial projections the tensor group sums before the bias.
+  static constexpr std::size_t tensor = W / I;
   // Every pointer a product takes lies a multiple of 4 floats into its
   // buffer when these are; else the plans take 4-byte alignment.
   static constexpr std::size_t alignment = hw % 4 == 0 && C % 4 == 0 ? 16 : 4;
@@ -234,7 +249,8 @@ class AttentionRunner {
     // P_h = scale q_h k_h^T; O_h = P_h v_h.
     scores_ = per_head(false, true, C, C, hw, Q, Q, C, C * Q, C * Q, scores);
     mix_ = per_head(false, false, C, hw, C, C, Q, I, scores, C * Q, C * I);
-    proj_ = plan({false, true, rows, W, I, I, I, W}, Epilogue::bias, outer);
+    proj_ = plan({false, true, rows, W, I, I, I, W}, tensor > 1 ? Epilogue::none : Epilogue::bias,
+                 outer);
     proj_weight_grad_ = plan({true, false, W, I, rows, W, I, I}, Epilogue::bgrad_a, outer);
     heads_grad_ = plan({false, false, rows, I, W, W, I, I}, Epilogue::none, outer);
     // dP_h = dO_h v_h^T; dV_h = P_h^T dO_h; dQ_h = scale dS_h k_h; dK_h = scale dS_h^T q_h.
@@ -279,8 +295,14 @@ class AttentionRunner {
       mix_->run(call(c, s.probabilities + h * C * C, s.qkv + 2 * I + h * hw, s.heads + h * hw));
     round_values(c.precision, s.heads, batch_ * C * I, c.stream);
     GemmArgs out = call(c, s.heads, p.proj_weight, c.y);
-    out.bias = p.proj_bias;
-    proj_->run(out);
+    if constexpr (tensor > 1) {
+      proj_->run(out);
+      detail::tensor_group_of(c, L::index, tensor).sum(c.y, batch_ * C * W, c.stream);
+      bias_act_nchw<Act::identity>(c.y, p.proj_bias, batch_ * C, W, 1, c.stream);
+    } else {
+      out.bias = p.proj_bias;
+      proj_->run(out);
+    }
   }
 
   void backward(const detail::LayerCall& c) {
@@ -318,7 +340,11 @@ class AttentionRunner {
     GemmArgs qkv = call(c, d_qkv, c.x, d.qkv_weight);
     qkv.bias_grad = d.qkv_bias;
     qkv_weight_grad_->run(qkv);
-    if (c.dx != nullptr) input_grad_->run(call(c, d_qkv, p.qkv_weight, c.dx));
+    if (c.dx == nullptr) return;
+    input_grad_->run(call(c, d_qkv, p.qkv_weight, c.dx));
+    // Split heads: each rank's part of the input gradient is its heads'.
+    if constexpr (tensor > 1)
+      detail::tensor_group_of(c, L::index, tensor).sum(c.dx, batch_ * C * W, c.stream);
   }
 
  private:

@@ -189,9 +189,10 @@ struct Link {
 struct StageLinks {
   Link to_next, from_next, to_previous, from_previous;
   comm::Comm data;
-  // A communicator the stage's layers call on their own (a GPU's
-  // SyncBatchNorm sums over its copies): the engine only cancels it.
-  comm::Comm layers;
+  // Communicators the stage's layers call on their own (a GPU's
+  // SyncBatchNorm sums over its copies, TensorParallel's over its tensor
+  // group): the engine only cancels them.
+  std::vector<comm::Comm> layers;
   // Made by the stage: their sends may wait for the receive (NCCL's), as
   // MPI's do, so the outboxes send from threads of their own.
   bool own = false;
@@ -251,6 +252,24 @@ struct ParamSegment {
   bool split = false;
   bool tied_copy = false;  // a TiedLinear's copy: left out of the clipping norm
 };
+
+// A TensorParallel rank's part of the clipping norm's squares per layer
+// (`starts`: the whole network's layers' first parameters): its split runs
+// on every rank, the runs its tensor group holds alike on tensor rank 0
+// alone, a tied copy on none (its source counts). `grads`: the rank's own,
+// at the runs' `local` offsets.
+inline void add_segment_squares(std::span<const float> grads, std::span<const ParamSegment> runs,
+                                std::size_t tensor_rank, std::span<const std::size_t> starts,
+                                std::span<double> squares) {
+  for (const ParamSegment& s : runs) {
+    if ((!s.split && tensor_rank != 0) || s.tied_copy) continue;
+    const auto layer = std::ranges::upper_bound(starts, s.whole) - starts.begin() - 1;
+    double sum = 0.0;
+    for (std::size_t j = s.local; j < s.local + s.count; ++j)
+      sum += static_cast<double>(grads[j]) * static_cast<double>(grads[j]);
+    squares[static_cast<std::size_t>(layer)] += sum;
+  }
+}
 
 // A rank's own parameters (or optimizer buffer), cut by its runs from the
 // whole network's.
@@ -436,8 +455,11 @@ class StageOf : public PipelineStage {
   void set_precision(Precision precision) override { model_.set_precision(precision); }
   void add_layer_squares(std::span<const std::size_t> starts,
                          std::span<double> squares) const override {
-    detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares,
-                                        model_.range());
+    if (!segments.empty())
+      add_segment_squares(model_.gradients(), segments, tensor_rank, starts, squares);
+    else
+      detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares,
+                                          model_.range());
   }
   bool unscale(float loss_scale) override {
     return unscale_gradients(model_.gradients(), loss_scale);
@@ -847,7 +869,8 @@ class GridEngine {
       if (started_ && link->comm) link->comm.cancel(why);
     // Made by the start job: read only once every rank has made it.
     if (started_ && r.statistics.comm) r.statistics.comm.cancel(why);
-    if (started_ && r.links.layers) r.links.layers.cancel(why);
+    if (started_)
+      for (comm::Comm& layers : r.links.layers) layers.cancel(why);
   }
 
   void work(Rank& r, const Job& job);

@@ -34,8 +34,9 @@
 // one device computes whole, so results equal one device's to fp32
 // rounding (the tests' tolerance is stated there), not bit for bit.
 //
-// On the CPU's devices and MPI processes; GPU layers for the shares are
-// not written yet (the trainer says so).
+// On CPU devices and MPI processes, and on GPUs (gpu/tensor_linear.cuh and
+// the attention's runner: the sums on NCCL, or through the host where
+// ranks share a GPU).
 #pragma once
 
 #include <concepts>
@@ -289,37 +290,12 @@ void layer_segments(std::size_t rank, std::size_t whole_at, std::size_t local_at
   }
 }
 
-// A tensor-parallel rank's stage: the executed layers `range` of ShardNet
-// (its share of Net), its weights cut from the whole network's by
-// `segments`; its clipping squares are its split runs', and (rank 0 of its
-// tensor group) the runs the group holds alike.
-template <class ShardNet, class Optimizer>
-class TensorStageOf final : public StageOf<ShardNet, Optimizer> {
- public:
-  TensorStageOf(std::span<const float> weights, std::span<const float> state,
-                typename Optimizer::Options options, std::size_t state_at, LayerRange range,
-                std::vector<ParamSegment> own, std::size_t tensor_rank)
-      : StageOf<ShardNet, Optimizer>(weights, state, options, 0, state_at, range) {
-    this->segments = std::move(own);
-    this->tensor_rank = tensor_rank;
-  }
-  void add_layer_squares(std::span<const std::size_t> starts,
-                         std::span<double> squares) const override {
-    const auto grads = this->model().gradients();
-    for (const ParamSegment& s : this->segments) {
-      if ((!s.split && this->tensor_rank != 0) || s.tied_copy) continue;
-      const auto layer = std::ranges::upper_bound(starts, s.whole) - starts.begin() - 1;
-      double sum = 0.0;
-      for (std::size_t j = s.local; j < s.local + s.count; ++j)
-        sum += static_cast<double>(grads[j]) * static_cast<double>(grads[j]);
-      squares[static_cast<std::size_t>(layer)] += sum;
-    }
-  }
-};
-
 // TensorParallel's engine: the grid engine over each rank's share of Net
-// (tensor_shard_t), the stages cut from the whole network's initial weights.
-template <class Net, class Policy, class Optimizer, class Loss>
+// (tensor_shard_t), the stages cut from the whole network's initial weights
+// and made on each rank's device as `stages` makes them (HostStages: the
+// CPU's; gpu::DeviceStages). A stage's `segments` place its parameters in
+// the whole network's, for the checkpoint's gather and the clipping norm.
+template <class Net, class Policy, class Optimizer, class Loss, class Stages = HostStages>
 class TensorEngine final : public GridSplitEngine<Net> {
  public:
   using ShardNet = tensor_shard_t<Net, Policy::tensor>;
@@ -329,10 +305,10 @@ class TensorEngine final : public GridSplitEngine<Net> {
 
   TensorEngine(const std::vector<Device>& devices, comm::Comm processes,
                const Model<Net, float>& initial, typename Optimizer::Options options,
-               PipelineGrid grid, PipelineSchedule schedule)
+               PipelineGrid grid, PipelineSchedule schedule, const Stages& stages = {})
       : GridSplitEngine<Net>(grid_net<Net, Optimizer, Loss>(grid.stages, false),
-                             [&](MeshCoordinates at, const Device&) {
-                               return make_stage(grid, at, initial, options);
+                             [&](MeshCoordinates at, const Device& device) {
+                               return make_stage(grid, at, initial, options, device, stages);
                              },
                              devices, std::move(processes), grid, schedule) {}
 
@@ -366,7 +342,8 @@ class TensorEngine final : public GridSplitEngine<Net> {
  private:
   static std::unique_ptr<PipelineStage> make_stage(const PipelineGrid& grid, MeshCoordinates at,
                                                    const Model<Net, float>& whole,
-                                                   typename Optimizer::Options options) {
+                                                   typename Optimizer::Options options,
+                                                   const Device& device, const Stages& stages) {
     using executed = list_info<typename Net::executed>;
     using shard = list_info<typename ShardNet::executed>;
     std::unique_ptr<PipelineStage> made;
@@ -384,9 +361,10 @@ class TensorEngine final : public GridSplitEngine<Net> {
       cut_own(runs, whole.parameters().data(), own);
       const std::size_t state_at = executed::state_offsets[range.first];
       const std::size_t state_size = executed::state_offsets[range.last] - state_at;
-      made = std::make_unique<TensorStageOf<ShardNet, Optimizer>>(
-          own, whole.state().subspan(state_at, state_size), options, state_at, range,
-          std::move(runs), at.tensor);
+      made = stages.template make<ShardNet, Optimizer>(
+          own, whole.state().subspan(state_at, state_size), options, 0, state_at, range, device);
+      made->segments = std::move(runs);
+      made->tensor_rank = at.tensor;
       // The range's layers, numbered from its first as its backward's hooks are.
       std::vector<std::size_t> starts(shard::param_offsets.begin() + range.first,
                                       shard::param_offsets.begin() + range.last + 1);

@@ -130,10 +130,6 @@ class Trainer : public detail::TrainerCore {
     // what its CUDA translation unit registered (gpu::register_trainers).
     // Every policy runs there on the grid engine over GPU stages, which
     // take any loss.
-    if constexpr (is_tensor_parallel<Policy>)
-      LOOM_CHECK(!on_gpu(), Policy::name, " runs on CPU devices and MPI processes; its split "
-                 "layers have no GPU code yet: train on devices::cpu(n) or under mpirun with CPU "
-                 "ranks");
     if (on_gpu()) {
       if constexpr (requires(Trainer& t) { make_gpu_executor(t); })
         gpu_ = make_gpu_executor(*this);
