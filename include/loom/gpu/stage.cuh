@@ -138,61 +138,32 @@ class NcclTensorGroup final : public DeviceTensorGroup {
   void gather(const float* mine, float* all, std::size_t count, cudaStream_t stream) override {
     comm_.all_gather_async(mine, all, count, stream);
   }
-  const comm::NcclComm& comm() const { return comm_; }
 
  private:
   comm::NcclComm comm_;
 };
 
 // TensorParallel's group where ranks share a GPU (NCCL refuses two ranks on
-// one device): each call waits for the stream, and the values go through
-// pinned host memory to the host's group (the engine's, which the pass
-// names), which the other ranks' threads or processes call alike. The
-// stage runs no graph there (its links() turns capture off).
+// one device): the host's tensor group, each call staged through host
+// memory (comm::HostStagedComm) once the layer's stream has made its
+// values. The stage runs no graph there (its links() turns capture off).
 class StagedTensorGroup final : public DeviceTensorGroup {
  public:
-  // The engine's group for this rank, from a pass.
-  void set_host(TensorGroup* host) {
-    LOOM_CHECK(host != nullptr, "a GPU stage of TensorParallel's runs a pass without its "
-               "tensor group");
-    host_ = host;
-    rank = host->rank;
-    size = host->size;
+  explicit StagedTensorGroup(comm::Comm comm) : comm_(std::move(comm)) {
+    rank = static_cast<std::size_t>(comm_.rank());
+    size = static_cast<std::size_t>(comm_.size());
   }
   void sum(float* values, std::size_t count, cudaStream_t stream) override {
-    float* staged = to_host(values, count, 0, stream);
-    host_->sum(std::span<float>(staged, count));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(values, staged, count * sizeof(float),
-                                    cudaMemcpyHostToDevice, stream));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    comm_.all_reduce(std::span<float>(values, count), comm::ReduceOp::sum);
   }
   void gather(const float* mine, float* all, std::size_t count, cudaStream_t stream) override {
-    const float* staged = to_host(mine, count, count * size, stream);
-    float* gathered = buffer_.data() + count;
-    host_->gather(std::span<const float>(staged, count),
-                  std::span<float>(gathered, count * size));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(all, gathered, count * size * sizeof(float),
-                                    cudaMemcpyHostToDevice, stream));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    comm_.all_gather(std::span<const float>(mine, count), std::span<float>(all, count * size));
   }
 
  private:
-  // `count` floats of device memory at the start of the pinned buffer (with
-  // room for `more` after them), once the stream has made them. The stream
-  // has also run the last call's copy from the buffer by then.
-  float* to_host(const float* values, std::size_t count, std::size_t more, cudaStream_t stream) {
-    LOOM_CHECK(host_ != nullptr, "a GPU stage of TensorParallel's sums before its first pass "
-               "named its tensor group");
-    if (buffer_.size() < count + more) {
-      LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      buffer_ = PinnedBuffer<float>(count + more);
-    }
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(buffer_.data(), values, count * sizeof(float),
-                                    cudaMemcpyDeviceToHost, stream));
-    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return buffer_.data();
-  }
-
-  TensorGroup* host_ = nullptr;
-  PinnedBuffer<float> buffer_;
+  comm::Comm comm_;
 };
 
 // A stage: the layers `range` of StageNet's executed list on CUDA device
@@ -255,7 +226,6 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
       l.check_input(input, n);
       copy_in(x, input, n * input_size);
     }
-    if (tensor_ == &staged_tensor_) staged_tensor_.set_host(pass.tensor);
     l.set_frames(slot, pass.frames, n);
     if (pass.training && pass.frames != nullptr) l.check_training_frames(slot, n);
     if (pass.training && l.contextual())
@@ -547,7 +517,9 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     on_device();
     if (!distinct_devices(groups.world)) {
       capture_ = false;
-      if (mesh.tensor > 1) set_tensor(&staged_tensor_);
+      if (mesh.tensor > 1)
+        set_tensor(std::make_unique<StagedTensorGroup>(
+            comm::Comm(comm::HostStagedComm(groups.tensor, device_))));
       return staged_links(groups, mesh.coordinates(rank).pipe);
     }
     return nccl_links(groups, mesh, rank);
@@ -662,7 +634,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
         buffer = DeviceBuffer<float>(batch * input_size, owner() + "'s input slot");
     slots_.resize(slots);
     made->set_replicas(statistics_.get());
-    made->set_tensor(tensor_);
+    made->set_tensor(tensor_.get());
     synchronize();
     // The graphs captured the old layers' and slots' pointers.
     graphs_ = std::make_unique<StepGraphs<GraphKey>>();
@@ -672,9 +644,9 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     sends_ = sends;
   }
 
-  void set_tensor(DeviceTensorGroup* tensor) {
-    tensor_ = tensor;
-    if (layers_) layers_->set_tensor(tensor);
+  void set_tensor(std::unique_ptr<DeviceTensorGroup> tensor) {
+    tensor_ = std::move(tensor);
+    if (layers_) layers_->set_tensor(tensor_.get());
   }
 
   void check_input_gradient(const float* input_gradient) const {
@@ -879,17 +851,17 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     }
     // TensorParallel's split layers' sums and gathers, over the rank's
     // tensor group (every rank splits: ncclCommSplit is a collective).
+    std::optional<comm::NcclComm> tensor;
     if (mesh.tensor > 1) {
-      nccl_tensor_ = std::make_unique<NcclTensorGroup>(
-          world.split(static_cast<int>(mesh.group(rank, MeshAxis::tensor)),
-                      static_cast<int>(mesh.rank_in_group(rank, MeshAxis::tensor))));
-      set_tensor(nccl_tensor_.get());
+      tensor = world.split(static_cast<int>(mesh.group(rank, MeshAxis::tensor)),
+                           static_cast<int>(mesh.rank_in_group(rank, MeshAxis::tensor)));
+      set_tensor(std::make_unique<NcclTensorGroup>(*tensor));
     }
     auto links = ::loom::detail::split_links(comm::Comm(std::move(world)), mesh, rank);
     // Copies of the same communicators (NcclComm's state is shared): a
     // failing rank's cancel aborts them too, so no rank waits in its sums.
     if (statistics != nullptr) links.layers.push_back(comm::Comm(*statistics));
-    if (nccl_tensor_) links.layers.push_back(comm::Comm(nccl_tensor_->comm()));
+    if (tensor) links.layers.push_back(comm::Comm(*tensor));
     return links;
   }
 
@@ -930,9 +902,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   // the GPU; null without a split); declared last, so destroyed first,
   // before the layers' stream they are used on.
   std::unique_ptr<comm::NcclComm> statistics_;
-  std::unique_ptr<NcclTensorGroup> nccl_tensor_;
-  StagedTensorGroup staged_tensor_;
-  DeviceTensorGroup* tensor_ = nullptr;
+  std::unique_ptr<DeviceTensorGroup> tensor_;
 };
 
 // The GPU's stages, for a policy's typed engine (as detail::HostStages

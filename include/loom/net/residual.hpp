@@ -43,10 +43,12 @@ struct residual_body_changes_shape_at {
   static constexpr bool ok = Projects;
 };
 
-// Whether a 1 x 1 convolution with a stride maps H x W onto H2 x W2.
+// The stride of a 1 x 1 convolution that maps a height h onto h2, and
+// whether it maps H x W onto H2 x W2.
+constexpr std::size_t projection_stride(std::size_t h, std::size_t h2) { return (h + h2 - 1) / h2; }
 constexpr bool strided_projection_fits(std::size_t h, std::size_t w, std::size_t h2,
                                        std::size_t w2) {
-  const std::size_t stride = (h + h2 - 1) / h2;
+  const std::size_t stride = projection_stride(h, h2);
   return window_out(h, 1, stride, 0) == h2 && window_out(w, 1, stride, 0) == w2;
 }
 
@@ -66,7 +68,7 @@ template <std::size_t C, std::size_t H, std::size_t W, std::size_t C2, std::size
 struct shortcut_of<Shape<C, H, W>, Shape<C2, H2, W2>, Index>
     : residual_body_changes_shape_at<layer_path_t<Index / 64>, Shape<C, H, W>, Shape<C2, H2, W2>,
                                      strided_projection_fits(H, W, H2, W2)> {
-  static constexpr std::size_t stride = (H + H2 - 1) / H2;
+  static constexpr std::size_t stride = projection_stride(H, H2);
   using type = Bind<Conv2d<C2, 1, stride>, Shape<C, H, W>, Index>;
 };
 
