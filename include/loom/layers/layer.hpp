@@ -261,11 +261,20 @@ void run_backward(const T* params, const T* x, const T* y, const T* dy, T* dx, T
 
 }  // namespace detail
 
+// A type with no layer implementation, named with its path as every shape
+// error is.
+template <class At, class Spec>
+struct not_a_layer_at {
+  static_assert(dependent_false<Spec>,
+                "No loom layer implementation for this type (template arguments: layer path, "
+                "type); is it a layer from loom/layers (Conv2d, MaxPool2d, AvgPool2d, Linear, "
+                "ReLU, Flatten, BatchNorm, Residual, GRU, ...)?");
+  static constexpr bool ok = false;
+};
+
 template <class Spec_, class In_, std::size_t Index_>
 struct Bind : LayerBase<Spec_, In_, In_, Index_> {
-  static_assert(dependent_false<Spec_>,
-                "No loom layer implementation for this type; is it a layer from loom/layers "
-                "(Conv2d, MaxPool2d, AvgPool2d, Linear, ReLU, Flatten, BatchNorm, Residual, GRU, ...)?");
+  static_assert(not_a_layer_at<detail::layer_path_t<Index_>, Spec_>::ok);
 };
 
 }  // namespace loom

@@ -31,8 +31,15 @@ struct CTC {
   static constexpr const char* name = ZeroInfinity_ ? "CTCLoss(zero_infinity)" : "CTCLoss";
   static constexpr TargetKind target = TargetKind::label_sequence;
   static constexpr const char* error_rate = "label error rate";
+  // Compiles only for an output it suits (the Trainer calls it).
   template <class Out>
-  static constexpr bool fits = Out::rank == 2 && Out::dims[1] >= 2;
+  static consteval bool fits() {
+    static_assert(Out::rank == 2 && Out::dims[1] >= 2,
+                  "CTCLoss trains Frames x Classes scores per sample (class 0 the blank, so at "
+                  "least 2): end the network with a per-frame Linear<classes> over "
+                  "Input<Frames, Features>");
+    return true;
+  }
 
   // A sample's frames: its length (Targets::frames), at most the output's.
   template <class Out>

@@ -3,8 +3,9 @@
 // the engines. A loss names
 //   name                 for messages and the processes' fingerprint;
 //   target               what each sample trains against (core/targets.hpp);
-//   fits<Out>            whether the network's output shape suits it (checked
-//                        at compile time, with a message naming the loss);
+//   fits<Out>()          true for a network output shape it suits; for any
+//                        other, a compile error in the loss's own words
+//                        (consteval, called by the Trainer);
 //   compute<Out>(...)    the sums over n samples (cpu::LossSums: the loss
 //                        numerator, the exact predictions, an error rate's
 //                        edits and references), and when doutputs is given

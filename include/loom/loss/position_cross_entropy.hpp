@@ -26,8 +26,15 @@ struct PositionCrossEntropy {
   static constexpr TargetKind target = TargetKind::class_per_position;
   static constexpr Denominator denominator = Denominator::positions;
   static constexpr const char* error_rate = nullptr;
+  // Compiles only for an output it suits (the Trainer calls it).
   template <class Out>
-  static constexpr bool fits = Out::rank == 2 && Out::dims[1] >= 2;
+  static consteval bool fits() {
+    static_assert(Out::rank == 2 && Out::dims[1] >= 2,
+                  "PositionCrossEntropy trains Positions x Classes scores per sample (at least "
+                  "2 classes): end the network with a per-position Linear<classes> over "
+                  "Positions x Features");
+    return true;
+  }
   // A softmax of each position's scores against its label
   // (LossOps::softmax_rows): what a GPU runs on the device.
   static constexpr bool position_softmax = true;

@@ -20,8 +20,15 @@ struct SoftmaxCrossEntropy {
   // A softmax over each sample's scores against its class label
   // (LossOps::softmax_rows): what a GPU runs on the device.
   static constexpr bool class_softmax = true;
+  // Compiles only for an output it suits (the Trainer calls it).
   template <class Out>
-  static constexpr bool fits = Out::rank == 1;
+  static consteval bool fits() {
+    static_assert(Out::rank == 1,
+                  "SoftmaxCrossEntropy trains one flat vector of class scores per sample: end "
+                  "the network with Linear<classes> over a flat input (Flatten first); a class "
+                  "per position is PositionCrossEntropy's");
+    return true;
+  }
 
   // Loss and correct-count sums over `batch` rows; when dlogits is given it
   // receives d(mean loss over global_batch)/d(logits), times loss_scale

@@ -85,13 +85,9 @@ class Trainer : public detail::TrainerCore {
   using Out = typename Net::output_shape;
   static constexpr std::size_t classes = Out::dims[Out::rank - 1];
 
-  static_assert(
-      !std::is_same_v<Loss, SoftmaxCrossEntropy> || Net::output_shape::rank == 1,
-      "Trainer: the network must end in a flat vector of class scores (end with Linear<classes>)");
-  static_assert(Loss::template fits<typename Net::output_shape>,
-                "Trainer: the network's output does not suit the loss; CTCLoss trains Frames x "
-                "Classes scores per sample (end with a per-frame Linear<classes> over "
-                "Input<Frames, Features>)");
+  // The loss says what output it trains, in its own words, inside fits()
+  // (this message is for a loss whose fits() returns false instead).
+  static_assert(Loss::template fits<Out>(), "Trainer: the network's output does not suit the loss");
 
   // `processes`: for DataParallel, ModelSplit or Hybrid across MPI
   // processes, the world communicator (dist::Environment::world()); this
