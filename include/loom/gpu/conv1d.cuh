@@ -146,9 +146,8 @@ class Conv1dRunner {
                bool tensor_cores)
       : batch_(batch) {
     const std::size_t rows = batch * L::out_frames;
-    GemmOptions options;
-    options.max_workspace_bytes = std::min(options.max_workspace_bytes, library_limit);
-    options.allow_tf32 = tensor_cores;
+    const GemmOptions options =
+        detail::gemm_options(tensor_cores ? TensorMath::tf32 : TensorMath::fp32, library_limit);
     forward_ = std::make_unique<GemmPlan>(
         context.blas, GemmShape{false, true, rows, out, patch, patch, patch, out},
         L::activation == Act::relu ? Epilogue::relu_bias : Epilogue::bias, options);
@@ -227,14 +226,8 @@ class Conv1dRunner {
 
   GemmArgs gemm_args(const float* a, const float* b, float* result,
                      const detail::LayerCall& c) const {
-    GemmArgs args;
-    args.a = a;
-    args.b = b;
-    args.c = result;
-    args.workspace = c.scratch + fixed_bytes(batch_);
-    args.workspace_bytes = c.scratch_bytes - fixed_bytes(batch_);
-    args.stream = c.stream;
-    return args;
+    return detail::gemm_call(a, b, result, c.scratch + fixed_bytes(batch_),
+                             c.scratch_bytes - fixed_bytes(batch_), c.stream);
   }
 
   std::size_t batch_;

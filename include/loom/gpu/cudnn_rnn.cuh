@@ -174,8 +174,7 @@ class CudnnRecurrentRunner {
     // before them (a pageable copy has read `lengths` on return).
     const cudaStream_t stream = context.stream.get();
     lengths_ = DeviceBuffer<std::int32_t>(batch, what_ + " sequence lengths");
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(lengths_.data(), lengths.data(), batch * sizeof(std::int32_t),
-                                    cudaMemcpyHostToDevice, stream));
+    copy_async(lengths_.data(), lengths.data(), batch, cudaMemcpyHostToDevice, stream);
     if constexpr (!L::spec::sequence) {
       zero_dy_ = DeviceBuffer<float>(batch * steps * W, what_ + " zero output gradient");
       LOOM_CUDA_CHECK(
@@ -191,8 +190,6 @@ class CudnnRecurrentRunner {
     warm_up(stream);
   }
 
-  // The scratch a batch of n needs besides cuDNN's workspace: none.
-  static std::size_t fixed_bytes(std::size_t) { return 0; }
   std::size_t scratch_bytes() const { return workspace_bytes_; }
   // The saved area this batch needs, in floats: cuDNN's reserve space
   // (256-byte aligned), then, for a last-state layer, every step's output.
@@ -488,12 +485,12 @@ class CudnnRecurrentRunner {
       const std::size_t at = in_weights ? p.offset : p.offset - L::weight_count;
       if (back) {
         float* to = (in_weights ? c.dweights : c.dbias) + at;
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(to, space, p.count * sizeof(float),
-                                        cudaMemcpyDeviceToDevice, c.stream));
+        copy_async(to, reinterpret_cast<const float*>(space), p.count, cudaMemcpyDeviceToDevice,
+                   c.stream);
       } else {
         const float* from = (in_weights ? c.weights : c.bias) + at;
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(space, from, p.count * sizeof(float),
-                                        cudaMemcpyDeviceToDevice, c.stream));
+        copy_async(reinterpret_cast<float*>(space), from, p.count, cudaMemcpyDeviceToDevice,
+                   c.stream);
       }
     }
   }

@@ -52,6 +52,7 @@
 #include "../backend/cuda/conv.cuh"
 #include "../backend/cuda/epilogue.cuh"
 #include "../backend/cuda/gemm.hpp"
+#include "../backend/cuda/memory.hpp"
 #include "../backend/cuda/optimizer.cuh"
 #include "../backend/cuda/pool.cuh"
 #include "../backend/cuda/precision.cuh"
@@ -137,17 +138,11 @@ concept DeviceBlock = ::loom::detail::BoundBlock<L>;
 template <class L>
 concept ResidualBlock = DeviceBlock<L> && is_residual_spec<typename L::spec>;
 
-// A block's layers as they run (fused), and the one among them whose
-// output is the block's (-1: none, a Residual makes its own by the sum).
+// A block's layers as they run (fused; a Residual's body, without its
+// projection), and the one among them whose output is the block's (-1:
+// none, a Residual makes its own by the sum).
 template <DeviceBlock L>
-constexpr auto block_body_of() {
-  if constexpr (ResidualBlock<L>)
-    return std::type_identity<typename L::body>{};
-  else
-    return std::type_identity<typename L::chain::body>{};
-}
-template <DeviceBlock L>
-using block_body_t = typename decltype(block_body_of<L>())::type;
+using block_body_t = typename L::chain::body;
 template <DeviceBlock L>
 constexpr int block_final_owner() {
   if constexpr (ResidualBlock<L>)
@@ -288,10 +283,8 @@ struct device_layout<TypeList<Ls...>> {
 // direction `kind` names.
 inline void copy_floats(float* device, float* host, std::size_t count, cudaMemcpyKind kind,
                         cudaStream_t stream) {
-  if (count == 0) return;
   const bool to_device = kind == cudaMemcpyHostToDevice;
-  LOOM_CUDA_CHECK(cudaMemcpyAsync(to_device ? device : host, to_device ? host : device,
-                                  count * sizeof(float), kind, stream));
+  copy_async(to_device ? device : host, to_device ? host : device, count, kind, stream);
 }
 
 // Enqueues copying one layer's parameters between the host's flat buffer
@@ -504,11 +497,7 @@ class LayerRunner {
       constexpr std::size_t in = L::in_features, out_channels = L::out_features;
       // Over Frames x Features it acts per position: a row per sample and position.
       const std::size_t rows = batch * L::positions;
-      GemmOptions options;
-      options.max_workspace_bytes = std::min(options.max_workspace_bytes, library_limit);
-      options.allow_tf32 = math == TensorMath::tf32;
-      options.allow_bf16 = math == TensorMath::bf16;
-      options.allow_fp16 = math == TensorMath::fp16;
+      const GemmOptions options = gemm_options(math, library_limit);
       const Epilogue forward = L::activation != Act::relu ? Epilogue::bias
                                : role.writes_mask        ? Epilogue::relu_aux_bias
                                                          : Epilogue::relu_bias;
@@ -633,14 +622,7 @@ class LayerRunner {
   std::size_t library_size(std::size_t scratch_bytes) const { return scratch_bytes - dz_bytes(); }
   // The pointers every GEMM of the layer shares; callers add their epilogue's.
   GemmArgs gemm_args(const float* a, const float* b, float* out, const LayerCall& c) const {
-    GemmArgs args;
-    args.a = a;
-    args.b = b;
-    args.c = out;
-    args.workspace = library(c.scratch);
-    args.workspace_bytes = library_size(c.scratch_bytes);
-    args.stream = c.stream;
-    return args;
+    return gemm_call(a, b, out, library(c.scratch), library_size(c.scratch_bytes), c.stream);
   }
 
   std::size_t batch_;
@@ -754,8 +736,7 @@ class BlockRunner {
         shortcut_->forward(shortcut_call(c));
         round_values(c.precision, c.y, out, c.stream);
       } else {
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(c.y, c.x, out * sizeof(float), cudaMemcpyDeviceToDevice,
-                                        c.stream));
+        copy_async(c.y, c.x, out, cudaMemcpyDeviceToDevice, c.stream);
       }
       // The sum is rounded by the owner, as any layer's output.
       add_into(c.y, body_out, out, c.stream);
@@ -776,9 +757,7 @@ class BlockRunner {
       shortcut_->backward(s);
       if (c.dx != nullptr) round_values(c.precision, c.dx, in, c.stream);
     } else if constexpr (residual) {
-      if (c.dx != nullptr)
-        LOOM_CUDA_CHECK(
-            cudaMemcpyAsync(c.dx, c.dy, in * sizeof(float), cudaMemcpyDeviceToDevice, c.stream));
+      if (c.dx != nullptr) copy_async(c.dx, c.dy, in, cudaMemcpyDeviceToDevice, c.stream);
     }
     // A Residual's body adds its input gradient to the shortcut's; a
     // sequence's first layer writes the block's.
@@ -803,8 +782,7 @@ class BlockRunner {
     if constexpr (residual)
       add_into(c.dx, gradient, in, c.stream);
     else if (gradient != c.dx)
-      LOOM_CUDA_CHECK(
-          cudaMemcpyAsync(c.dx, gradient, in * sizeof(float), cudaMemcpyDeviceToDevice, c.stream));
+      copy_async(c.dx, gradient, in, cudaMemcpyDeviceToDevice, c.stream);
   }
 
  private:
@@ -1008,7 +986,6 @@ class DeviceLayers {
   using layout = detail::device_layout<executed>;
   using info = ::loom::detail::list_info<executed>;
   static constexpr std::size_t layer_count = executed::size;
-  static constexpr LayerRange all_layers{0, layer_count};
 
   DeviceLayers(DeviceContext& context, LayerRange range, std::size_t max_batch,
                std::size_t slots, std::size_t optimizer_buffers, Precision precision,
@@ -1032,7 +1009,6 @@ class DeviceLayers {
         in_size_ = L::input_shape::size;
         first_in_place_ = L::in_place;
       }
-      out_size_ = L::output_shape::size;
       largest_ = std::max({largest_, L::input_shape::size, L::output_shape::size});
       contextual_ = contextual_ || L::contextual;
     });
@@ -1045,11 +1021,8 @@ class DeviceLayers {
   DeviceLayers(const DeviceLayers&) = delete;
   DeviceLayers& operator=(const DeviceLayers&) = delete;
 
-  const LayerRange& range() const { return range_; }
   cudaStream_t stream() const { return context_.stream.get(); }
   std::size_t max_batch() const { return max_batch_; }
-  std::size_t input_size() const { return in_size_; }
-  std::size_t output_size() const { return out_size_; }
   // Floats of each parameter-sized device buffer (the gaps included).
   std::size_t parameters() const { return total_; }
   std::size_t state_count() const { return state_count_; }
@@ -1058,7 +1031,8 @@ class DeviceLayers {
   float* moment(std::size_t b) const { return moments_[b]; }
   float* state() const { return state_; }
   float* kept_state() const { return kept_state_; }
-  // Where backward starts: the loss gradient (or the next stage's), n x output_size().
+  // Where backward starts: the loss gradient (or the next stage's), n x the
+  // range's output size.
   float* output_gradient() const { return grad_buffers_[0]; }
   // Where a range that sends leaves its input's gradient (else null).
   float* input_gradient() const { return input_gradient_; }
@@ -1125,9 +1099,8 @@ class DeviceLayers {
         }
       }
     });
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(s.frames, s.host_frames.data(),
-                                    s.host_frames.size() * sizeof(std::int32_t),
-                                    cudaMemcpyHostToDevice, stream()));
+    copy_async(s.frames, s.host_frames.data(), s.host_frames.size(), cudaMemcpyHostToDevice,
+               stream());
     s.frames_copied.record(stream());
     s.frames_count = n;
   }
@@ -1181,8 +1154,12 @@ class DeviceLayers {
   }
   // The running statistics at a step's start, kept; or put back when the
   // step is skipped (enqueued).
-  void keep_state() { copy_state(kept_state_, state_); }
-  void restore_state() { copy_state(state_, kept_state_); }
+  void keep_state() {
+    copy_async(kept_state_, state_, state_count_, cudaMemcpyDeviceToDevice, stream());
+  }
+  void restore_state() {
+    copy_async(state_, kept_state_, state_count_, cudaMemcpyDeviceToDevice, stream());
+  }
 
   // Makes the plans for batches of n now (planning may run kernels: a
   // captured step plans before its capture).
@@ -1201,7 +1178,7 @@ class DeviceLayers {
     s.training = training;
   }
 
-  // Runs the range on n samples at `input` (n x input_size(), in device
+  // Runs the range on n samples at `input` (n x its input size, in device
   // memory that stays until backward) in `slot`.
   void forward(std::size_t slot, float* input, std::size_t n, bool training) {
     check_batch(n);
@@ -1255,9 +1232,8 @@ class DeviceLayers {
     });
     // An in-place first layer (Flatten) passes the gradient through.
     if (input_gradient_ != nullptr && first_in_place_)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(input_gradient_, grad_buffers_[current],
-                                      n * in_size_ * sizeof(float), cudaMemcpyDeviceToDevice,
-                                      stream()));
+      copy_async(input_gradient_, grad_buffers_[current], n * in_size_, cudaMemcpyDeviceToDevice,
+                 stream());
   }
   void backward(std::size_t slot, std::size_t n) {
     backward(slot, n, [](std::size_t) {});
@@ -1358,11 +1334,6 @@ class DeviceLayers {
     LOOM_CHECK(n >= 1 && n <= max_batch_, "a batch of ", n, " samples on cuda:",
                gpu::detail::current_device(), "; its layers were planned for 1 to ", max_batch_);
   }
-  void copy_state(float* to, const float* from) {
-    if (state_count_ > 0)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, state_count_ * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream()));
-  }
 
   // take(pointer, count) for every buffer, in the arena's order (make_arena).
   template <class Take>
@@ -1455,7 +1426,7 @@ class DeviceLayers {
   bool sends_;
   std::size_t base_, total_;  // the range's device blocks: where they begin, their floats
   std::size_t host_base_, state_base_, state_count_;  // its slices of the CPU Model's buffers
-  std::size_t in_size_ = 0, out_size_ = 0, largest_ = 0;  // per sample
+  std::size_t in_size_ = 0, largest_ = 0;             // per sample
   bool first_in_place_ = false, contextual_ = false;
   std::size_t max_batch_, buffers_;
   Precision precision_;

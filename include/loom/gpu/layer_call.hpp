@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -65,6 +66,38 @@ struct DeviceTensorGroup {
 };
 
 namespace detail {
+
+// The GEMM options of a product under `math`, its algorithms held to
+// `library_limit` bytes of workspace and pointers aligned to `alignment`.
+inline GemmOptions gemm_options(TensorMath math, std::size_t library_limit,
+                                std::size_t alignment = 16) {
+  GemmOptions options;
+  options.max_workspace_bytes = std::min(options.max_workspace_bytes, library_limit);
+  options.alignment_bytes = alignment;
+  options.allow_tf32 = math == TensorMath::tf32;
+  options.allow_bf16 = math == TensorMath::bf16;
+  options.allow_fp16 = math == TensorMath::fp16;
+  return options;
+}
+
+// A product whose operands are no layer's input, weights or gradients: TF32
+// where the network allows tensor cores, never bf16 or fp16.
+inline TensorMath inner_math(TensorMath math) {
+  return math == TensorMath::fp32 ? TensorMath::fp32 : TensorMath::tf32;
+}
+
+// One GEMM call's pointers, its workspace and stream.
+inline GemmArgs gemm_call(const float* a, const float* b, float* c, unsigned char* workspace,
+                          std::size_t workspace_bytes, cudaStream_t stream) {
+  GemmArgs args;
+  args.a = a;
+  args.b = b;
+  args.c = c;
+  args.workspace = workspace;
+  args.workspace_bytes = workspace_bytes;
+  args.stream = stream;
+  return args;
+}
 
 // The pointers of one layer's forward or backward call. Backward overwrites
 // dweights and dbias (the owner accumulates across micro-batches itself).

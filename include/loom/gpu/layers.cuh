@@ -19,6 +19,7 @@
 #include "../backend/cuda/arena.hpp"
 #include "../backend/cuda/check.hpp"
 #include "../backend/cuda/launch.hpp"
+#include "../backend/cuda/memory.hpp"
 #include "../core/activation.hpp"
 #include "../layers/normalization.hpp"
 #include "layer_call.hpp"
@@ -414,8 +415,7 @@ class DropoutRunner {
   void apply(const float* in, float* out, const detail::LayerCall& c) const {
     if (count_ == 0) return;
     if (!c.training) {
-      LOOM_CUDA_CHECK(
-          cudaMemcpyAsync(out, in, count_ * sizeof(float), cudaMemcpyDeviceToDevice, c.stream));
+      copy_async(out, in, count_, cudaMemcpyDeviceToDevice, c.stream);
       return;
     }
     kernels::dropout_apply<L, float>

@@ -113,9 +113,8 @@ class RecurrentRunner {
   RecurrentRunner(DeviceContext& context, std::size_t batch, std::size_t library_limit,
                   bool allow_tf32)
       : batch_(batch) {
-    GemmOptions whole;
-    whole.max_workspace_bytes = std::min(whole.max_workspace_bytes, library_limit);
-    whole.allow_tf32 = allow_tf32;
+    const GemmOptions whole =
+        detail::gemm_options(allow_tf32 ? TensorMath::tf32 : TensorMath::fp32, library_limit);
     GemmOptions per_step = whole;
     per_step.alignment_bytes = step_alignment;
     const std::size_t rows = batch * steps;
@@ -290,14 +289,7 @@ class RecurrentRunner {
 
   static GemmArgs gemm_args(const float* a, const float* b, float* out, const Work& w,
                             const detail::LayerCall& c) {
-    GemmArgs args;
-    args.a = a;
-    args.b = b;
-    args.c = out;
-    args.workspace = w.workspace;
-    args.workspace_bytes = w.workspace_bytes;
-    args.stream = c.stream;
-    return args;
+    return detail::gemm_call(a, b, out, w.workspace, w.workspace_bytes, c.stream);
   }
 
   std::size_t batch_;

@@ -113,8 +113,7 @@ class DeviceMemory final : public ::loom::detail::MemorySpace {
   void copy(float* to, const float* from, std::size_t n) const override {
     if (n == 0) return;
     LOOM_CUDA_CHECK(cudaSetDevice(device_));
-    LOOM_CUDA_CHECK(
-        cudaMemcpyAsync(to, from, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_.get()));
+    copy_async(to, from, n, cudaMemcpyDeviceToDevice, stream_.get());
     stream_.synchronize();
   }
 
@@ -265,8 +264,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     float* gradient = train ? room(host_gradient_, count) : nullptr;
     const cpu::LossSums sums = ops.compute(output, n, targets, scale, gradient);
     if (train) {
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(l.output_gradient(), gradient, count * sizeof(float),
-                                      cudaMemcpyHostToDevice, stream()));
+      copy_async(l.output_gradient(), gradient, count, cudaMemcpyHostToDevice, stream());
       // Rounded as the CPU's emulation rounds its loss gradient (fp16: after the
       // scale, which `scale` carries).
       round_values(precision_, l.output_gradient(), count, stream());
@@ -345,12 +343,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   void add_layer_squares(std::span<const std::size_t> starts,
                          std::span<double> squares) const override {
     gradients_to_host();
-    if (!segments.empty())
-      ::loom::detail::add_segment_squares(host_.gradients(), segments, tensor_rank, starts,
-                                          squares);
-    else
-      ::loom::detail::add_layer_squares<StageNet>(host_.gradients(), parameter_offset, starts,
-                                                  squares, range_);
+    add_squares_of<StageNet>(host_.gradients(), range_, starts, squares);
   }
   bool unscale(float loss_scale) override {
     scale(1.0f / loss_scale);
@@ -400,15 +393,13 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   void read_gradients(std::size_t at, std::span<float> host) override {
     on_device();
     const float* run = accumulator_.data() + layers().device_offset(at, host.size());
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(host.data(), run, host.size() * sizeof(float),
-                                    cudaMemcpyDeviceToHost, stream()));
+    copy_async(host.data(), run, host.size(), cudaMemcpyDeviceToHost, stream());
     synchronize();
   }
   void write_gradients(std::size_t at, std::span<const float> host) override {
     on_device();
     float* run = accumulator_.data() + layers().device_offset(at, host.size());
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(run, host.data(), host.size() * sizeof(float),
-                                    cudaMemcpyHostToDevice, stream()));
+    copy_async(run, host.data(), host.size(), cudaMemcpyHostToDevice, stream());
     synchronize();
   }
   void sum_gradients(std::size_t a, std::size_t b, std::size_t count) override {
@@ -662,14 +653,11 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     if (accumulate)
       add_into(to, from, count, stream());
     else
-      LOOM_CUDA_CHECK(
-          cudaMemcpyAsync(to, from, count * sizeof(float), cudaMemcpyDeviceToDevice, stream()));
+      carry(to, from, count);
   }
 
   void carry(float* to, const float* from, std::size_t count) {
-    if (count > 0)
-      LOOM_CUDA_CHECK(
-          cudaMemcpyAsync(to, from, count * sizeof(float), cudaMemcpyDeviceToDevice, stream()));
+    copy_async(to, from, count, cudaMemcpyDeviceToDevice, stream());
   }
 
   // The buckets (make_stage_of planned them on the Model's packed order,
@@ -694,14 +682,12 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   void copy_in(float* device, const float* host, std::size_t count) {
     float* pinned = room(host_input_, count);
     std::copy_n(host, count, pinned);
-    LOOM_CUDA_CHECK(
-        cudaMemcpyAsync(device, pinned, count * sizeof(float), cudaMemcpyHostToDevice, stream()));
+    copy_async(device, pinned, count, cudaMemcpyHostToDevice, stream());
   }
   // count floats at `device` in `pinned` (waits).
   const float* to_host(const float* device, std::size_t count, PinnedBuffer<float>& pinned) const {
     float* host = room(pinned, count);
-    LOOM_CUDA_CHECK(
-        cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream()));
+    copy_async(host, device, count, cudaMemcpyDeviceToHost, stream());
     synchronize();
     return host;
   }
@@ -737,9 +723,7 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
       labels_ = DeviceBuffer<std::int32_t>(l.max_batch() * rows, owner() + "'s labels");
     }
     std::copy_n(rows == 1 ? targets.labels : targets.sequences, count, room(host_labels_, count));
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(labels_.data(), host_labels_.data(),
-                                    count * sizeof(std::int32_t), cudaMemcpyHostToDevice,
-                                    stream()));
+    copy_async(labels_.data(), host_labels_.data(), count, cudaMemcpyHostToDevice, stream());
     // The gradient is (softmax - one-hot) x scale: the kernel's global
     // batch of 1 and loss scale `scale` give that factor.
     scalars_.copy(loss_scale_.data(), scale, stream());

@@ -36,6 +36,7 @@
 #include "../backend/cuda/check.hpp"
 #include "../backend/cuda/epilogue.cuh"
 #include "../backend/cuda/gemm.hpp"
+#include "../backend/cuda/memory.hpp"
 #include "../backend/cuda/precision.cuh"
 #include "../backend/cuda/transformer.cuh"
 #include "../layers/attention.hpp"
@@ -47,25 +48,6 @@ namespace loom::gpu {
 
 namespace detail {
 
-// The GEMM options of a product under `math`, its algorithms held to
-// `library_limit` bytes of workspace and pointers aligned to `alignment`.
-inline GemmOptions gemm_options(TensorMath math, std::size_t library_limit,
-                                std::size_t alignment = 16) {
-  GemmOptions options;
-  options.max_workspace_bytes = std::min(options.max_workspace_bytes, library_limit);
-  options.alignment_bytes = alignment;
-  options.allow_tf32 = math == TensorMath::tf32;
-  options.allow_bf16 = math == TensorMath::bf16;
-  options.allow_fp16 = math == TensorMath::fp16;
-  return options;
-}
-
-// A product whose operands are no layer's input, weights or gradients: TF32
-// where the network allows tensor cores, never bf16 or fp16.
-inline TensorMath inner_math(TensorMath math) {
-  return math == TensorMath::fp32 ? TensorMath::fp32 : TensorMath::tf32;
-}
-
 // The group a split layer runs over (TensorParallel's shares: the
 // attention's heads here, a Linear's in tensor_linear.cuh), or the CPU's
 // message when it has none.
@@ -76,18 +58,6 @@ inline DeviceTensorGroup& tensor_group_of(const LayerCall& c, std::size_t index,
              " ranks) runs on a GPU without its tensor group: only TensorParallel's engine "
              "runs it");
   return *c.tensor;
-}
-
-inline GemmArgs gemm_call(const float* a, const float* b, float* c, unsigned char* workspace,
-                          std::size_t workspace_bytes, cudaStream_t stream) {
-  GemmArgs args;
-  args.a = a;
-  args.b = b;
-  args.c = c;
-  args.workspace = workspace;
-  args.workspace_bytes = workspace_bytes;
-  args.stream = stream;
-  return args;
 }
 
 }  // namespace detail
@@ -138,9 +108,7 @@ class PositionEmbeddingRunner {
   }
   void backward(const detail::LayerCall& c) {
     positions_backward(c.dy, c.dweights, batch_, size, c.stream);
-    if (c.dx != nullptr)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(c.dx, c.dy, batch_ * size * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, c.stream));
+    if (c.dx != nullptr) copy_async(c.dx, c.dy, batch_ * size, cudaMemcpyDeviceToDevice, c.stream);
   }
 
  private:

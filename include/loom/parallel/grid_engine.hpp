@@ -394,6 +394,16 @@ class PipelineStage {
     std::ranges::copy(weights, model.parameters().begin());
     std::ranges::copy(state, model.state().begin());
   }
+  // add_layer_squares over `grads`, the stage's gradients in the Model's
+  // order (host memory), of its layers `range` of StageNet.
+  template <class StageNet>
+  void add_squares_of(std::span<const float> grads, LayerRange range,
+                      std::span<const std::size_t> starts, std::span<double> squares) const {
+    if (!segments.empty())
+      add_segment_squares(grads, segments, tensor_rank, starts, squares);
+    else
+      detail::add_layer_squares<StageNet>(grads, parameter_offset, starts, squares, range);
+  }
 };
 
 // A stage: the layers `range` of StageNet's executed list (all of them, or
@@ -455,11 +465,7 @@ class StageOf : public PipelineStage {
   void set_precision(Precision precision) override { model_.set_precision(precision); }
   void add_layer_squares(std::span<const std::size_t> starts,
                          std::span<double> squares) const override {
-    if (!segments.empty())
-      add_segment_squares(model_.gradients(), segments, tensor_rank, starts, squares);
-    else
-      detail::add_layer_squares<StageNet>(model_.gradients(), parameter_offset, starts, squares,
-                                          model_.range());
+    add_squares_of<StageNet>(model_.gradients(), model_.range(), starts, squares);
   }
   bool unscale(float loss_scale) override {
     return unscale_gradients(model_.gradients(), loss_scale);

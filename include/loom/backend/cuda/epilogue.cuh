@@ -1,7 +1,8 @@
 // The convolution epilogue on the GPU, for when cuDNN's fused
 // conv-bias-activation does not apply: bias + activation in place over
 // N x C x H x W, and its backward (activation derivative + bias gradient) in
-// one kernel. Same arithmetic as the CPU backend's epilogue.
+// one kernel. Same arithmetic as the CPU backend's epilogue, whose
+// activations (host and device functions) it calls.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,6 +11,7 @@
 #include <cstddef>
 
 #include "../../core/activation.hpp"
+#include "../cpu/epilogue.hpp"
 #include "check.hpp"
 #include "launch.hpp"
 
@@ -18,28 +20,12 @@ namespace loom::gpu {
 namespace kernels {
 
 template <Act A, class T>
-__device__ inline T activate(T v) {
-  if constexpr (A == Act::relu)
-    return v < T(0) ? T(0) : v;  // NaN passes through, as on the CPU
-  else
-    return v;
-}
-
-template <Act A, class T>
-__device__ inline T activate_grad(T dy, T y) {
-  if constexpr (A == Act::relu)
-    return y > T(0) ? dy : T(0);
-  else
-    return dy;
-}
-
-template <Act A, class T>
 __global__ void bias_act_nchw(T* y, const T* bias, std::size_t count, std::size_t channels,
                               std::size_t plane) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride)
-    y[i] = activate<A>(y[i] + bias[i / plane % channels]);
+    y[i] = cpu::activate<A>(y[i] + bias[i / plane % channels]);
 }
 
 // One block per channel: it writes that channel's dz and reduces its bias
@@ -53,7 +39,7 @@ __global__ void bias_act_backward_nchw(const T* dy, const T* y, T* dz, T* db, st
   T sum = T(0);
   for (std::size_t k = threadIdx.x; k < batch * plane; k += Threads) {
     const std::size_t i = (k / plane * channels + c) * plane + k % plane;
-    dz[i] = activate_grad<A>(dy[i], y[i]);
+    dz[i] = cpu::activate_grad<A>(dy[i], y[i]);
     sum += dz[i];
   }
   partial[threadIdx.x] = sum;
@@ -70,7 +56,7 @@ __global__ void activation_forward(const T* x, T* y, std::size_t count) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride)
-    y[i] = activate<A>(x[i]);
+    y[i] = cpu::activate<A>(x[i]);
 }
 
 template <Act A, class T>
@@ -78,7 +64,7 @@ __global__ void activation_backward(const T* dy, const T* y, T* dx, std::size_t 
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride)
-    dx[i] = activate_grad<A>(dy[i], y[i]);
+    dx[i] = cpu::activate_grad<A>(dy[i], y[i]);
 }
 
 }  // namespace kernels

@@ -55,7 +55,6 @@ class StepGraphs {
     LOOM_CUDA_CHECK(cudaGraphLaunch(found->second, stream));
   }
 
-  bool capturing() const { return capture_; }
   // Graphs captured so far (a key seen once has none yet).
   std::size_t graphs() const { return graphs_; }
 

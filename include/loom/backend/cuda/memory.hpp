@@ -12,6 +12,13 @@
 
 namespace loom::gpu {
 
+// Enqueues copying `count` values on `stream`, in the direction `kind` names
+// (nothing for none).
+template <class T>
+void copy_async(T* to, const T* from, std::size_t count, cudaMemcpyKind kind, cudaStream_t stream) {
+  if (count > 0) LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, count * sizeof(T), kind, stream));
+}
+
 template <class T>
 class DeviceBuffer {
  public:

@@ -17,6 +17,7 @@
 #include "../../core/precision.hpp"
 #include "check.hpp"
 #include "launch.hpp"
+#include "memory.hpp"
 
 namespace loom::gpu {
 
@@ -45,9 +46,7 @@ inline void round_copy(Precision precision, const float* from, float* to, std::s
                        cudaStream_t stream) {
   if (count == 0) return;
   if (precision == Precision::fp32) {
-    if (from != to)
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, count * sizeof(float), cudaMemcpyDeviceToDevice,
-                                      stream));
+    if (from != to) copy_async(to, from, count, cudaMemcpyDeviceToDevice, stream);
     return;
   }
   if (precision == Precision::bf16)
