@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <loom/core/device.hpp>
 #include <string_view>
 
 namespace loom::examples {
@@ -61,12 +62,17 @@ void check_combinations(const CLI::App& app, const Options& o, bool distributed)
   if (given("--checkpoint-every") && !given("--checkpoint"))
     refuse("--checkpoint-every", "needs --checkpoint (the file it saves to)");
   const bool pipelined = o.policy == "split" || o.policy == "hybrid";
+  // This process's ranks without --policy: --devices, or one per GPU found (run_policy).
+  const std::size_t gpus = devices::gpus().size();
+  const std::size_t ranks =
+      gpus > 0 && !given("--devices") ? gpus : static_cast<std::size_t>(o.devices);
   for (const char* flag : {"--schedule", "--micro-batches"})
     if (given(flag) && !pipelined)
       refuse(flag, "applies to --policy split and hybrid only (this run's policy is " +
-                       (o.policy.empty() ? std::string(distributed || o.devices > 1 ? "data"
-                                                                                    : "single")
-                                         : o.policy) + ")");
+                       (!o.policy.empty()          ? o.policy
+                        : distributed || ranks > 1 ? "data"
+                                                   : "single") +
+                       ")");
   if (given("--replicas") && o.policy != "hybrid")
     refuse("--replicas", "applies to --policy hybrid only");
   // --tensor is the GPT example's alone (o.text): elsewhere it is no option at all.
@@ -201,11 +207,11 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
   app.add_option("--devices", o.devices,
-                 "CPU worker devices in this process for --policy data, split or hybrid (1: one "
-                 "device with every core, or the GPU); under mpirun each process's (1: the "
-                 "process is one rank; N: N ranks on threads of their own)")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
+                 "ranks in this process for --policy data, split, hybrid or tensor: N CPU "
+                 "worker devices (default 1: one device with every core), or N ranks spread "
+                 "over the GPUs (default: one per GPU found); under mpirun each process's (1: "
+                 "the process is one rank; N: N CPU ranks on threads of their own)")
+      ->check(CLI::Range(1, 1024));
   if (o.text) {
     app.add_option("--policy", o.policy,
                    "single, data (DataParallel), split (ModelSplit, a pipeline of --devices "
@@ -251,6 +257,7 @@ CommandLine parse_command_line(int argc, char** argv, const char* title, Options
   CommandLine result;
   try {
     app.parse(argc, argv);
+    o.devices_given = app.count("--devices") > 0;
     check_combinations(app, o, distributed);
   } catch (const CLI::ParseError& error) {
     result.help = error.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success);

@@ -23,6 +23,7 @@ struct Options {
   std::vector<int> lr_milestones{7};
   float lr_factor = 0.1f;
   int devices = 1;
+  bool devices_given = false;  // --devices on the command line (else: every GPU found)
   std::string policy;  // empty: by the device count
   std::string schedule = "1f1b";
   std::size_t micro_batches = 4;

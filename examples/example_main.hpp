@@ -2,23 +2,25 @@
 // devices, and training with progress and the final test accuracy. Each
 // example names its network and its defaults and calls example_main.
 //
-//   --policy single   one device: the GPU where there is one (built by
-//                     nvcc), else the CPU
-//   --policy data     DataParallel<> over --devices CPU worker devices, or
-//                     over the processes of mpirun (one device each, or
-//                     --devices worker devices each: the ranks are threads
-//                     of several processes)
+// Each example has a CUDA side (<example>_gpu.cu): where GPUs are found
+// its ranks run on them, --devices ranks spread over the GPUs round-robin
+// (every GPU found without --devices), else on --devices CPU worker devices.
+//
+//   --policy single   one device: the first GPU where there is one, else
+//                     the CPU
+//   --policy data     DataParallel<> over the ranks, or over the processes
+//                     of mpirun (one device each, or --devices worker
+//                     devices each: the ranks are threads of several
+//                     processes)
 //   --policy split    a pipeline of S = --devices balanced stages (2 to 4)
-//                     on CPU worker devices, or S stages over the GPUs
-//                     (built by nvcc), or the S ranks of mpirun's processes
+//                     over the ranks, or the S ranks of mpirun's processes
 //                     x --devices (CPU), with --schedule gpipe|1f1b and
 //                     --micro-batches M
 //   --policy hybrid   R = --replicas pipelines of S = --devices / R stages
-//                     (2 to 4), on CPU worker devices or over the GPUs
-//                     (built by nvcc), or over mpirun's processes x
-//                     --devices (CPU)
+//                     (2 to 4) over the ranks, or over mpirun's processes
+//                     x --devices (CPU)
 //   --policy tensor   (the GPT) TensorParallel<T, DataParallel<>>: each
-//                     layer that splits over --tensor T devices or
+//                     layer that splits over --tensor T ranks or
 //                     processes (default all), the rest data replicas;
 //                     --tensor T with data, split or hybrid splits their
 //                     ranks' layers the same way (TensorParallel<T, ...>)
@@ -336,10 +338,9 @@ template <class Net, class Policy, class Loss>
 int train(const char* title, const Options& o, const data::Split& data,
           std::vector<Device> devices, comm::Comm processes, std::ostream& out,
           const Launch& launch) {
-  static_assert(ExamplePolicies::contains<Policy> || is_tensor_parallel<Policy>,
+  static_assert(ExamplePolicies::contains<Policy> || TensorPolicies::contains<Policy>,
                 "example_trainers.hpp names the examples' trainers: their CUDA side registers "
-                "executors for those alone (TensorParallel's, the GPT's, run on CPU devices: the "
-                "GPT example has no CUDA side)");
+                "executors for those alone");
   const auto started = std::chrono::steady_clock::now();
   const TrainerOptions trainer = trainer_options(o, runs_pipelines<Policy>);
   std::ostringstream policy;
@@ -508,40 +509,29 @@ int run_policy(const char* title, const Options& o, const data::Split& data,
       return train_hybrid<Net, Loss>(title, o, data, ranks, devices, world, out, launch);
     return train<Net, DataParallel<>, Loss>(title, o, data, devices, world, out, launch);
   }
-  const std::string policy = !o.policy.empty() ? o.policy : o.devices == 1 ? "single" : "data";
-  // Losses other than softmax cross-entropy train on CPU devices so far.
-  const Device first = std::is_same_v<Loss, SoftmaxCrossEntropy> ? devices::all().front()
-                                                                 : devices::cpu(1).front();
+  // The ranks, each on a device of its own: --devices CPU worker devices,
+  // or --devices ranks spread over the GPUs round-robin (several on one GPU
+  // run on streams of their own), every GPU found without --devices.
+  const auto gpus = devices::gpus();
+  const bool every_gpu = !gpus.empty() && !o.devices_given && o.policy != "single";
+  const int count = every_gpu ? static_cast<int>(gpus.size()) : o.devices;
+  std::vector<Device> ranks = devices::cpu(static_cast<std::size_t>(count));
+  if (!gpus.empty())
+    for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = gpus[k % gpus.size()];
+  const std::string policy = !o.policy.empty() ? o.policy : count == 1 ? "single" : "data";
   if (policy == "tensor" || (o.tensor > 1 && policy == "data"))
-    return train_tensor<Net, DataParallel<>, Loss>(title, o, data, o.devices,
-                                                   devices::cpu(o.devices), {}, out, launch);
+    return train_tensor<Net, DataParallel<>, Loss>(title, o, data, count, ranks, {}, out, launch);
   if (o.tensor > 1)
-    return train_tensor<Net, PipelinePolicy, Loss>(title, o, data, o.devices,
-                                                   devices::cpu(o.devices), {}, out, launch);
-  if (policy == "split" || policy == "hybrid") {
-    // A rank (stage) per CPU worker device, or the ranks spread over the
-    // GPUs round-robin (several on one GPU run on streams of their own).
-    std::vector<Device> ranks = devices::cpu(o.devices);
-    if (first.kind == Device::Kind::cuda) {
-      const auto gpus = devices::gpus();
-      for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = gpus[k % gpus.size()];
-    }
-    if (policy == "split")
-      return train_split<Net, Loss>(title, o, data, o.devices, ranks, {}, out, launch);
-    return train_hybrid<Net, Loss>(title, o, data, o.devices, ranks, {}, out, launch);
-  }
-  if (first.kind == Device::Kind::cuda) {
-    LOOM_CHECK(o.devices == 1, "--devices ", o.devices,
-               ": DataParallel on GPUs takes one process per GPU; run mpirun -np ", o.devices,
-               " ", launch.args.front());
-    return train<Net, SingleDevice, Loss>(title, o, data, {first}, {}, out, launch);
-  }
+    return train_tensor<Net, PipelinePolicy, Loss>(title, o, data, count, ranks, {}, out, launch);
+  if (policy == "split")
+    return train_split<Net, Loss>(title, o, data, count, ranks, {}, out, launch);
+  if (policy == "hybrid")
+    return train_hybrid<Net, Loss>(title, o, data, count, ranks, {}, out, launch);
   if (policy == "single") {
-    LOOM_CHECK(o.devices == 1, "--policy single runs on one device, not --devices ", o.devices);
-    return train<Net, SingleDevice, Loss>(title, o, data, {first}, {}, out, launch);
+    LOOM_CHECK(count == 1, "--policy single runs on one device, not --devices ", count);
+    return train<Net, SingleDevice, Loss>(title, o, data, {ranks.front()}, {}, out, launch);
   }
-  return train<Net, DataParallel<>, Loss>(title, o, data, devices::cpu(o.devices), {}, out,
-                                          launch);
+  return train<Net, DataParallel<>, Loss>(title, o, data, ranks, {}, out, launch);
 }
 
 // CifarNet: the network --cifar DIR trains on CIFAR-10 (void: no such option).

@@ -28,17 +28,22 @@ struct PolicyList {
   static constexpr bool contains = (std::is_same_v<Policy, Policies> || ...);
 #if defined(__CUDACC__)
   // In the example's CUDA translation unit: every example trainer of each
-  // network gets the CUDA executor.
-  template <class... Nets>
+  // network, trained against Loss, gets the CUDA executor.
+  template <class Loss, class... Nets>
   static bool register_gpu_trainers() {
-    return (register_net<Nets>() && ...);
+    return (register_net<Loss, Nets>() && ...);
   }
-  template <class Net>
+  template <class Loss, class Net>
   static bool register_net() {
-    return gpu::register_trainers<ExampleTrainer<Net, Policies>...>();
+    return gpu::register_trainers<ExampleTrainer<Net, Policies, Loss>...>();
   }
 #endif
 };
 using ExamplePolicies = PolicyList<SingleDevice, DataParallel<>, PipelinePolicy>;
+// The GPT's besides (--policy tensor, --tensor T): its layers split over 2
+// or 4 ranks, the rest data replicas or PipelinePolicy's pipelines.
+using TensorPolicies =
+    PolicyList<TensorParallel<2, DataParallel<>>, TensorParallel<4, DataParallel<>>,
+               TensorParallel<2, PipelinePolicy>, TensorParallel<4, PipelinePolicy>>;
 
 }  // namespace loom::examples

@@ -13,9 +13,8 @@
 // data 2 x tensor 2). --steps N takes N batches of windows drawn from the
 // training text; --tie-weights ties the output head's weight to the
 // embedding's (under --policy tensor the head then runs whole on every
-// rank). CPU devices: this example has no CUDA translation unit to
-// register its trainers' GPU executors (the GPT on a GPU is
-// benchmarks/gpt2_gpu_bench).
+// rank). Where GPUs are found it trains on them, every policy and tensor
+// degree included (gpt_gpu.cu registers its trainers' CUDA side).
 #include <loom/data/text.hpp>
 
 #include "example_main.hpp"

@@ -5,5 +5,6 @@
 
 namespace {
 using loom::examples::ExamplePolicies;
-const bool registered = ExamplePolicies::register_gpu_trainers<loom::examples::RowGru>();
+const bool registered =
+    ExamplePolicies::register_gpu_trainers<loom::SoftmaxCrossEntropy, loom::examples::RowGru>();
 }  // namespace

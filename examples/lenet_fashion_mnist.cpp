@@ -2,9 +2,11 @@
 // test accuracy. The network is a type (examples::LeNet, networks.hpp); the
 // policy is a type too.
 //
-//   lenet_fashion_mnist                    one device: the GPU where there is one
-//                                          (built with CUDA), else the CPU
-//   lenet_fashion_mnist --devices 4        DataParallel over 4 CPU worker devices
+//   lenet_fashion_mnist                    every GPU found (built with CUDA; DataParallel
+//                                          over them when there are several), else
+//                                          one CPU device with every core
+//   lenet_fashion_mnist --devices 4        DataParallel over 4 CPU worker devices (or 4
+//                                          ranks spread over the GPUs)
 //   lenet_fashion_mnist --policy split --devices 2 [--schedule gpipe|1f1b]
 //                       [--micro-batches M]
 //                                          ModelSplit: a pipeline of 2 balanced stages

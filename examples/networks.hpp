@@ -1,4 +1,4 @@
-// The networks of the examples built for GPUs as well (LeNet, the row GRU,
+// The Fashion-MNIST examples' networks (LeNet, the deep MLP, the row GRU,
 // ResNet-20): the example's program (g++) trains them and its CUDA side
 // (<example>_gpu.cu, nvcc) registers their GPU executors, so both name them.
 #pragma once
@@ -13,6 +13,13 @@ using LeNet = Sequential<Input<1, 28, 28>, Conv2d<20, 5>, ReLU, MaxPool2d<2>, Co
                          MaxPool2d<2>, Flatten, Linear<500>, ReLU, Linear<10>>;
 static_assert(LeNet::output_shape::size == 10);
 static_assert(LeNet::parameter_count == 431080);
+
+// Eight 1024-wide hidden layers, deep enough to cut into even pipeline
+// stages.
+using DeepMlp = Sequential<Input<1, 28, 28>, Flatten, Linear<1024>, ReLU, Linear<1024>, ReLU,
+                           Linear<1024>, ReLU, Linear<1024>, ReLU, Linear<1024>, ReLU, Linear<1024>,
+                           ReLU, Linear<1024>, ReLU, Linear<1024>, ReLU, Linear<10>>;
+static_assert(DeepMlp::layer_count == 18);
 
 // Each image read as a sequence of 28 rows of 28 features by a GRU, whose
 // last hidden state is classified.

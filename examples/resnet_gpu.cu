@@ -7,5 +7,6 @@ namespace {
 using loom::examples::CifarResNet;
 using loom::examples::FashionResNet;
 using loom::examples::ExamplePolicies;
-const bool registered = ExamplePolicies::register_gpu_trainers<FashionResNet, CifarResNet>();
+const bool registered =
+    ExamplePolicies::register_gpu_trainers<loom::SoftmaxCrossEntropy, FashionResNet, CifarResNet>();
 }  // namespace

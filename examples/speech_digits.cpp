@@ -7,7 +7,9 @@
 // training. Prints the digit error rate (edits of the greedy decoding over
 // the reference digits) and the sequence accuracy on the held-out voices.
 // The LeNet example's command line, --policy single|data|split|hybrid and
-// mpirun included; CTC trains on CPU devices in this version.
+// mpirun included; on GPUs where there are any (speech_gpu.cu registers its
+// trainers' CUDA side; CTC's loss runs on the host from the last stage's
+// output).
 #include <cstdlib>
 #include <filesystem>
 #include <loom/data/audio.hpp>

@@ -15,6 +15,7 @@
 
 #include "cuda_test.hpp"
 #include "fashion_test.hpp"
+#include "garment_sequences.hpp"
 #include "loom_test.hpp"
 #include "nonfinite_test.hpp"
 #include "one_device.hpp"
@@ -1002,6 +1003,51 @@ TEST_CASE("cuda TensorParallel: ReLU MLPs and LeNet over 2 tensor ranks follow o
   tensor_follows_cpu<Mlp>();
   tensor_follows_cpu<DeepMlp>();
   tensor_follows_cpu<LeNet>();
+}
+
+namespace {
+
+// The speech example's layers, small: a Conv1d halving the frames, BatchNorm
+// over the valid frames, a bidirectional GRU on cuDNN and a Linear per frame,
+// into CTC.
+using GarmentReader =
+    Sequential<Input<56, 28>, Conv1d<16, 5, 2, 2>, BatchNorm1d, ReLU, BiGRU<12>, Linear<11>>;
+
+// CTCLoss over garment sequences of 56 and 28 frames (real data, the short
+// ones padded), trained by the Trainer under Policy on `ranks` ranks sharing
+// the GPU and on as many CPU workers: the same grouping of samples, so the
+// same batch statistics. The loss runs on the host from the output copied
+// back; the lengths reach every layer on the device.
+template <class Policy>
+void ctc_follows_cpu(const char* what, std::size_t ranks) {
+  INFO(what);
+  static const data::Dataset sequences = test::garment_sequences(fashion().train, 96);
+  const SGD::Options sgd{.lr = 0.05f, .momentum = 0.9f};
+  const FitOptions fit{.epochs = 2, .batch_size = 32, .seed = 3};
+  std::vector<StepInfo> cpu_steps, gpu_steps;
+  Trainer<GarmentReader, Policy, SGD, CTCLoss> cpu(devices::cpu(ranks), sgd, {.seed = 11});
+  cpu.fit(sequences, fit, Record{&cpu_steps});
+  Trainer<GarmentReader, Policy, SGD, CTCLoss> gpu(std::vector<Device>(ranks, one_gpu().front()),
+                                                   sgd, {.seed = 11});
+  gpu.fit(sequences, fit, Record{&gpu_steps});
+  REQUIRE(cpu_steps.size() == 6);
+  same_steps(gpu_steps, cpu_steps, 1e-4);
+  test::require_close(gpu.model().parameters(), cpu.model().parameters(), {1e-5, 1e-3},
+                      "weights after 6 steps");
+  test::require_close(gpu.model().state(), cpu.model().state(), {1e-5, 1e-4},
+                      "running statistics after 6 steps");
+  const EvalResult a = gpu.evaluate(sequences, 48), b = cpu.evaluate(sequences, 48);
+  REQUIRE(a.samples == 96);
+  REQUIRE(a.loss == Approx(b.loss).epsilon(1e-4));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda trainer: CTCLoss over sequences of two lengths trains a speech reader's layers "
+    "as on CPU devices") {
+  ctc_follows_cpu<SingleDevice>("one GPU", 1);
+  ctc_follows_cpu<ModelSplit<Balanced<2>, OneFOneB<4>>>("2 stages sharing a GPU", 2);
 }
 
 }  // namespace cuda_training_tests
