@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cub/block/block_reduce.cuh>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -92,6 +93,22 @@ inline __global__ void find_nonfinite(const float* values, std::size_t count, in
       *found = 1;
       return;
     }
+}
+
+// sums[r] = the sum of the squares of values[bounds[2r], bounds[2r + 1]), in
+// double (the CPU's clipping norm sums a layer's squares in double): a block
+// per range.
+inline __global__ void range_squares(const float* values, const std::size_t* bounds, double* sums) {
+  using Reduce = cub::BlockReduce<double, block_threads>;
+  __shared__ typename Reduce::TempStorage temp;
+  const std::size_t end = bounds[2 * blockIdx.x + 1];
+  double sum = 0.0;
+  for (std::size_t i = bounds[2 * blockIdx.x] + threadIdx.x; i < end; i += blockDim.x) {
+    const double v = values[i];
+    sum += v * v;
+  }
+  sum = Reduce(temp).Sum(sum);
+  if (threadIdx.x == 0) sums[blockIdx.x] = sum;
 }
 
 }  // namespace kernels
@@ -340,10 +357,30 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     synchronize();
   }
 
+  // Each layer's squares summed on the device, over its block of the
+  // accumulator (the gaps are zeros): only the layers' sums come back.
+  // TensorParallel's runs, which may cut a layer, are summed on the host.
   void add_layer_squares(std::span<const std::size_t> starts,
                          std::span<double> squares) const override {
-    gradients_to_host();
-    add_squares_of<StageNet>(host_.gradients(), range_, starts, squares);
+    if (!segments.empty()) {
+      gradients_to_host();
+      add_squares_of<StageNet>(host_.gradients(), range_, starts, squares);
+      return;
+    }
+    on_device();
+    built();
+    if (!norm_planned_) plan_norm();
+    const std::size_t count = norm_offsets_.size();
+    if (count == 0) return;
+    kernels::range_squares<<<static_cast<unsigned>(count), block_threads, 0, stream()>>>(
+        accumulator_.data(), norm_bounds_.data(), norm_sums_.data());
+    LOOM_CUDA_LAUNCH_CHECK("range_squares");
+    copy_async(norm_host_.data(), norm_sums_.data(), count, cudaMemcpyDeviceToHost, stream());
+    synchronize();
+    // As detail::add_layer_squares places them: by the layer's first parameter.
+    for (std::size_t r = 0; r < count; ++r)
+      squares[static_cast<std::size_t>(std::ranges::lower_bound(starts, norm_offsets_[r]) -
+                                       starts.begin())] = norm_host_.data()[r];
   }
   bool unscale(float loss_scale) override {
     scale(1.0f / loss_scale);
@@ -742,6 +779,30 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
 
   void gradients_to_host() const { read_gradients(host_.gradients()); }
 
+  // The clipping norm's layers (those with parameters, a tied copy left
+  // out, as detail::add_layer_squares): each one's block of the device
+  // layout, and where its parameters begin in the whole network's.
+  void plan_norm() const {
+    using layout = typename Layers::layout;
+    const std::size_t base = layout::starts[range_.first];
+    std::vector<std::size_t> bounds;
+    static_for<executed::size>([&](auto i) {
+      using L = type_at_t<i, executed>;
+      if constexpr (L::param_count > 0 && !::loom::detail::TiesWeight<L>)
+        if (i >= range_.first && i < range_.last) {
+          bounds.push_back(layout::starts[i] - base);
+          bounds.push_back(layout::starts[i + 1] - base);
+          norm_offsets_.push_back(parameter_offset + info::param_offsets[i] -
+                                  info::param_offsets[range_.first]);
+        }
+    });
+    norm_bounds_ = DeviceBuffer<std::size_t>(bounds.size(), owner() + "'s layer blocks");
+    copy_async(norm_bounds_.data(), bounds.data(), bounds.size(), cudaMemcpyHostToDevice, stream());
+    norm_sums_ = DeviceBuffer<double>(norm_offsets_.size(), owner() + "'s layer squares");
+    norm_host_ = PinnedBuffer<double>(norm_offsets_.size());
+    norm_planned_ = true;
+  }
+
   void scale(float factor) {
     on_device();
     built();
@@ -878,6 +939,12 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   DeviceBuffer<std::int32_t> labels_;
   DeviceBuffer<float> loss_scale_{1, "a stage's loss gradient scale"};
   mutable DeviceBuffer<int> found_{1, "a stage's non-finite gradient flag"};
+  // The clipping norm's layer blocks (plan_norm).
+  mutable bool norm_planned_ = false;
+  mutable std::vector<std::size_t> norm_offsets_;
+  mutable DeviceBuffer<std::size_t> norm_bounds_;
+  mutable DeviceBuffer<double> norm_sums_;
+  mutable PinnedBuffer<double> norm_host_;
   PinnedBuffer<std::int32_t> host_labels_;
   ScalarStager scalars_;
   DeviceMemory memory_;
