@@ -2,8 +2,9 @@
 // DeviceStage and StageOf made from one Model take one micro-batch of
 // Fashion-MNIST through forward, loss, backward and an SGD update, FP32
 // without TF32 on both; and HostStagedComm moves device buffers over a
-// LocalComm of two ranks exactly; and Hybrid 2 x 2 on the grid engine with
-// DeviceStages against the CPU's stages.
+// LocalComm of two ranks exactly; Hybrid 2 x 2 on the grid engine with
+// DeviceStages against the CPU's stages; and the clipping squares a stage
+// sums per layer on its GPU against the host's sums of its gradients.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -19,6 +20,7 @@
 #include "cuda_test.hpp"
 #include "fashion_test.hpp"
 #include "loom_test.hpp"
+#include "tiny_gpt.hpp"
 
 // A namespace of its own: this file is a part of test_cuda.cu, beside
 // other files with helpers of the same names.
@@ -131,6 +133,67 @@ TEST_CASE("cuda stage: LeNet's DeviceStage steps one micro-batch as the CPU's St
   require_close_relative(gpu_weights, cpu_weights, "updated weights");
   CHECK(gpu->optimizer_steps() == 1);
   CHECK(gpu->optimizer_buffers() == cpu->optimizer_buffers());
+}
+
+namespace {
+
+// Blocks of each kind: a Residual with a strided 1 x 1 projection, a
+// Series, a Residual over Linear with an identity shortcut.
+using Blocks = Sequential<Input<1, 28, 28>, Conv2d<8, 3, 1, 1>, BatchNorm2d, ReLU,
+                          Residual<Conv2d<16, 3, 2, 1>, BatchNorm2d, ReLU, Conv2d<16, 3, 1, 1>>,
+                          ReLU, GlobalAvgPool, Series<Linear<24>, ReLU, Linear<24>>,
+                          Residual<Linear<24>, Tanh>, Linear<10>>;
+
+// The clipping squares a DeviceStage of Net's layers `range` (the first of
+// them its first) sums per layer on the GPU, after one micro-batch of n
+// samples of `data`, against the same layers' squares of its gradients
+// read back and summed on the host (detail::add_layer_squares, the CPU's).
+// A stage that is not the last takes its own output as its output's
+// gradient.
+template <class Net, class Loss>
+void device_squares_equal_host(const data::Dataset& data, std::size_t n, LayerRange range) {
+  INFO("layers " << range.first << " to " << range.last);
+  const Model<Net, float> initial(3);
+  auto stage = detail::make_stage_of<Net, SGD, Net, gpu::DeviceStages>(
+      initial, {.lr = 0.05f}, default_bucket_bytes, Device{.kind = Device::Kind::cuda, .index = 0},
+      range, gpu::DeviceStages{});
+  stage->reserve(n, 1, false);
+  stage->set_precision(Precision::fp32);
+  const float* output = stage->forward(data.images.data(), n, 0, {.training = true, .seed = 7});
+  if (range.last == Model<Net>::layer_count)
+    stage->loss(detail::loss_ops<Loss, typename Net::output_shape>(), 0, n, data::targets_of(data),
+                1.0f / static_cast<float>(n), true);
+  else
+    LOOM_CUDA_CHECK(cudaMemcpy(stage->output_gradient(), output,
+                               n * stage->output_size * sizeof(float), cudaMemcpyDeviceToDevice));
+  stage->backward(0, false, nullptr);
+
+  const auto& starts = detail::norm_segments<Net>;
+  std::vector<double> on_device(starts.size()), on_host(starts.size());
+  stage->add_layer_squares(starts, on_device);
+  std::vector<float> gradients(stage->parameter_size);
+  static_cast<gpu::DeviceStage<Net, SGD>&>(*stage).read_gradients(gradients);
+  detail::add_layer_squares<Net>(gradients, stage->parameter_offset, starts, on_host, range);
+  std::size_t summed = 0;
+  for (std::size_t k = 0; k < starts.size(); ++k) {
+    INFO("the layer whose parameters start at " << starts[k]);
+    REQUIRE(on_device[k] == Approx(on_host[k]).epsilon(1e-12).margin(0.0));
+    summed += on_host[k] > 0.0 ? 1 : 0;
+  }
+  REQUIRE(summed > 0);
+}
+
+}  // namespace
+
+TEST_CASE("cuda stage: the clipping squares summed per layer on the GPU equal the host's sums") {
+  // Blocks (a Residual's body and projection in its device block, with the
+  // gaps between them), a tied copy (left out), and a stage that ends
+  // before the network does.
+  const auto images = test::head(test::fashion().train, 16);
+  device_squares_equal_host<Blocks, SoftmaxCrossEntropy>(images, 16, Model<Blocks>::all_layers);
+  device_squares_equal_host<Blocks, SoftmaxCrossEntropy>(images, 16, {0, 3});
+  device_squares_equal_host<test::TinyGptTied, PositionCrossEntropy>(
+      test::gpt_text().train, 8, Model<test::TinyGptTied>::all_layers);
 }
 
 TEST_CASE("cuda stage: HostStagedComm over two LocalComm ranks moves device buffers exactly") {

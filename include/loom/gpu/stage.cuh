@@ -24,9 +24,10 @@
 // gradients() are DeviceLayers' padded layout (gaps of zeros between the
 // layers' blocks), so the gradient buckets, planned in the CPU Model's
 // packed order, are moved onto that layout once (reserve()). The engine's
-// host reads and writes (read/write, diagnosis, clipping's squares) go
-// through a host Model of the range, which also holds the initial weights
-// until the layers are built.
+// host reads and writes (read/write, diagnosis, TensorParallel's clipping
+// squares) go through a host Model of the range, which also holds the
+// initial weights until the layers are built; the other clipping squares
+// are summed on the device (add_layer_squares).
 //
 // Between stages and over a stage's copies, links() gives NCCL
 // communicators where every rank of the grid has a GPU of its own, and the
@@ -97,7 +98,7 @@ inline __global__ void find_nonfinite(const float* values, std::size_t count, in
 
 // sums[r] = the sum of the squares of values[bounds[2r], bounds[2r + 1]), in
 // double (the CPU's clipping norm sums a layer's squares in double): a block
-// per range.
+// per range (a chunk of a layer), each summed in the same order every time.
 inline __global__ void range_squares(const float* values, const std::size_t* bounds, double* sums) {
   using Reduce = cub::BlockReduce<double, block_threads>;
   __shared__ typename Reduce::TempStorage temp;
@@ -358,8 +359,11 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   }
 
   // Each layer's squares summed on the device, over its block of the
-  // accumulator (the gaps are zeros): only the layers' sums come back.
-  // TensorParallel's runs, which may cut a layer, are summed on the host.
+  // accumulator (the gaps are zeros) in chunks that as many blocks of
+  // threads sum at once: only the chunks' sums come back, added per layer
+  // in order (the same sums, to the last bit, on every policy; within
+  // rounding of the CPU's, which adds one value at a time). TensorParallel's
+  // runs, which may cut a layer, are summed on the host.
   void add_layer_squares(std::span<const std::size_t> starts,
                          std::span<double> squares) const override {
     if (!segments.empty()) {
@@ -370,17 +374,21 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
     on_device();
     built();
     if (!norm_planned_) plan_norm();
-    const std::size_t count = norm_offsets_.size();
-    if (count == 0) return;
-    kernels::range_squares<<<static_cast<unsigned>(count), block_threads, 0, stream()>>>(
+    const std::size_t chunks = norm_host_.size();
+    if (chunks == 0) return;
+    kernels::range_squares<<<static_cast<unsigned>(chunks), block_threads, 0, stream()>>>(
         accumulator_.data(), norm_bounds_.data(), norm_sums_.data());
     LOOM_CUDA_LAUNCH_CHECK("range_squares");
-    copy_async(norm_host_.data(), norm_sums_.data(), count, cudaMemcpyDeviceToHost, stream());
+    copy_async(norm_host_.data(), norm_sums_.data(), chunks, cudaMemcpyDeviceToHost, stream());
     synchronize();
     // As detail::add_layer_squares places them: by the layer's first parameter.
-    for (std::size_t r = 0; r < count; ++r)
-      squares[static_cast<std::size_t>(std::ranges::lower_bound(starts, norm_offsets_[r]) -
-                                       starts.begin())] = norm_host_.data()[r];
+    const double* sums = norm_host_.data();
+    for (const NormLayer& layer : norm_layers_) {
+      double sum = 0.0;
+      for (std::size_t c = 0; c < layer.chunks; ++c) sum += *sums++;
+      squares[static_cast<std::size_t>(std::ranges::lower_bound(starts, layer.offset) -
+                                       starts.begin())] = sum;
+    }
   }
   bool unscale(float loss_scale) override {
     scale(1.0f / loss_scale);
@@ -781,25 +789,36 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
 
   // The clipping norm's layers (those with parameters, a tied copy left
   // out, as detail::add_layer_squares): each one's block of the device
-  // layout, and where its parameters begin in the whole network's.
+  // layout cut into chunks, and where its parameters begin in the whole
+  // network's.
   void plan_norm() const {
     using layout = typename Layers::layout;
+    constexpr std::size_t chunk = std::size_t{1} << 16;  // floats a block of threads sums
     const std::size_t base = layout::starts[range_.first];
     std::vector<std::size_t> bounds;
+    std::vector<NormLayer> layers;
     static_for<executed::size>([&](auto i) {
       using L = type_at_t<i, executed>;
       if constexpr (L::param_count > 0 && !::loom::detail::TiesWeight<L>)
         if (i >= range_.first && i < range_.last) {
-          bounds.push_back(layout::starts[i] - base);
-          bounds.push_back(layout::starts[i + 1] - base);
-          norm_offsets_.push_back(parameter_offset + info::param_offsets[i] -
-                                  info::param_offsets[range_.first]);
+          NormLayer& layer = layers.emplace_back(NormLayer{
+              parameter_offset + info::param_offsets[i] - info::param_offsets[range_.first], 0});
+          for (std::size_t at = layout::starts[i]; at < layout::starts[i + 1]; at += chunk) {
+            bounds.push_back(at - base);
+            bounds.push_back(std::min<std::size_t>(at + chunk, layout::starts[i + 1]) - base);
+            ++layer.chunks;
+          }
         }
     });
-    norm_bounds_ = DeviceBuffer<std::size_t>(bounds.size(), owner() + "'s layer blocks");
-    copy_async(norm_bounds_.data(), bounds.data(), bounds.size(), cudaMemcpyHostToDevice, stream());
-    norm_sums_ = DeviceBuffer<double>(norm_offsets_.size(), owner() + "'s layer squares");
-    norm_host_ = PinnedBuffer<double>(norm_offsets_.size());
+    DeviceBuffer<std::size_t> device_bounds(bounds.size(), owner() + "'s clipping chunks");
+    copy_async(device_bounds.data(), bounds.data(), bounds.size(), cudaMemcpyHostToDevice,
+               stream());
+    DeviceBuffer<double> sums(bounds.size() / 2, owner() + "'s clipping squares");
+    PinnedBuffer<double> host(bounds.size() / 2);
+    norm_bounds_ = std::move(device_bounds);
+    norm_sums_ = std::move(sums);
+    norm_host_ = std::move(host);
+    norm_layers_ = std::move(layers);
     norm_planned_ = true;
   }
 
@@ -939,9 +958,13 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   DeviceBuffer<std::int32_t> labels_;
   DeviceBuffer<float> loss_scale_{1, "a stage's loss gradient scale"};
   mutable DeviceBuffer<int> found_{1, "a stage's non-finite gradient flag"};
-  // The clipping norm's layer blocks (plan_norm).
+  // The clipping norm's layers and their chunks (plan_norm).
+  struct NormLayer {
+    std::size_t offset = 0;  // its first parameter's in the whole network
+    std::size_t chunks = 0;
+  };
   mutable bool norm_planned_ = false;
-  mutable std::vector<std::size_t> norm_offsets_;
+  mutable std::vector<NormLayer> norm_layers_;
   mutable DeviceBuffer<std::size_t> norm_bounds_;
   mutable DeviceBuffer<double> norm_sums_;
   mutable PinnedBuffer<double> norm_host_;
