@@ -62,16 +62,12 @@ void check_combinations(const CLI::App& app, const Options& o, bool distributed)
   if (given("--checkpoint-every") && !given("--checkpoint"))
     refuse("--checkpoint-every", "needs --checkpoint (the file it saves to)");
   const bool pipelined = o.policy == "split" || o.policy == "hybrid";
-  // This process's ranks without --policy: --devices, or one per GPU found (run_policy).
-  const std::size_t gpus = devices::gpus().size();
-  const std::size_t ranks =
-      gpus > 0 && !given("--devices") ? gpus : static_cast<std::size_t>(o.devices);
   for (const char* flag : {"--schedule", "--micro-batches"})
     if (given(flag) && !pipelined)
       refuse(flag, "applies to --policy split and hybrid only (this run's policy is " +
-                       (!o.policy.empty()          ? o.policy
-                        : distributed || ranks > 1 ? "data"
-                                                   : "single") +
+                       (!o.policy.empty()                     ? o.policy
+                        : distributed || process_ranks(o) > 1 ? "data"
+                                                              : "single") +
                        ")");
   if (given("--replicas") && o.policy != "hybrid")
     refuse("--replicas", "applies to --policy hybrid only");
@@ -88,6 +84,11 @@ void check_combinations(const CLI::App& app, const Options& o, bool distributed)
 }
 
 }  // namespace
+
+int process_ranks(const Options& o) {
+  const std::size_t gpus = devices::gpus().size();
+  return gpus > 0 && !o.devices_given && o.policy != "single" ? static_cast<int>(gpus) : o.devices;
+}
 
 CommandLine parse_command_line(int argc, char** argv, const char* title, Options& o, bool cifar,
                                bool distributed, std::optional<double> timeout_default) {

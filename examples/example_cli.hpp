@@ -72,6 +72,11 @@ struct Options {
   std::string error_rate_name = "error rate";
 };
 
+// The ranks this process runs without mpirun: --devices, or one per GPU
+// found where there are any and --devices was not given (not for --policy
+// single, which runs on one device).
+int process_ranks(const Options& o);
+
 // What parsing the command line came to: `status` 0 to go on (or, with
 // `help`, to end after --help printed the usage); else 2, the exit status
 // of a refused command line, after the refusal was printed.

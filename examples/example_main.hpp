@@ -509,12 +509,11 @@ int run_policy(const char* title, const Options& o, const data::Split& data,
       return train_hybrid<Net, Loss>(title, o, data, ranks, devices, world, out, launch);
     return train<Net, DataParallel<>, Loss>(title, o, data, devices, world, out, launch);
   }
-  // The ranks, each on a device of its own: --devices CPU worker devices,
-  // or --devices ranks spread over the GPUs round-robin (several on one GPU
-  // run on streams of their own), every GPU found without --devices.
+  // The ranks, each on a device of its own: CPU worker devices, or spread
+  // over the GPUs round-robin (several on one GPU run on streams of their
+  // own).
   const auto gpus = devices::gpus();
-  const bool every_gpu = !gpus.empty() && !o.devices_given && o.policy != "single";
-  const int count = every_gpu ? static_cast<int>(gpus.size()) : o.devices;
+  const int count = process_ranks(o);
   std::vector<Device> ranks = devices::cpu(static_cast<std::size_t>(count));
   if (!gpus.empty())
     for (std::size_t k = 0; k < ranks.size(); ++k) ranks[k] = gpus[k % gpus.size()];

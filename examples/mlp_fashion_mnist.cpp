@@ -1,6 +1,7 @@
 // A deep MLP on Fashion-MNIST: eight 1024-wide hidden layers, deep enough
 // to cut into even pipeline stages. The same command line as the LeNet
 // example; --policy split --devices 4 trains it as a pipeline of 4 stages.
+// Built with CUDA, mlp_gpu.cu adds the GPU side.
 #include "example_main.hpp"
 #include "networks.hpp"
 

@@ -144,56 +144,82 @@ using Blocks = Sequential<Input<1, 28, 28>, Conv2d<8, 3, 1, 1>, BatchNorm2d, ReL
                           ReLU, GlobalAvgPool, Series<Linear<24>, ReLU, Linear<24>>,
                           Residual<Linear<24>, Tanh>, Linear<10>>;
 
-// The clipping squares a DeviceStage of Net's layers `range` (the first of
-// them its first) sums per layer on the GPU, after one micro-batch of n
-// samples of `data`, against the same layers' squares of its gradients
-// read back and summed on the host (detail::add_layer_squares, the CPU's).
-// A stage that is not the last takes its own output as its output's
-// gradient.
+// One wide layer: 78,500 weights, more than one chunk of the device's sums.
+using Wide = Sequential<Input<1, 28, 28>, Flatten, Linear<100>, ReLU, Linear<10>>;
+
+// The clipping squares each DeviceStage of Net sums per layer on the GPU,
+// after one micro-batch of n samples of `data` through the network (cut
+// before executed layer `cut` into two stages, unless 0: the first's output
+// carried to the second's input, the second's input gradient back), against
+// the same layers' squares of its gradients read back and summed on the
+// host (detail::add_layer_squares, the CPU's).
 template <class Net, class Loss>
-void device_squares_equal_host(const data::Dataset& data, std::size_t n, LayerRange range) {
-  INFO("layers " << range.first << " to " << range.last);
+void device_squares_equal_host(const data::Dataset& data, std::size_t n, std::size_t cut) {
+  INFO("cut before layer " << cut);
   const Model<Net, float> initial(3);
-  auto stage = detail::make_stage_of<Net, SGD, Net, gpu::DeviceStages>(
-      initial, {.lr = 0.05f}, default_bucket_bytes, Device{.kind = Device::Kind::cuda, .index = 0},
-      range, gpu::DeviceStages{});
-  stage->reserve(n, 1, false);
-  stage->set_precision(Precision::fp32);
-  const float* output = stage->forward(data.images.data(), n, 0, {.training = true, .seed = 7});
-  if (range.last == Model<Net>::layer_count)
-    stage->loss(detail::loss_ops<Loss, typename Net::output_shape>(), 0, n, data::targets_of(data),
-                1.0f / static_cast<float>(n), true);
-  else
-    LOOM_CUDA_CHECK(cudaMemcpy(stage->output_gradient(), output,
-                               n * stage->output_size * sizeof(float), cudaMemcpyDeviceToDevice));
-  stage->backward(0, false, nullptr);
+  const std::vector<LayerRange> ranges =
+      cut == 0 ? std::vector<LayerRange>{Model<Net>::all_layers}
+               : std::vector<LayerRange>{{0, cut}, {cut, Model<Net>::layer_count}};
+  std::vector<std::unique_ptr<detail::PipelineStage>> stages;
+  for (const LayerRange& range : ranges) {
+    stages.push_back(detail::make_stage_of<Net, SGD, Net, gpu::DeviceStages>(
+        initial, {.lr = 0.05f}, default_bucket_bytes,
+        Device{.kind = Device::Kind::cuda, .index = 0}, range, gpu::DeviceStages{}));
+    stages.back()->reserve(n, 1, range.first > 0);
+    stages.back()->set_precision(Precision::fp32);
+  }
+  const auto device_copy = [](float* to, const float* from, std::size_t count) {
+    LOOM_CUDA_CHECK(cudaMemcpy(to, from, count * sizeof(float), cudaMemcpyDeviceToDevice));
+    // The stages' streams do not wait for the default stream's copy.
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
+  };
+  detail::PipelineStage& first = *stages.front();
+  detail::PipelineStage& last = *stages.back();
+  const Pass pass{.training = true, .seed = 7};
+  const float* output = first.forward(data.images.data(), n, 0, pass);
+  if (&last != &first) {
+    device_copy(last.input_slot(0), output, n * last.input_size);
+    last.forward(last.input_slot(0), n, 0, pass);
+  }
+  last.loss(detail::loss_ops<Loss, typename Net::output_shape>(), 0, n, data::targets_of(data),
+            1.0f / static_cast<float>(n), true);
+  last.backward(0, false, &last != &first ? last.input_gradient() : nullptr);
+  if (&last != &first) {
+    device_copy(first.output_gradient(), last.input_gradient(), n * first.output_size);
+    first.backward(0, false, nullptr);
+  }
 
   const auto& starts = detail::norm_segments<Net>;
-  std::vector<double> on_device(starts.size()), on_host(starts.size());
-  stage->add_layer_squares(starts, on_device);
-  std::vector<float> gradients(stage->parameter_size);
-  static_cast<gpu::DeviceStage<Net, SGD>&>(*stage).read_gradients(gradients);
-  detail::add_layer_squares<Net>(gradients, stage->parameter_offset, starts, on_host, range);
-  std::size_t summed = 0;
-  for (std::size_t k = 0; k < starts.size(); ++k) {
-    INFO("the layer whose parameters start at " << starts[k]);
-    REQUIRE(on_device[k] == Approx(on_host[k]).epsilon(1e-12).margin(0.0));
-    summed += on_host[k] > 0.0 ? 1 : 0;
+  for (std::size_t s = 0; s < stages.size(); ++s) {
+    INFO("stage " << s);
+    std::vector<double> on_device(starts.size()), on_host(starts.size());
+    stages[s]->add_layer_squares(starts, on_device);
+    std::vector<float> gradients(stages[s]->parameter_size);
+    static_cast<gpu::DeviceStage<Net, SGD>&>(*stages[s]).read_gradients(gradients);
+    detail::add_layer_squares<Net>(gradients, stages[s]->parameter_offset, starts, on_host,
+                                   ranges[s]);
+    std::size_t summed = 0;
+    for (std::size_t k = 0; k < starts.size(); ++k) {
+      INFO("the layer whose parameters start at " << starts[k]);
+      REQUIRE(on_device[k] == Approx(on_host[k]).epsilon(1e-12).margin(0.0));
+      summed += on_host[k] > 0.0 ? 1 : 0;
+    }
+    REQUIRE(summed > 0);
   }
-  REQUIRE(summed > 0);
 }
 
 }  // namespace
 
 TEST_CASE("cuda stage: the clipping squares summed per layer on the GPU equal the host's sums") {
   // Blocks (a Residual's body and projection in its device block, with the
-  // gaps between them), a tied copy (left out), and a stage that ends
-  // before the network does.
+  // gaps between them), two stages (the second's layers at an offset), a
+  // layer of two chunks, the last one short, and a tied copy (left out).
   const auto images = test::head(test::fashion().train, 16);
-  device_squares_equal_host<Blocks, SoftmaxCrossEntropy>(images, 16, Model<Blocks>::all_layers);
-  device_squares_equal_host<Blocks, SoftmaxCrossEntropy>(images, 16, {0, 3});
-  device_squares_equal_host<test::TinyGptTied, PositionCrossEntropy>(
-      test::gpt_text().train, 8, Model<test::TinyGptTied>::all_layers);
+  device_squares_equal_host<Blocks, SoftmaxCrossEntropy>(images, 16, 0);
+  device_squares_equal_host<Blocks, SoftmaxCrossEntropy>(images, 16, 3);
+  device_squares_equal_host<Wide, SoftmaxCrossEntropy>(images, 16, 0);
+  device_squares_equal_host<Wide, SoftmaxCrossEntropy>(images, 16, 2);
+  device_squares_equal_host<test::TinyGptTied, PositionCrossEntropy>(test::gpt_text().train, 8, 0);
 }
 
 TEST_CASE("cuda stage: HostStagedComm over two LocalComm ranks moves device buffers exactly") {

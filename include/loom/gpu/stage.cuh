@@ -104,10 +104,8 @@ inline __global__ void range_squares(const float* values, const std::size_t* bou
   __shared__ typename Reduce::TempStorage temp;
   const std::size_t end = bounds[2 * blockIdx.x + 1];
   double sum = 0.0;
-  for (std::size_t i = bounds[2 * blockIdx.x] + threadIdx.x; i < end; i += blockDim.x) {
-    const double v = values[i];
-    sum += v * v;
-  }
+  for (std::size_t i = bounds[2 * blockIdx.x] + threadIdx.x; i < end; i += blockDim.x)
+    sum += Square{}(values[i]);
   sum = Reduce(temp).Sum(sum);
   if (threadIdx.x == 0) sums[blockIdx.x] = sum;
 }
@@ -361,9 +359,10 @@ class DeviceStage final : public ::loom::detail::PipelineStage {
   // Each layer's squares summed on the device, over its block of the
   // accumulator (the gaps are zeros) in chunks that as many blocks of
   // threads sum at once: only the chunks' sums come back, added per layer
-  // in order (the same sums, to the last bit, on every policy; within
-  // rounding of the CPU's, which adds one value at a time). TensorParallel's
-  // runs, which may cut a layer, are summed on the host.
+  // in order (the same sums, to the last bit, on every policy but
+  // TensorParallel; within rounding of the CPU's, which adds one value at a
+  // time). TensorParallel's runs, which may cut a layer, are summed on the
+  // host.
   void add_layer_squares(std::span<const std::size_t> starts,
                          std::span<double> squares) const override {
     if (!segments.empty()) {
