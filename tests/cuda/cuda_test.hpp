@@ -1,10 +1,14 @@
 // What every CUDA test file shares: Catch2 with a main that reports "skipped"
 // (exit code 77, CTest's SKIP_RETURN_CODE) when no usable GPU is present,
-// and helpers to move vectors to and from the device. Write
-// LOOM_CUDA_TEST_MAIN once in each test program.
+// and helpers to move vectors to and from the device. Of a test program's
+// units, the one that holds Catch2's implementation (test_cuda.cu) defines
+// LOOM_CUDA_TEST_RUNNER before it includes this and writes
+// LOOM_CUDA_TEST_MAIN.
 #pragma once
 
+#if defined(LOOM_CUDA_TEST_RUNNER)
 #define CATCH_CONFIG_RUNNER
+#endif
 #include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
@@ -35,6 +39,7 @@ std::vector<T> to_host(const loom::gpu::DeviceBuffer<T>& buffer) {
   return host;
 }
 
+#if defined(LOOM_CUDA_TEST_RUNNER)
 // Listing the tests (catch_discover_tests, at build time) needs no GPU.
 inline int run_or_skip(int argc, char** argv) {
   bool listing = false;
@@ -48,8 +53,11 @@ inline int run_or_skip(int argc, char** argv) {
   }
   return Catch::Session().run(argc, argv);
 }
+#endif
 
 }  // namespace loom::test
 
+#if defined(LOOM_CUDA_TEST_RUNNER)
 #define LOOM_CUDA_TEST_MAIN \
   int main(int argc, char** argv) { return ::loom::test::run_or_skip(argc, argv); }
+#endif

@@ -203,8 +203,9 @@ __device__ inline std::size_t channel_index() {
 // Unsynchronised training, first pass: the mean over the `full` values
 // per channel of n samples, or over their valid frames (read here: a
 // replayed graph takes each step's lengths).
-__global__ void batch_norm_mean(const SumPair* partials, std::size_t chunks, std::size_t channels,
-                                FrameMask mask, std::size_t n, double full, double* stats) {
+inline __global__ void batch_norm_mean(const SumPair* partials, std::size_t chunks,
+                                       std::size_t channels, FrameMask mask, std::size_t n,
+                                       double full, double* stats) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
   const double count = mask.count(n, full);
@@ -213,8 +214,8 @@ __global__ void batch_norm_mean(const SumPair* partials, std::size_t chunks, std
 }
 
 // Second pass: the biased variance, from the squared deviations.
-__global__ void batch_norm_variance(const SumPair* partials, std::size_t chunks,
-                                    std::size_t channels, double* stats, double* inv_std) {
+inline __global__ void batch_norm_variance(const SumPair* partials, std::size_t chunks,
+                                           std::size_t channels, double* stats, double* inv_std) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
   const double var = channel_total(partials, c, chunks).a / stats[2 * channels];
@@ -223,8 +224,9 @@ __global__ void batch_norm_variance(const SumPair* partials, std::size_t chunks,
 }
 
 // Synchronised training: this replica's sums and count, to be all-reduced.
-__global__ void batch_norm_sums(const SumPair* partials, std::size_t chunks, std::size_t channels,
-                                FrameMask mask, std::size_t n, double full, double* stats) {
+inline __global__ void batch_norm_sums(const SumPair* partials, std::size_t chunks,
+                                       std::size_t channels, FrameMask mask, std::size_t n,
+                                       double full, double* stats) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
   const SumPair total = channel_total(partials, c, chunks);
@@ -234,7 +236,8 @@ __global__ void batch_norm_sums(const SumPair* partials, std::size_t chunks, std
 }
 
 // The all-reduced sums become the moments, in place.
-__global__ void batch_norm_sync_moments(std::size_t channels, double* stats, double* inv_std) {
+inline __global__ void batch_norm_sync_moments(std::size_t channels, double* stats,
+                                               double* inv_std) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
   const double count = stats[2 * channels];
@@ -248,8 +251,8 @@ __global__ void batch_norm_sync_moments(std::size_t channels, double* stats, dou
 }
 
 // Evaluation: the running statistics (and no batch: count 0, as on the CPU).
-__global__ void batch_norm_running_moments(const float* state, std::size_t channels, double* stats,
-                                           double* inv_std) {
+inline __global__ void batch_norm_running_moments(const float* state, std::size_t channels,
+                                                  double* stats, double* inv_std) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
   if (c == 0) stats[2 * channels] = 0;
@@ -260,9 +263,9 @@ __global__ void batch_norm_running_moments(const float* state, std::size_t chann
 
 // In training, PyTorch's running-statistics update (momentum 0.1, the
 // unbiased variance); then the float scale and shift the CPU normalises with.
-__global__ void batch_norm_scale_shift(const float* gamma, const float* beta, float* state,
-                                       bool training, std::size_t channels, const double* stats,
-                                       float* scale, float* shift) {
+inline __global__ void batch_norm_scale_shift(const float* gamma, const float* beta, float* state,
+                                              bool training, std::size_t channels,
+                                              const double* stats, float* scale, float* shift) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
   const double mean = stats[c], var = stats[channels + c];
@@ -297,9 +300,9 @@ __global__ void batch_norm_apply(const float* x, float* y, const float* scale, c
 }
 
 // sums: sum(g) [C] (beta's gradient), then sum(g * xhat) [C] (gamma's).
-__global__ void batch_norm_gradient_sums(const SumPair* partials, std::size_t chunks,
-                                         std::size_t channels, double* sums, float* dgamma,
-                                         float* dbeta) {
+inline __global__ void batch_norm_gradient_sums(const SumPair* partials, std::size_t chunks,
+                                                std::size_t channels, double* sums, float* dgamma,
+                                                float* dbeta) {
   const std::size_t c = channel_index();
   if (c >= channels) return;
   const SumPair total = channel_total(partials, c, chunks);
