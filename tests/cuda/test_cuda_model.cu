@@ -16,8 +16,8 @@
 #include "loom_test.hpp"
 #include "one_device.hpp"
 
-// A namespace of its own: this file is a part of test_cuda.cu, beside
-// other files with helpers of the same names.
+// A namespace of its own: other test files have helpers of the same names
+// (each file is a unit of its own, but one program).
 namespace cuda_model_tests {
 
 namespace test = loom::test;

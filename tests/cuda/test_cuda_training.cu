@@ -22,8 +22,8 @@
 #include "stop_after.hpp"
 #include "temp_dir.hpp"
 
-// A namespace of its own: this file is a part of test_cuda.cu, beside
-// other files with helpers of the same names.
+// A namespace of its own: other test files have helpers of the same names
+// (each file is a unit of its own, but one program).
 namespace cuda_training_tests {
 
 namespace test = loom::test;
